@@ -1,0 +1,36 @@
+"""Command line: ``python -m minizero {demo,bench,run} ...`` (also installed as ``minizero``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="minizero", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="DDP on 2 ranks (gloo) or one rank per GPU (NCCL)")
+    d.add_argument("--nprocs", type=int, default=None)
+    d.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    b = sub.add_parser("bench", help="benchmarks: collectives, ddp, stages")
+    b.add_argument("what", choices=["collectives", "ddp", "stages"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    r = sub.add_parser("run", help="run a script under torchrun (multi-node, one rank per GPU)")
+    r.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.cmd == "demo":
+        from minizero.demo import demo
+
+        return demo(nprocs=args.nprocs, stage=args.stage)
+    if args.cmd == "bench":
+        from minizero import bench
+
+        return getattr(bench, f"bench_{args.what}")(args.rest)
+    from minizero.launch import torchrun_main
+
+    return torchrun_main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

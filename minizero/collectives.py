@@ -1,0 +1,223 @@
+"""Collectives that measure themselves. Taught in lesson 0 (lessons/00_collectives.ipynb).
+
+Thin wrappers over ``torch.distributed``: ``all_reduce``, ``reduce_scatter``, ``all_gather``,
+``broadcast``. Every stage of minizero talks to the other ranks through these four functions only,
+so a :class:`CommLedger` opened around a training step sees every byte the step moves.
+
+Sizes follow nccl-tests (``doc/PERFORMANCE.md`` there): the payload ``S`` of a reduce-scatter or
+an all-gather is the *full*, unsharded tensor; ``algbw = S / t``; ``busbw = algbw * factor`` with
+factor ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for reduce-scatter and all-gather, ``1`` for
+broadcast. Volumes follow the ZeRO paper (§7.1): an all-reduce of ``n`` elements moves ``2n``
+(it is a reduce-scatter then an all-gather), a reduce-scatter or an all-gather of a full tensor of
+``n`` elements moves ``n``, a broadcast moves ``n``.
+
+Cost of measuring: with no ledger open the wrappers call ``torch.distributed`` directly and add
+nothing. With a ledger open, a blocking call is timed from issue to return (on CUDA the stream is
+synchronised before and after, so the figure is the collective alone); an asynchronous call is timed
+from issue to the end of ``wait()``, which includes whatever overlapped with it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# nccl-tests' bus-bandwidth factors, as functions of the group size n.
+BUSBW_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+# ZeRO paper §7.1: elements moved per element of payload S.
+PAPER_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommRecord:
+    """One collective issued by this rank while a ledger was open."""
+
+    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
+    dtype: torch.dtype
+    numel: int  # S in elements (full, unsharded size for reduce-scatter and all-gather)
+    world: int  # size of the process group it ran on
+    async_op: bool
+    tag: str  # who issued it, e.g. "ddp bucket 2"
+    index: int  # position in the ledger's timeline (records and marks share one counter)
+    seconds: float | None = None  # issue -> completion; None until an async op is waited on
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def algbw(self) -> float:
+        """Algorithm bandwidth S/t, in bytes per second."""
+        return self.nbytes / self.seconds if self.seconds else float("nan")
+
+    @property
+    def busbw(self) -> float:
+        """Bus bandwidth, algbw times nccl-tests' factor for this op and group size."""
+        return self.algbw * BUSBW_FACTOR[self.op](self.world)
+
+    @property
+    def volume_elements(self) -> int:
+        """Elements moved in the ZeRO paper's accounting (§7.1)."""
+        return PAPER_VOLUME[self.op] * self.numel
+
+
+@dataclass
+class CommLedger:
+    """Records every collective this rank issues through minizero while the ledger is open.
+
+    >>> with CommLedger() as ledger:
+    ...     loss = model(x).sum(); loss.backward(); opt.step()
+    >>> ledger.volume_elements / n_params   # 2.0 for DDP, ZeRO-1 and ZeRO-2; 3.0 for ZeRO-3
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (timeline index, label)
+    _next: int = 0
+
+    def __enter__(self) -> CommLedger:
+        _open_ledgers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _open_ledgers.remove(self)
+
+    def _index(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+    def mark(self, label: str) -> None:
+        """Put a label on the timeline, e.g. "backward end", to order collectives against it."""
+        self.marks.append((self._index(), label))
+
+    @property
+    def volume_elements(self) -> int:
+        """Total elements moved, in the paper's accounting (all-reduce of n counts 2n)."""
+        return sum(r.volume_elements for r in self.records)
+
+    @property
+    def total_bytes(self) -> int:
+        """Total payload bytes S, summed over records (nccl-tests' sizes)."""
+        return sum(r.nbytes for r in self.records)
+
+    def by_op(self) -> dict[str, int]:
+        """Elements moved per op, in the paper's accounting."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.op] = out.get(r.op, 0) + r.volume_elements
+        return out
+
+    def table(self) -> str:
+        """An nccl-tests-like table of the records."""
+        rows = [f"{'op':<15}{'dtype':<10}{'bytes':>12}{'time(us)':>11}{'algbw GB/s':>12}"
+                f"{'busbw GB/s':>12}  tag"]
+        for r in self.records:
+            t = f"{r.seconds * 1e6:11.1f}" if r.seconds else f"{'-':>11}"
+            rows.append(f"{r.op:<15}{str(r.dtype).replace('torch.', ''):<10}{r.nbytes:>12}{t}"
+                        f"{r.algbw / 1e9:12.3f}{r.busbw / 1e9:12.3f}  {r.tag}")
+        return "\n".join(rows)
+
+
+# Ledgers open on this process, innermost last. A stack, not a singleton: it is empty whenever
+# no `with CommLedger()` block is running, so nothing has to be reset between tests.
+_open_ledgers: list[CommLedger] = []
+
+
+def mark(label: str) -> None:
+    """Label the timeline of every open ledger (no-op when none is open)."""
+    for ledger in _open_ledgers:
+        ledger.mark(label)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+class _TimedWork:
+    """Wraps an async Work so that wait() completes the ledger record."""
+
+    def __init__(self, work, recs: list[CommRecord], t0: float, tensor: torch.Tensor):
+        self.work, self.recs, self.t0, self.tensor = work, recs, t0, tensor
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        _sync(self.tensor)
+        dt = time.perf_counter() - self.t0
+        for r in self.recs:
+            if r.seconds is None:
+                r.seconds = dt
+        return ok
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _run(op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str):
+    if not _open_ledgers:  # fast path: no bookkeeping at all
+        return fn(async_op)
+    world = dist.get_world_size(group)
+    recs = []
+    for ledger in _open_ledgers:
+        rec = CommRecord(op, payload.dtype, numel, world, async_op, tag, ledger._index())
+        ledger.records.append(rec)
+        recs.append(rec)
+    if not async_op:
+        _sync(payload)
+    t0 = time.perf_counter()
+    work = fn(async_op)
+    if async_op:
+        return _TimedWork(work, recs, t0, payload)
+    _sync(payload)
+    for r in recs:
+        r.seconds = time.perf_counter() - t0
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
+               tag: str = ""):
+    """In-place all-reduce of ``tensor``. S = tensor.numel(); paper volume 2S."""
+    fn = lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)
+    return _run("all_reduce", fn, tensor, tensor.numel(), group, async_op, tag)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                   async_op: bool = False, tag: str = ""):
+    """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
+
+    S = input.numel(), the full size. gloo has no native reduce-scatter: it runs an all-reduce of
+    the whole input and keeps one chunk, so its wall time is that of an all-reduce.
+    """
+    fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
+    return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+               tag: str = ""):
+    """``output`` (world * shard,) gets every rank's ``input`` (shard,), rank r's at chunk r.
+
+    S = output.numel(), the full size.
+    """
+    fn = lambda a: _all_gather(output, input, group=group, async_op=a)
+    return _run("all_gather", fn, output, output.numel(), group, async_op, tag)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
+              tag: str = ""):
+    """Copy ``tensor`` from group rank ``src`` to every rank. S = tensor.numel()."""
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)
+    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag)
