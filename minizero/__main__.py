@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero {demo,bench,run} ...`` (also installed as ``minizero``)."""
+"""Command line: ``python -m minizero {demo,bench,run,grade,lessons} ...`` (also installed as ``minizero``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     r = sub.add_parser("run", help="run a script under torchrun (multi-node, one rank per GPU)")
     r.add_argument("rest", nargs=argparse.REMAINDER)
+    g = sub.add_parser("grade", help="grade your lesson notebooks (runs their check cells)")
+    g.add_argument("rest", nargs=argparse.REMAINDER)
+    m = sub.add_parser("lessons", help="regenerate lessons/ and solutions/ from course/")
+    m.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.cmd == "demo":
         from minizero.demo import demo
@@ -27,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from minizero import bench
 
         return getattr(bench, f"bench_{args.what}")(args.rest)
+    if args.cmd in ("grade", "lessons"):
+        from minizero import course
+
+        return getattr(course, f"{args.cmd}_main")(args.rest)
     from minizero.launch import torchrun_main
 
     return torchrun_main(args.rest)
