@@ -152,8 +152,11 @@ class TinyGPT(nn.Module):
 
 
 class MLP(nn.Module):
-    """A small MLP with awkward sizes: no layer size divides by 2 or 3, so flat buffers split
-    across ranks need padding. Activation: tanh between layers, none after the last.
+    """A small MLP with awkward sizes: no layer size divides by 2 or 3, nor does any parameter's
+    element count, nor (with the defaults) the total, 1837, so flat buffers split across 2, 3 or 4
+    ranks need padding. Activation: tanh between layers; the output is multiplied elementwise by
+    ``gain`` (sizes[-1],), initialised to ones: a biased Linear with an odd fan-in always has an
+    even element count, b * (a + 1), and this odd one-dimensional parameter makes the total odd.
 
     ``frozen_first``: the first layer's weight has ``requires_grad=False`` (a parameter that
     is held but neither has a gradient nor an optimizer state).
@@ -176,6 +179,7 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(
             nn.Linear(a, b, bias=bias) for a, b in zip(sizes[:-1], sizes[1:], strict=True)
         )
+        self.gain = nn.Parameter(torch.ones(sizes[-1]))  # (out,)
         self.tie_a = self.tie_b = None
         if tied:
             h = sizes[1]
@@ -193,6 +197,7 @@ class MLP(nn.Module):
                 x = self.tie_b(torch.tanh(self.tie_a(torch.tanh(x))))  # (B, sizes[1])
             if i < len(self.layers) - 1:
                 x = torch.tanh(x)
+        x = x * self.gain  # (B, out) * (out,)
         if y is None:
             return x
         return F.mse_loss(x, y)
