@@ -1,0 +1,104 @@
+"""ZeRO-DP stage 2: optimizer states and gradients partitioned. Taught in lesson 03 (03_zero2).
+
+Rajbhandari et al., arXiv 1910.02054, §5.2. What this file adds to zero1.py: gradients are
+reduce-scattered bucket by bucket *during* backward, and each rank keeps only its own shard of them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from minizero import collectives as C
+from minizero.bucket import Bucket
+from minizero.zero1 import ZeRO1
+
+
+class ZeRO2(ZeRO1):
+    """P_os+g: each rank keeps the optimizer states and the gradients of its shard only.
+
+    Model states per rank: 2Ψ + (2 + K)Ψ/N in mixed precision (4Ψ + (4 + K)Ψ/N in fp32).
+    Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as DDP and stage 1 (§7.2.1).
+
+    As autograd produces each parameter's gradient, the hook copies it into its bucket's flat
+    buffer and drops ``p.grad``. When a bucket is complete its reduce-scatter starts at once, while
+    backward goes on, and its result is added to this rank's gradient shard. Full gradients live
+    only in bucket buffers, and at most two at a time: the one being filled and the one whose
+    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
+    After backward ``p.grad`` is None; the gradient is in ``grad_shards``.
+    """
+
+    def _init_grads(self, dtype: torch.dtype) -> None:
+        # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards
+        self.grad_shards = [torch.zeros(b.shard, dtype=dtype, device=b.params[0].device)
+                            for b in self.buckets]
+        self._filling: dict[int, torch.Tensor] = {}  # bucket -> (padded,) buffer being filled
+        self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
+        self._in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
+        self.max_live_buckets = 0  # most full-gradient buffers alive at once (a structure check)
+
+    @contextmanager
+    def no_sync(self):
+        raise RuntimeError(
+            "ZeRO stage 2 and 3 keep only a gradient shard, so there is nothing to accumulate "
+            "locally: call backward() on each micro-batch without no_sync(); each backward's "
+            "reduce-scatter adds into the shard, and optimizer.step() uses the sum."
+        )
+        yield  # pragma: no cover
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        b = self._bucket_of[id(p)]
+        self._queue_backward_end()
+        buf = self._filling.get(b.index)
+        if buf is None:  # (padded,) zero-padded; parameters without gradients stay 0
+            buf = self._filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype,
+                                                       device=p.grad.device)
+            self.max_live_buckets = max(self.max_live_buckets,
+                                        len(self._filling) + (self._in_flight is not None))
+        b.view(buf, p).copy_(p.grad)
+        p.grad = None  # the full gradient is freed as soon as it is in the bucket
+        self._pending[b.index] -= 1
+        if self._pending[b.index] == 0:
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        self._finish_in_flight()  # at most one reduce-scatter in flight
+        buf = self._filling.pop(b.index)
+        out = torch.empty(b.shard, dtype=buf.dtype, device=buf.device)  # (shard,) chunk r
+        work = C.reduce_scatter(out, buf, group=self.group, async_op=True,
+                                tag=f"zero2 grads {b.index}")
+        self._in_flight = (b, work, buf, out)
+        self._pending[b.index] = -1
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            b, work, _buf, out = self._in_flight
+            work.wait()
+            self.grad_shards[b.index].add_(out.div_(self.world))  # buffer freed here
+            self._in_flight = None
+
+    def _backward_end(self) -> None:
+        for b in self.buckets:  # buckets whose parameters were not all used in this backward
+            if self._pending[b.index] >= 0:
+                if b.index not in self._filling:
+                    self._filling[b.index] = torch.zeros(
+                        b.padded, dtype=self.precision.param_dtype, device=b.params[0].device)
+                self._launch(b)
+        self._finish_in_flight()
+        self._pending = [len(b.params) for b in self.buckets]
+
+    def _reduce_grads(self) -> list[torch.Tensor]:
+        return self.grad_shards  # already reduced during backward
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.grad_shards:
+            g.zero_()
+
+    def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        live = list(self._filling.values())
+        if self._in_flight is not None:
+            live += [self._in_flight[2], self._in_flight[3]]
+        return {"params": self.flat_params + list(self.module.parameters()),
+                "grads": self.grad_shards, "comm": live}
