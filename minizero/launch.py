@@ -1,0 +1,559 @@
+"""Run a function on N ranks with ``torch.distributed`` set up. Taught in lesson 0 (00_collectives).
+
+``launch(fn, nprocs, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` once per rank and returns the
+ranks' return values in rank order. ``fn`` may be defined in a notebook cell or in ``__main__``.
+
+How the ranks are started (``mechanism``):
+
+- ``"fork"`` (default for gloo on CPU): the parent forks one child per rank. Children inherit
+  ``fn`` directly, so nothing is pickled on the way in; each runs one OpenMP thread (forking a
+  process that has used libgomp deadlocks otherwise). Rendezvous: a ``TCPStore`` that the parent
+  opens on a free port, so launches running side by side never clash.
+- ``"torchrun"`` (default for NCCL): ``(fn, args, kwargs)`` go through cloudpickle, which carries
+  notebook and ``__main__`` functions by value, to ``python -m torch.distributed.run --standalone``
+  (free port chosen by torchrun). Fresh processes, so CUDA is safe in every rank.
+
+Either way each rank writes its stdout/stderr, its pid and its result (or its traceback) into a
+private temporary directory; the parent relays the output line by line, prefixed ``[rank r]``, into
+its own ``sys.stdout``/``sys.stderr`` (so prints show up in a notebook cell), and stops every rank
+when one fails, when ``timeout`` passes, or when the parent itself is interrupted.
+
+Already inside a torchrun worker (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set),
+``launch`` starts nothing: it runs ``fn`` on this rank and all-gathers the results, so a script
+that calls ``launch`` runs unchanged under ``torchrun`` (multi-node too). There ``nprocs`` is
+ignored in favour of ``WORLD_SIZE`` (with a note when they differ).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping ranks
+_POLL = 0.02  # seconds between looks at the ranks
+_STARTUP = 120.0  # seconds allowed for starting the ranks, on top of the timeout
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+class LaunchError(RuntimeError):
+    """A rank failed. ``rank`` is the failing rank (None if no rank is to blame), ``traceback``
+    its traceback text (or the stack it was stuck in, for a timeout)."""
+
+    def __init__(self, message: str, rank: int | None = None, traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """Some ranks had not finished after ``timeout`` seconds; ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: list[int], traceback: str = ""):
+        super().__init__(message, rank=ranks[0] if ranks else None, traceback=traceback)
+        self.ranks = ranks
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process, counted through NVML so that CUDA is NOT initialised here
+    (a parent that initialised CUDA cannot fork ranks that use it)."""
+    import torch
+
+    if not hasattr(torch._C, "_cuda_getDeviceCount"):  # CPU-only build
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    name = "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml"
+    n = getattr(torch.cuda, name, lambda: -1)()  # private, but the only fork-safe count
+    if n >= 0:
+        return n
+    # NVML unusable: ask a throwaway process, so that this one stays fork-safe.
+    code = "import torch; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip() or 0)
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = 300.0,
+    mechanism: str = "auto",
+    verbose: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks; return their results in rank order.
+
+    backend: "auto" (NCCL when every rank can have its own GPU, else gloo), "nccl" or "gloo".
+    timeout: seconds before hung ranks are stopped (also the process group's timeout).
+    mechanism: "auto" (fork for gloo, torchrun for NCCL), "fork" or "torchrun".
+    verbose: print one line saying how the ranks run.
+    Raises LaunchError naming the first failing rank with its traceback; LaunchTimeout on timeout.
+    Return values must be picklable. ``backend``, ``timeout``, ``mechanism`` and ``verbose`` are
+    taken by launch and never passed on to ``fn``.
+    """
+    if all(k in os.environ for k in _ENV):
+        return _launch_here(fn, nprocs, args, kwargs, backend, timeout, verbose)
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
+    if mechanism not in ("auto", "fork", "torchrun"):
+        raise ValueError(f"unknown mechanism {mechanism!r}: use 'auto', 'fork' or 'torchrun'")
+    import torch.distributed as dist
+
+    gpus = gpu_count()
+    nccl_ok = dist.is_nccl_available()
+    if backend == "nccl" and (gpus < nprocs or not nccl_ok):
+        have = f"{gpus} GPU{'s' * (gpus != 1)} found" + ("" if nccl_ok else ", NCCL not available")
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {have}. "
+            f"Use backend='gloo' (CPU) or nprocs <= {gpus}."
+        )
+    if backend == "auto":
+        backend = "nccl" if nccl_ok and 0 < nprocs <= gpus else "gloo"
+    if mechanism == "auto":
+        fork_ok = "fork" in multiprocessing.get_all_start_methods()
+        mechanism = "fork" if backend == "gloo" and fork_ok else "torchrun"
+    if verbose:
+        where = "one GPU per rank" if backend == "nccl" else "CPU"
+        ranks = f"{nprocs} rank{'s' * (nprocs != 1)}"
+        print(f"minizero.launch: {ranks}, {backend} on {where} ({mechanism})")
+    with tempfile.TemporaryDirectory(prefix="minizero-launch-") as tmp:
+        start = _start_fork if mechanism == "fork" else _start_torchrun
+        ranks = start(Path(tmp), fn, args, kwargs, nprocs, backend, timeout)
+        try:
+            return _supervise(ranks, Path(tmp), nprocs, timeout)
+        finally:
+            ranks.stop()
+
+
+# ---------------------------------------------------------------- the parent: watch, relay, stop
+
+
+def _supervise(ranks: _Ranks, tmp: Path, n: int, timeout: float) -> list[Any]:
+    """Relay output and wait for all results; raise for the first rank that fails or hangs."""
+    import cloudpickle
+
+    relay = _Relay(tmp, n)
+    # The clock starts once every rank is up (torchrun takes seconds to start its workers).
+    deadline, started = time.monotonic() + timeout + _STARTUP, False
+    results: dict[int, Any] = {}
+    while True:
+        if not started and len(ranks.pids()) == n:
+            deadline, started = time.monotonic() + timeout, True
+        exited = ranks.exited()  # look before reading results: a result may land just before exit
+        relay.pump()
+        for r in range(n):
+            if r not in results and (tmp / f"{r}.ok").exists():
+                results[r] = cloudpickle.loads((tmp / f"{r}.ok").read_bytes())
+        if any((tmp / f"{r}.err").exists() for r in range(n)) or set(exited) - set(results):
+            raise _blame(ranks, tmp, n, results, relay)
+        if len(results) == n:
+            ranks.stop(wait=_GRACE)  # let them leave on their own first
+            relay.pump(final=True)
+            return [results[r] for r in range(n)]
+        if time.monotonic() > deadline:
+            late = [r for r in range(n) if r not in results]
+            stacks = ranks.dump_stacks(late, relay)
+            ranks.stop()
+            relay.pump(final=True)
+            raise LaunchTimeout(
+                f"timeout: ranks {late} had not finished after {timeout:g} s "
+                f"(raise timeout=... if they need longer). Where they were:\n{stacks}",
+                late,
+                stacks,
+            )
+        ranks.wait(_POLL)
+
+
+def _blame(ranks: _Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> LaunchError:
+    """Stop everything and name the rank that failed first. A rank that died without raising is
+    the cause (its peers then fail with "Connection reset by peer"); else the earliest traceback."""
+    ranks.settle()
+    errs = [r for r in range(n) if (tmp / f"{r}.err").exists()]
+    crashed = ranks.crashed(done=set(results) | set(errs))
+    ranks.stop()
+    relay.pump(final=True)
+    errs = sorted(
+        (r for r in range(n) if (tmp / f"{r}.err").exists()),
+        key=lambda r: ((tmp / f"{r}.err").stat().st_mtime_ns, r),
+    )
+    crashed = {r: why for r, why in crashed.items() if r not in errs}
+    r = min(crashed) if crashed else errs[0]
+    others = [q for q in range(n) if q != r and q not in results]
+    stopped = f"; the other unfinished ranks {others} were stopped" if others else ""
+    if r in crashed:
+        return LaunchError(f"rank {r} {crashed[r]} without returning a result{stopped}", r)
+    tb = (tmp / f"{r}.err").read_text()
+    return LaunchError(f"rank {r} failed{stopped}. Its traceback:\n{tb}", r, tb)
+
+
+class _Relay:
+    """Copies each rank's ``{r}.out`` / ``{r}.err.log`` into this process's stdout / stderr."""
+
+    def __init__(self, tmp: Path, n: int):
+        self.files = [(r, tmp / f"{r}.{s}", s) for r in range(n) for s in ("out", "err.log")]
+        self.pos = {f: 0 for _, f, _ in self.files}
+        self.partial = {f: b"" for _, f, _ in self.files}
+
+    def pump(self, final: bool = False) -> dict[Path, bytes]:
+        new: dict[Path, bytes] = {}
+        for r, f, s in self.files:
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(self.pos[f])
+                    data = fh.read()
+            except FileNotFoundError:
+                continue
+            self.pos[f] += len(data)
+            new[f] = data
+            lines = (self.partial[f] + data).split(b"\n")
+            self.partial[f] = lines.pop()  # an unfinished line waits for its end
+            if final and self.partial[f]:
+                lines.append(self.partial[f])
+                self.partial[f] = b""
+            stream = sys.stdout if s == "out" else sys.stderr
+            for line in lines:
+                stream.write(f"[rank {r}] {line.decode(errors='replace')}\n")
+            stream.flush()
+        return new
+
+
+class _Ranks:
+    """The running ranks, however they were started."""
+
+    def __init__(self, tmp: Path, n: int):
+        self.tmp, self.n = tmp, n
+
+    def pids(self) -> dict[int, int]:
+        out = {}
+        for r in range(self.n):
+            try:
+                out[r] = int((self.tmp / f"{r}.pid").read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+        return out
+
+    def dump_stacks(self, late: list[int], relay: _Relay) -> str:
+        """Ask the hung ranks to print their Python stacks (faulthandler on SIGUSR1)."""
+        for r, pid in self.pids().items():
+            if r in late:
+                _signal(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        new = relay.pump()
+        stacks = []
+        for r in late:
+            text = new.get(self.tmp / f"{r}.err.log", b"").decode(errors="replace")
+            text = text.split("_rank_main")[0].rpartition("\n")[0]  # drop the launcher's frames
+            stacks.append(f"rank {r}: {text or '(no stack: the rank had not started)'}\n")
+        return "".join(stacks)
+
+
+class _Forked(_Ranks):
+    def __init__(self, tmp: Path, n: int, procs: list, store: Any):
+        super().__init__(tmp, n)
+        self.procs, self.store = procs, store  # the store must outlive the ranks
+
+    def pids(self) -> dict[int, int]:  # our children: their pids stay ours until joined
+        return {r: p.pid for r, p in enumerate(self.procs) if p.pid is not None}
+
+    def exited(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def settle(self) -> None:
+        pass
+
+    def crashed(self, done: set[int]) -> dict[int, str]:
+        codes = {r: p.exitcode for r, p in enumerate(self.procs)}
+        return {r: _exit_words(c) for r, c in codes.items() if c is not None and r not in done}
+
+    def wait(self, seconds: float) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self.procs], seconds)
+
+    def stop(self, wait: float = 0.0) -> None:
+        for p in self.procs:
+            p.join(wait)
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(_GRACE)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class _Torchrun(_Ranks):
+    def __init__(self, tmp: Path, n: int, proc: subprocess.Popen):
+        super().__init__(tmp, n)
+        self.proc = proc
+
+    def pids(self) -> dict[int, int]:  # only pids still running this launch's workers
+        return {r: pid for r, pid in super().pids().items() if _runs(pid, str(self.tmp))}
+
+    def exited(self) -> list[int]:
+        return list(range(self.n)) if self.proc.poll() is not None else []
+
+    def settle(self) -> None:
+        self.wait(_GRACE)  # torchrun notices a failed worker, stops the rest and reports
+
+    def crashed(self, done: set[int]) -> dict[int, str]:
+        if self.proc.poll() is None:
+            return {}
+        log = (self.tmp / "torchrun.log").read_text(errors="replace")
+        codes = {
+            int(r): int(c)
+            for r, c in re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
+        }
+        # torchrun SIGTERMs the survivors of a failure: they are not the cause
+        out = {r: _exit_words(c) for r, c in codes.items() if r not in done and c != -15}
+        if not out:
+            tail = (
+                f"ended (torchrun exited with {self.proc.returncode}; its log ends:\n{log[-2000:]})"
+            )
+            out = {r: tail for r in range(self.n) if r not in done}
+        return out
+
+    def wait(self, seconds: float) -> None:
+        try:
+            self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, wait: float = 0.0) -> None:
+        self.wait(wait)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers
+            self.wait(_GRACE)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.pids().values():  # workers run in sessions of their own
+            _signal(pid, signal.SIGKILL)
+
+
+def _runs(pid: int, marker: str) -> bool:
+    """Is ``pid`` alive and running a command line that contains ``marker``?"""
+    try:
+        return marker in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_words(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+# ---------------------------------------------------------------- starting the ranks
+
+
+def _start_fork(tmp, fn, args, kwargs, n, backend, timeout) -> _Forked:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=timeout))  # fmt: skip
+    ctx = multiprocessing.get_context("fork")
+    sys.stdout.flush(), sys.stderr.flush()  # or buffered text would print twice
+    ranks = _Forked(tmp, n, [], store)
+    try:
+        for r in range(n):
+            init = (backend, r, n, r, store.port, timeout)
+            job = (fn, args, kwargs)
+            ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, job, True)))
+            ranks.procs[-1].start()
+    except BaseException:
+        ranks.stop()
+        raise
+    return ranks
+
+
+def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
+    import cloudpickle
+
+    payload = dict(fn=fn, args=args, kwargs=kwargs, sys_path=sys.path, backend=backend)
+    (tmp / "payload.pkl").write_bytes(cloudpickle.dumps(payload | {"timeout": timeout}))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    root = str(Path(__file__).resolve().parent.parent)  # so that `-m minizero.launch` imports
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc-per-node={n}", "--monitor-interval=0.05",
+           "-m", "minizero.launch", str(tmp)]  # fmt: skip
+    with open(tmp / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    return _Torchrun(tmp, n, proc)
+
+
+# ---------------------------------------------------------------- inside a rank
+
+
+def _rank_main(tmp: Path, init: tuple, job: tuple, forked: bool) -> bool:
+    """One rank: capture output, join the process group, run fn, leave the result in ``tmp``."""
+    if forked:
+        import torch
+
+        torch.set_num_threads(1)  # before anything else: libgomp deadlocks after fork otherwise
+        os.environ["OMP_NUM_THREADS"] = "1"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us; it reports Ctrl-C
+    _die_with_parent()
+    backend, rank, world, local_rank, port, timeout = init
+    (tmp / f"{rank}.pid").write_text(str(os.getpid()))
+    for fd, name in ((1, "out"), (2, "err.log")):
+        f = os.open(tmp / f"{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        to = timedelta(seconds=timeout)
+        if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=to)
+        else:
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
+        fn, args, kwargs = job
+        value = fn(*args, **kwargs)
+        try:
+            data = cloudpickle.dumps(value)
+        except Exception as e:
+            raise TypeError(
+                f"rank {rank} returned a {type(value).__name__} that cannot be pickled ({e}); "
+                "return plain data (numbers, tensors, lists, dicts) from fn"
+            ) from e
+        _put(tmp / f"{rank}.ok", data)
+        return True
+    except BaseException as e:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        _put(tmp / f"{rank}.err", tb.encode())
+        return False
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _put(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".part")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # the parent never sees half a file
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to SIGKILL this rank if its parent dies, so no rank is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _torchrun_worker(tmp: str) -> int:
+    """Entry point of ``python -m minizero.launch TMP`` under torchrun."""
+    import cloudpickle
+
+    payload = cloudpickle.loads(Path(tmp, "payload.pkl").read_bytes())
+    sys.path[:] = payload["sys_path"]
+    env = os.environ
+    init = (payload["backend"], int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+            None, payload["timeout"])  # fmt: skip
+    ok = _rank_main(Path(tmp), init, (payload["fn"], payload["args"], payload["kwargs"]), False)
+    return 0 if ok else 1  # a failed worker makes torchrun stop the others
+
+
+# ---------------------------------------------------------------- already under torchrun
+
+
+def _launch_here(fn, nprocs, args, kwargs, backend, timeout, verbose) -> list[Any]:
+    """This process is one torchrun worker: run fn here and all-gather every rank's result."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    created = not dist.is_initialized()
+    if created:
+        if backend == "auto":
+            gpus = torch.cuda.device_count()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            backend = "nccl" if dist.is_nccl_available() and local_world <= gpus else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    if verbose and rank == 0:
+        note = f"; nprocs={nprocs} ignored" if nprocs != world else ""
+        print(f"minizero.launch: under torchrun, {world} ranks, {dist.get_backend()}{note}")
+    try:
+        try:
+            mine = ("ok", fn(*args, **kwargs))
+        except Exception as e:
+            mine = ("err", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    for r, (kind, value) in enumerate(every):
+        if kind == "err":
+            raise LaunchError(f"rank {r} failed. Its traceback:\n{value}", r, value)
+    return [value for _, value in every]
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """``python -m minizero run [torchrun options] script.py [args]``: torchrun, plus
+    ``--standalone`` unless a rendezvous or --nnodes was given, and ``--nproc-per-node <GPUs, or
+    2>`` unless it was given. Returns torchrun's exit code."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(torchrun_main.__doc__)
+        return 0 if argv else 2
+    given = lambda pattern: any(re.match(rf"--({pattern})\b", a) for a in argv)
+    extra = [] if given(r"nnodes|standalone|rdzv[-_]\w+|master[-_]\w+") else ["--standalone"]
+    if not given(r"nproc[-_]per[-_]node"):
+        extra.append(f"--nproc-per-node={gpu_count() or 2}")
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *extra, *argv])
+
+
+class _CallableModule(types.ModuleType):
+    """``import minizero.launch`` makes the package attribute ``minizero.launch`` this module,
+    hiding the function of the same name; calling the module calls the function, so
+    ``minizero.launch(fn, n)`` works however the module was imported."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return launch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(_torchrun_worker(sys.argv[1]))
