@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero {demo,bench,run,grade,lessons} ...`` (also installed as ``minizero``)."""
+"""Command line: ``python -m minizero {demo,bench,run,grade,lessons} ...`` (or ``minizero``)."""
 
 from __future__ import annotations
 

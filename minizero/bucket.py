@@ -18,7 +18,7 @@ from torch import nn
 
 
 class Bucket:
-    """``params`` laid end to end in a flat buffer of ``padded`` elements, ``world`` chunks of ``shard``.
+    """``params`` end to end in a flat buffer of ``padded`` elements: ``world`` chunks of ``shard``.
 
     The bucket stores the layout only; each stage decides which flat buffers it keeps alive
     (DDP: a gradient buffer; ZeRO-1: + parameter buffer; ZeRO-3: a parameter buffer that lives only
@@ -51,7 +51,9 @@ class Bucket:
         """Chunk ``rank`` of ``flat`` (padded,): a (shard,) view."""
         return flat[rank * self.shard : (rank + 1) * self.shard]
 
-    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def flatten(
+        self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Copy one tensor per parameter into a new zero-padded flat buffer (padded,)."""
         flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
         for p, t in zip(self.params, tensors, strict=True):
@@ -63,13 +65,11 @@ class Bucket:
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters that need gradients, each once (tied weights appear once), in registration order."""
+    """Parameters that need gradients, each once (tied weights once), in registration order."""
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def make_buckets(
-    params: list[nn.Parameter], bucket_cap_mb: float, world: int = 1
-) -> list[Bucket]:
+def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, world: int = 1) -> list[Bucket]:
     """Group ``params`` into buckets of at most ``bucket_cap_mb`` MiB, last parameter first.
 
     Backward produces gradients roughly in reverse registration order, so bucket 0 (the model's

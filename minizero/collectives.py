@@ -122,12 +122,16 @@ class CommLedger:
 
     def table(self) -> str:
         """An nccl-tests-like table of the records."""
-        rows = [f"{'op':<15}{'dtype':<10}{'bytes':>12}{'time(us)':>11}{'algbw GB/s':>12}"
-                f"{'busbw GB/s':>12}  tag"]
+        rows = [
+            f"{'op':<15}{'dtype':<10}{'bytes':>12}{'time(us)':>11}{'algbw GB/s':>12}"
+            f"{'busbw GB/s':>12}  tag"
+        ]
         for r in self.records:
             t = f"{r.seconds * 1e6:11.1f}" if r.seconds else f"{'-':>11}"
-            rows.append(f"{r.op:<15}{str(r.dtype).replace('torch.', ''):<10}{r.nbytes:>12}{t}"
-                        f"{r.algbw / 1e9:12.3f}{r.busbw / 1e9:12.3f}  {r.tag}")
+            rows.append(
+                f"{r.op:<15}{str(r.dtype).replace('torch.', ''):<10}{r.nbytes:>12}{t}"
+                f"{r.algbw / 1e9:12.3f}{r.busbw / 1e9:12.3f}  {r.tag}"
+            )
         return "\n".join(rows)
 
 
@@ -187,15 +191,22 @@ def _run(op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
-               tag: str = ""):
+def all_reduce(
+    tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""
+):
     """In-place all-reduce of ``tensor``. S = tensor.numel(); paper volume 2S."""
     fn = lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)
     return _run("all_reduce", fn, tensor, tensor.numel(), group, async_op, tag)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
-                   async_op: bool = False, tag: str = ""):
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op: bool = False,
+    tag: str = "",
+):
     """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
 
     S = input.numel(), the full size. gloo has no native reduce-scatter: it runs an all-reduce of
@@ -205,8 +216,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
     return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
-               tag: str = ""):
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, tag: str = ""
+):
     """``output`` (world * shard,) gets every rank's ``input`` (shard,), rank r's at chunk r.
 
     S = output.numel(), the full size.
@@ -215,8 +227,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     return _run("all_gather", fn, output, output.numel(), group, async_op, tag)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
-              tag: str = ""):
+def broadcast(
+    tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False, tag: str = ""
+):
     """Copy ``tensor`` from group rank ``src`` to every rank. S = tensor.numel()."""
     global_src = src if group is None else dist.get_global_rank(group, src)
     fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)

@@ -12,16 +12,22 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minizero import collectives as C
 from minizero.precision import LossScaler, Precision, resolve
 
 
 class DataParallel(nn.Module):
-    """Base class: ``module`` replicated on every rank of ``process_group``, same start everywhere."""
+    """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
 
-    def __init__(self, module: nn.Module, *, precision: str | Precision = "fp32",
-                 process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        precision: str | Precision = "fp32",
+        process_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(
@@ -45,7 +51,7 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
         if self.scaler is not None and torch.is_grad_enabled():
-            for t in out if isinstance(out, tuple | list) else [out]:
+            for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self.scaler.scale_grad)  # fp16: backward sees loss * scale
         return out
@@ -86,7 +92,9 @@ class DataParallel(nn.Module):
         self.scaler.update(found_inf=bool(bad.item()))
         return not bad.item()
 
-    def clip_grads_(self, grads: list[torch.Tensor], max_norm: float, sharded: bool) -> torch.Tensor:
+    def clip_grads_(
+        self, grads: list[torch.Tensor], max_norm: float, sharded: bool
+    ) -> torch.Tensor:
         """Scale ``grads`` so the global L2 norm is at most ``max_norm``; return the norm.
 
         ``sharded``: each rank holds a disjoint shard of the gradient (zero padding included), so

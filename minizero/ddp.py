@@ -1,4 +1,4 @@
-"""DDP from scratch: naive, then bucketed and overlapped with backward. Taught in lesson 01 (01_ddp).
+"""DDP from scratch: naive, then bucketed and overlapped with backward. Taught in lesson 01.
 
 ZeRO §3 calls this the baseline: every rank holds all model states, (2 + 2 + K)Ψ bytes in mixed
 precision, and each step all-reduces Ψ gradient elements, which moves 2Ψ (§7.1).
@@ -52,20 +52,28 @@ class DDP(DataParallel):
     backward every pending all-reduce is waited on, so ``optimizer.step()`` sees averaged gradients.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25,
-                 precision: str | Precision = "fp32",
-                 process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 25,
+        precision: str | Precision = "fp32",
+        process_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(module, precision=precision, process_group=process_group)
         self.params = trainable_parameters(module)
         self.buckets = make_buckets(self.params, bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # (numel,) flat gradient buffer per bucket, in the working dtype; p.grad views into it
-        self.grad_buffers = [torch.zeros(b.numel, dtype=self.precision.param_dtype,
-                                         device=b.params[0].device) for b in self.buckets]
+        self.grad_buffers = [
+            torch.zeros(b.numel, dtype=self.precision.param_dtype, device=b.params[0].device)
+            for b in self.buckets
+        ]
         self.masters: list[torch.Tensor] = []  # mixed precision: (numel,) fp32 copy per bucket
         if self.precision.master:
-            self.masters = [b.flatten([p.detach() for p in b.params], torch.float32)
-                            for b in self.buckets]
+            self.masters = [
+                b.flatten([p.detach() for p in b.params], torch.float32) for b in self.buckets
+            ]
         self._pending = [len(b.params) for b in self.buckets]  # grads still to come, per bucket
         self._works: list = []
         for p in self.params:
@@ -91,8 +99,9 @@ class DDP(DataParallel):
     def _launch(self, b: Bucket) -> None:
         buf = self.grad_buffers[b.index]  # (numel,) flat, every rank's local gradient sum
         buf.div_(self.world)
-        self._works.append(C.all_reduce(buf, group=self.group, async_op=True,
-                                        tag=f"ddp bucket {b.index}"))
+        self._works.append(
+            C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
+        )
         self._pending[b.index] = -1  # launched
 
     def _backward_end(self) -> None:
@@ -132,11 +141,12 @@ class DDP(DataParallel):
                     p.copy_(b.view(m, p))  # fp32 master -> 16-bit working copy
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for buf in self.grad_buffers:
-            buf.zero_()  # the grads stay views into the buckets
-        if set_to_none:
+        if set_to_none:  # the next backward's hooks copy fresh gradients into the buckets
             for p in self.params:
                 p.grad = None
+        else:
+            for buf in self.grad_buffers:
+                buf.zero_()  # the grads stay views into the buckets and accumulate in place
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.clip_grads_(self.grad_buffers, max_norm, sharded=False)
@@ -144,8 +154,11 @@ class DDP(DataParallel):
     def _full_params(self) -> dict[int, torch.Tensor]:
         if not self.masters:
             return super()._full_params()
-        return {id(p): b.view(m, p).clone() for b, m in zip(self.buckets, self.masters)
-                for p in b.params}
+        return {
+            id(p): b.view(m, p).clone()
+            for b, m in zip(self.buckets, self.masters)
+            for p in b.params
+        }
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": self.params, "grads": self.grad_buffers}

@@ -31,8 +31,10 @@ class StageStep:
 
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("minizero optimizers take no closure: compute the loss, call "
-                             "loss.backward(), then optimizer.step()")
+            raise ValueError(
+                "minizero optimizers take no closure: compute the loss, call "
+                "loss.backward(), then optimizer.step()"
+            )
         if self._stage.before_step():
             super().step()
         self._stage.after_step()
@@ -52,7 +54,7 @@ class StageStep:
 
 
 def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimizer:
-    """Make ``optimizer.step()`` and ``zero_grad()`` run ``stage``'s part too. Returns ``optimizer``."""
+    """Make ``optimizer.step()`` and ``zero_grad()`` run ``stage``'s part too; return it."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(optimizer)}")
     cls = type(optimizer)

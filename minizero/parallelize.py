@@ -1,4 +1,4 @@
-"""One entry point for every stage: ``parallelize(model, stage, optimizer_fn)``. Used in every lesson.
+"""One entry point for every stage: ``parallelize(model, stage, optimizer_fn)``. Every lesson.
 
     model, optimizer = minizero.parallelize(model, stage=2, optimizer_fn=lambda p: AdamW(p, 1e-3))
     for x, y in data:                      # a normal PyTorch loop, unchanged
@@ -54,15 +54,18 @@ def parallelize(
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
     if not callable(optimizer_fn):
-        raise TypeError("optimizer_fn must be a function: tensors -> torch.optim.Optimizer, "
-                        "e.g. lambda p: torch.optim.AdamW(p, lr=1e-3)")
+        raise TypeError(
+            "optimizer_fn must be a function: tensors -> torch.optim.Optimizer, "
+            "e.g. lambda p: torch.optim.AdamW(p, lr=1e-3)"
+        )
     if isinstance(model, DataParallel):
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     policy = resolve(precision)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    wrapped = _stage_class(stage)(model, bucket_cap_mb=bucket_cap_mb, precision=policy,
-                                  process_group=process_group)
+    wrapped = _stage_class(stage)(
+        model, bucket_cap_mb=bucket_cap_mb, precision=policy, process_group=process_group
+    )
     optimizer = optimizer_fn(wrapped.optimizer_params())
     if stage > 0 or policy.master:
         check_elementwise(optimizer)
@@ -76,5 +79,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     if isinstance(model, DataParallel):
         return model.full_state_dict()
-    return {k: v.detach().float() if v.is_floating_point() else v.detach()
-            for k, v in model.state_dict().items()}
+    return {
+        k: v.detach().float() if v.is_floating_point() else v.detach()
+        for k, v in model.state_dict().items()
+    }

@@ -25,7 +25,7 @@ class Precision:
 
     name: "fp32", "bf16" or "fp16".
     param_dtype: dtype of the working parameters and of the gradients that are communicated.
-    master: whether the optimizer keeps a separate fp32 master copy of its (shard of the) parameters.
+    master: whether the optimizer keeps a separate fp32 master copy of (its shard of) the params.
     loss_scale: whether gradients are scaled up in backward to keep fp16 from underflowing.
     """
 
@@ -56,7 +56,8 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     if name not in ELEMENTWISE:
         raise TypeError(
             f"minizero runs the optimizer on a flat 1-D shard of the parameters, which gives the "
-            f"same result as the whole model only for elementwise optimizers ({', '.join(ELEMENTWISE)}). "
+            f"same result as the whole model only for elementwise optimizers "
+            f"({', '.join(ELEMENTWISE)}). "
             f"{name} is not one of them; use one of those, or stage=0 with precision='fp32'."
         )
 

@@ -35,9 +35,14 @@ class ZeRO1(DataParallel):
     updated chunks back into every rank's full parameters.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25,
-                 precision: str | Precision = "fp32",
-                 process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 25,
+        precision: str | Precision = "fp32",
+        process_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(module, precision=precision, process_group=process_group)
         self.params = trainable_parameters(module)
         self.buckets = self._make_buckets(bucket_cap_mb)
@@ -69,8 +74,9 @@ class ZeRO1(DataParallel):
     # -- gradients: full buffers, reduced at the step ------------------------------------------
     def _init_grads(self, dtype: torch.dtype) -> None:
         # (padded,) flat per bucket, like flat_params; p.grad views into it
-        self.grad_buffers = [torch.zeros(b.padded, dtype=dtype, device=b.params[0].device)
-                             for b in self.buckets]
+        self.grad_buffers = [
+            torch.zeros(b.padded, dtype=dtype, device=b.params[0].device) for b in self.buckets
+        ]
         self._reduced = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
@@ -87,9 +93,10 @@ class ZeRO1(DataParallel):
         """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average."""
         shards = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         if not self._reduced:
-            works = [C.reduce_scatter(s, g, group=self.group, async_op=True,
-                                      tag=f"zero1 grads {i}")
-                     for i, (s, g) in enumerate(zip(shards, self.grad_buffers))]
+            works = [
+                C.reduce_scatter(s, g, group=self.group, async_op=True, tag=f"zero1 grads {i}")
+                for i, (s, g) in enumerate(zip(shards, self.grad_buffers))
+            ]
             for w, s in zip(works, shards):
                 w.wait()
                 s.div_(self.world)
@@ -113,8 +120,11 @@ class ZeRO1(DataParallel):
                 if self.precision.master:
                     own.copy_(m)
                     m.grad = None
-                works.append(C.all_gather(flat, own, group=self.group, async_op=True,
-                                          tag=f"params {b.index}"))
+                works.append(
+                    C.all_gather(
+                        flat, own, group=self.group, async_op=True, tag=f"params {b.index}"
+                    )
+                )
         for w in works:
             w.wait()
 
@@ -135,5 +145,7 @@ class ZeRO1(DataParallel):
         return full
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": self.flat_params + list(self.module.parameters()),
-                "grads": self.grad_buffers}
+        return {
+            "params": self.flat_params + list(self.module.parameters()),
+            "grads": self.grad_buffers,
+        }

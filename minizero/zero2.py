@@ -32,8 +32,9 @@ class ZeRO2(ZeRO1):
 
     def _init_grads(self, dtype: torch.dtype) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards
-        self.grad_shards = [torch.zeros(b.shard, dtype=dtype, device=b.params[0].device)
-                            for b in self.buckets]
+        self.grad_shards = [
+            torch.zeros(b.shard, dtype=dtype, device=b.params[0].device) for b in self.buckets
+        ]
         self._filling: dict[int, torch.Tensor] = {}  # bucket -> (padded,) buffer being filled
         self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
         self._in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
@@ -53,10 +54,12 @@ class ZeRO2(ZeRO1):
         self._queue_backward_end()
         buf = self._filling.get(b.index)
         if buf is None:  # (padded,) zero-padded; parameters without gradients stay 0
-            buf = self._filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype,
-                                                       device=p.grad.device)
-            self.max_live_buckets = max(self.max_live_buckets,
-                                        len(self._filling) + (self._in_flight is not None))
+            buf = self._filling[b.index] = torch.zeros(
+                b.padded, dtype=p.grad.dtype, device=p.grad.device
+            )
+            self.max_live_buckets = max(
+                self.max_live_buckets, len(self._filling) + (self._in_flight is not None)
+            )
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient is freed as soon as it is in the bucket
         self._pending[b.index] -= 1
@@ -67,8 +70,9 @@ class ZeRO2(ZeRO1):
         self._finish_in_flight()  # at most one reduce-scatter in flight
         buf = self._filling.pop(b.index)
         out = torch.empty(b.shard, dtype=buf.dtype, device=buf.device)  # (shard,) chunk r
-        work = C.reduce_scatter(out, buf, group=self.group, async_op=True,
-                                tag=f"zero2 grads {b.index}")
+        work = C.reduce_scatter(
+            out, buf, group=self.group, async_op=True, tag=f"zero2 grads {b.index}"
+        )
         self._in_flight = (b, work, buf, out)
         self._pending[b.index] = -1
 
@@ -84,7 +88,8 @@ class ZeRO2(ZeRO1):
             if self._pending[b.index] >= 0:
                 if b.index not in self._filling:
                     self._filling[b.index] = torch.zeros(
-                        b.padded, dtype=self.precision.param_dtype, device=b.params[0].device)
+                        b.padded, dtype=self.precision.param_dtype, device=b.params[0].device
+                    )
                 self._launch(b)
         self._finish_in_flight()
         self._pending = [len(b.params) for b in self.buckets]
@@ -100,5 +105,8 @@ class ZeRO2(ZeRO1):
         live = list(self._filling.values())
         if self._in_flight is not None:
             live += [self._in_flight[2], self._in_flight[3]]
-        return {"params": self.flat_params + list(self.module.parameters()),
-                "grads": self.grad_shards, "comm": live}
+        return {
+            "params": self.flat_params + list(self.module.parameters()),
+            "grads": self.grad_shards,
+            "comm": live,
+        }

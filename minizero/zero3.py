@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minizero import collectives as C
 from minizero.bucket import Bucket
@@ -27,20 +28,27 @@ class ZeRO3(ZeRO2):
     Units: every module that owns trainable parameters directly (``parameters(recurse=False)``)
     is one bucket; a tied parameter belongs to the first module that owns it, and every module that
     uses it gathers that unit. Between uses a unit's flat buffer has its storage resized to 0 bytes:
-    only ``param_shards`` (rank r's chunk) stays. Tensors autograd saved in forward point at the same
-    storage, so the gather before backward makes them whole again.
+    only ``param_shards`` (rank r's chunk) stays. Tensors autograd saved in forward point at the
+    same storage, so the gather before backward makes them whole again.
 
     Prefetch: the order in which modules ran in the first forward is recorded; with ``prefetch=1``
     the next module's all-gather is issued (asynchronously) as soon as the current one's is done,
     in forward, and the previous module's in backward. ``bucket_cap_mb`` is not used.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25,
-                 precision: str | Precision = "fp32",
-                 process_group: dist.ProcessGroup | None = None, prefetch: int = 1):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 25,
+        precision: str | Precision = "fp32",
+        process_group: dist.ProcessGroup | None = None,
+        prefetch: int = 1,
+    ):
         self.param_shards: list[torch.Tensor] = []  # (shard,) per unit; filled by super().__init__
-        super().__init__(module, bucket_cap_mb=bucket_cap_mb, precision=precision,
-                         process_group=process_group)
+        super().__init__(
+            module, bucket_cap_mb=bucket_cap_mb, precision=precision, process_group=process_group
+        )
         self.prefetch = prefetch
         self._gathers: list = [None] * len(self.buckets)  # in-flight all-gather per unit
         self._gathered = [True] * len(self.buckets)  # flat_params[i] holds the full unit
@@ -79,8 +87,9 @@ class ZeRO3(ZeRO2):
         if not self._gathered[i]:
             flat = self.flat_params[i]  # (padded,) storage back to full size, then filled
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self._gathers[i] = C.all_gather(flat, self.param_shards[i], group=self.group,
-                                            async_op=True, tag=f"zero3 params {i}")
+            self._gathers[i] = C.all_gather(
+                flat, self.param_shards[i], group=self.group, async_op=True, tag=f"zero3 params {i}"
+            )
             self._gathered[i] = True
             self.max_gathered = max(self.max_gathered, sum(self._gathered))
         if wait and self._gathers[i] is not None:
@@ -113,7 +122,7 @@ class ZeRO3(ZeRO2):
         for i in self._units_of[m]:
             self._free(i)
         if torch.is_grad_enabled():
-            for t in out if isinstance(out, tuple | list) else [out]:
+            for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=m: self._pre_backward(m))
 
@@ -145,5 +154,8 @@ class ZeRO3(ZeRO2):
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super()._minizero_state_tensors()
-        state["params"] = self.param_shards + state["params"]
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]  # replicated
+        state["params"] = self.param_shards + frozen
+        gathered = [f for f, g in zip(self.flat_params, self._gathered) if g]  # transient
+        state["comm"] = state["comm"] + gathered
         return state
