@@ -42,6 +42,7 @@ class DataParallel(nn.Module):
         self.scaler = LossScaler() if self.precision.loss_scale else None
         self._require_sync = True  # False inside no_sync()
         self._callback_queued = False
+        self._grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         if self.precision.param_dtype != torch.float32:
             module.to(self.precision.param_dtype)  # working copy in 16 bits: 2Ψ bytes
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
@@ -81,16 +82,22 @@ class DataParallel(nn.Module):
 
     # -- what the optimizer returned by parallelize() calls -------------------------------------
     def grads_finite(self, grads: list[torch.Tensor]) -> bool:
-        """fp16: unscale ``grads`` in place; True when no rank saw an inf or a NaN."""
+        """fp16: unscale ``grads`` in place, once per step; True when no rank saw an inf or NaN."""
         if self.scaler is None:
             return True
+        if self._grads_ok is not None:  # already unscaled this step (by clip_grad_norm_)
+            return self._grads_ok
         bad = torch.zeros(1, device=grads[0].device if grads else None)
         for g in grads:
             g.div_(self.scaler.scale)
             bad += (~torch.isfinite(g)).any()
         C.all_reduce(bad, group=self.group, tag="fp16 inf check")
-        self.scaler.update(found_inf=bool(bad.item()))
-        return not bad.item()
+        self._grads_ok = not bad.item()
+        self.scaler.update(found_inf=not self._grads_ok)
+        return self._grads_ok
+
+    def end_step(self) -> None:
+        self._grads_ok = None
 
     def clip_grads_(
         self, grads: list[torch.Tensor], max_norm: float, sharded: bool
@@ -100,6 +107,7 @@ class DataParallel(nn.Module):
         ``sharded``: each rank holds a disjoint shard of the gradient (zero padding included), so
         the squares are summed across ranks; otherwise every rank holds all of it.
         """
+        self.grads_finite(grads)  # fp16: clip the true gradients, not the scaled ones
         dev = grads[0].device if grads else None
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for g in grads:
