@@ -92,7 +92,7 @@ class DataParallel(nn.Module):
             g.div_(self.scaler.scale)
             bad += (~torch.isfinite(g)).any()
         C.all_reduce(bad, group=self.group, tag="fp16 inf check")
-        self._grads_ok = not bad.item()
+        self._grads_ok = bad.is_meta or not bad.item()  # meta (minizero.simulate): no values
         self.scaler.update(found_inf=not self._grads_ok)
         return self._grads_ok
 
