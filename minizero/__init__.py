@@ -48,6 +48,8 @@ _WHERE = {
     "count_params": "models",
     "paper_model_state_bytes": "memory",
     "simulate": "simulate",
+    "table1": "simulate",
+    "FlatModel": "simulate",
     "TinyGPT": "models",
     "GPTConfig": "models",
     "MLP": "models",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero {demo,bench,run,grade,lessons} ...`` (or ``minizero``)."""
+"""Command line: ``python -m minizero {demo,bench,simulate,run,grade,lessons} ...``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     r = sub.add_parser("run", help="run a script under torchrun (multi-node, one rank per GPU)")
     r.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser("simulate", help="ZeRO's Table 1 from the real stage code on meta tensors")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
     g = sub.add_parser("grade", help="grade your lesson notebooks (runs their check cells)")
     g.add_argument("rest", nargs=argparse.REMAINDER)
     m = sub.add_parser("lessons", help="regenerate lessons/ and solutions/ from course/")
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from minizero import bench
 
         return getattr(bench, f"bench_{args.what}")(args.rest)
+    if args.cmd == "simulate":
+        from minizero.simulate import main as simulate_main
+
+        return simulate_main(args.rest)
     if args.cmd in ("grade", "lessons"):
         from minizero import course
 

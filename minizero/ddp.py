@@ -84,14 +84,14 @@ class DDP(DataParallel):
         return b.view(self.grad_buffers[b.index], p)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
-        view = self._grad_view(p)
-        if p.grad.data_ptr() != view.data_ptr():  # first backward, or after zero_grad(None)
+        b = self._bucket_of[id(p)]
+        if p.grad._base is not self.grad_buffers[b.index]:  # 1st backward / after zero_grad
+            view = b.view(self.grad_buffers[b.index], p)
             view.copy_(p.grad)
             p.grad = view
         if not self._require_sync:
             return
         self._queue_backward_end()
-        b = self._bucket_of[id(p)]
         self._pending[b.index] -= 1
         if self._pending[b.index] == 0:
             self._launch(b)
@@ -161,4 +161,4 @@ class DDP(DataParallel):
         }
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": self.params, "grads": self.grad_buffers}
+        return {"params": list(self.module.parameters()), "grads": self.grad_buffers}

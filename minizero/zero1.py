@@ -82,7 +82,7 @@ class ZeRO1(DataParallel):
     def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self._bucket_of[id(p)]
         view = b.view(self.grad_buffers[b.index], p)
-        if p.grad.data_ptr() != view.data_ptr():  # after zero_grad(set_to_none=True)
+        if p.grad._base is not self.grad_buffers[b.index]:  # after zero_grad(None)
             view.copy_(p.grad)
             p.grad = view
 
