@@ -30,6 +30,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -169,7 +170,7 @@ def _supervise(ranks: _Ranks, tmp: Path, n: int, timeout: float) -> list[Any]:
             return [results[r] for r in range(n)]
         if time.monotonic() > deadline:
             late = [r for r in range(n) if r not in results]
-            stacks = ranks.dump_stacks(late, relay)
+            stacks = ranks.dump_stacks(late)
             ranks.stop()
             relay.pump(final=True)
             raise LaunchTimeout(
@@ -194,6 +195,8 @@ def _blame(ranks: _Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> La
         key=lambda r: ((tmp / f"{r}.err").stat().st_mtime_ns, r),
     )
     crashed = {r: why for r, why in crashed.items() if r not in errs}
+    if not crashed and not errs:  # e.g. torchrun itself was stopped from outside
+        crashed = {min(set(range(n)) - set(results)): "ended"}
     r = min(crashed) if crashed else errs[0]
     others = [q for q in range(n) if q != r and q not in results]
     stopped = f"; the other unfinished ranks {others} were stopped" if others else ""
@@ -211,8 +214,7 @@ class _Relay:
         self.pos = {f: 0 for _, f, _ in self.files}
         self.partial = {f: b"" for _, f, _ in self.files}
 
-    def pump(self, final: bool = False) -> dict[Path, bytes]:
-        new: dict[Path, bytes] = {}
+    def pump(self, final: bool = False) -> None:
         for r, f, s in self.files:
             try:
                 with open(f, "rb") as fh:
@@ -221,7 +223,6 @@ class _Relay:
             except FileNotFoundError:
                 continue
             self.pos[f] += len(data)
-            new[f] = data
             lines = (self.partial[f] + data).split(b"\n")
             self.partial[f] = lines.pop()  # an unfinished line waits for its end
             if final and self.partial[f]:
@@ -231,7 +232,6 @@ class _Relay:
             for line in lines:
                 stream.write(f"[rank {r}] {line.decode(errors='replace')}\n")
             stream.flush()
-        return new
 
 
 class _Ranks:
@@ -249,19 +249,21 @@ class _Ranks:
                 pass
         return out
 
-    def dump_stacks(self, late: list[int], relay: _Relay) -> str:
-        """Ask the hung ranks to print their Python stacks (faulthandler on SIGUSR1)."""
+    def dump_stacks(self, late: list[int]) -> str:
+        """Ask the hung ranks for their Python stacks (faulthandler, on SIGUSR1)."""
         for r, pid in self.pids().items():
             if r in late:
                 _signal(pid, signal.SIGUSR1)
-        time.sleep(0.5)
-        new = relay.pump()
-        stacks = []
+        stacks, end = {}, time.monotonic() + _GRACE
         for r in late:
-            text = new.get(self.tmp / f"{r}.err.log", b"").decode(errors="replace")
+            f = self.tmp / f"{r}.stack"
+            while not (f.exists() and f.stat().st_size) and time.monotonic() < end:
+                time.sleep(_POLL)
+            time.sleep(_POLL)  # let it finish writing
+            text = f.read_text(errors="replace") if f.exists() else ""
             text = text.split("_rank_main")[0].rpartition("\n")[0]  # drop the launcher's frames
-            stacks.append(f"rank {r}: {text or '(no stack: the rank had not started)'}\n")
-        return "".join(stacks)
+            stacks[r] = text or "(no stack: the rank had not started)"
+        return "".join(f"rank {r}: {text}\n" for r, text in stacks.items())
 
 
 class _Forked(_Ranks):
@@ -319,13 +321,11 @@ class _Torchrun(_Ranks):
             int(r): int(c)
             for r, c in re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
         }
+        if not codes:  # torchrun reported no worker: say what it did say
+            tail = f"torchrun exited with {self.proc.returncode}; its log ends:\n{log[-2000:]}"
+            return {r: f"ended ({tail})" for r in range(self.n) if r not in done}
         # torchrun SIGTERMs the survivors of a failure: they are not the cause
         out = {r: _exit_words(c) for r, c in codes.items() if r not in done and c != -15}
-        if not out:
-            tail = (
-                f"ended (torchrun exited with {self.proc.returncode}; its log ends:\n{log[-2000:]})"
-            )
-            out = {r: tail for r in range(self.n) if r not in done}
         return out
 
     def wait(self, seconds: float) -> None:
@@ -393,8 +393,12 @@ def _start_fork(tmp, fn, args, kwargs, n, backend, timeout) -> _Forked:
 def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
     import cloudpickle
 
-    payload = dict(fn=fn, args=args, kwargs=kwargs, sys_path=sys.path, backend=backend)
-    (tmp / "payload.pkl").write_bytes(cloudpickle.dumps(payload | {"timeout": timeout}))
+    setup = dict(sys_path=sys.path, backend=backend, timeout=timeout)
+    (tmp / "setup.pkl").write_bytes(pickle.dumps(setup))
+    try:
+        (tmp / "job.pkl").write_bytes(cloudpickle.dumps((fn, args, kwargs)))
+    except Exception as e:
+        raise TypeError(f"torchrun needs fn and its arguments picklable; they are not: {e}") from e
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = str(Path(__file__).resolve().parent.parent)  # so that `-m minizero.launch` imports
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -410,7 +414,7 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
 # ---------------------------------------------------------------- inside a rank
 
 
-def _rank_main(tmp: Path, init: tuple, job: tuple, forked: bool) -> bool:
+def _rank_main(tmp: Path, init: tuple, job: tuple | Path, forked: bool) -> bool:
     """One rank: capture output, join the process group, run fn, leave the result in ``tmp``."""
     if forked:
         import torch
@@ -427,12 +431,15 @@ def _rank_main(tmp: Path, init: tuple, job: tuple, forked: bool) -> bool:
         os.close(f)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+    stack = open(tmp / f"{rank}.stack", "w")  # open while the rank lives
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
     import cloudpickle
     import torch
     import torch.distributed as dist
 
     try:
+        # (fn, args, kwargs), or the file that holds them pickled
+        fn, args, kwargs = cloudpickle.loads(job.read_bytes()) if isinstance(job, Path) else job
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         to = timedelta(seconds=timeout)
@@ -441,7 +448,6 @@ def _rank_main(tmp: Path, init: tuple, job: tuple, forked: bool) -> bool:
         else:
             store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
-        fn, args, kwargs = job
         value = fn(*args, **kwargs)
         try:
             data = cloudpickle.dumps(value)
@@ -482,14 +488,12 @@ def _die_with_parent() -> None:
 
 def _torchrun_worker(tmp: str) -> int:
     """Entry point of ``python -m minizero.launch TMP`` under torchrun."""
-    import cloudpickle
-
-    payload = cloudpickle.loads(Path(tmp, "payload.pkl").read_bytes())
-    sys.path[:] = payload["sys_path"]
+    setup = pickle.loads(Path(tmp, "setup.pkl").read_bytes())
+    sys.path[:] = setup["sys_path"]  # before unpickling fn: its module may live on that path
     env = os.environ
-    init = (payload["backend"], int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-            None, payload["timeout"])  # fmt: skip
-    ok = _rank_main(Path(tmp), init, (payload["fn"], payload["args"], payload["kwargs"]), False)
+    init = (setup["backend"], int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+            None, setup["timeout"])  # fmt: skip
+    ok = _rank_main(Path(tmp), init, Path(tmp, "job.pkl"), False)
     return 0 if ok else 1  # a failed worker makes torchrun stop the others
 
 
@@ -534,6 +538,7 @@ def torchrun_main(argv: list[str]) -> int:
     """``python -m minizero run [torchrun options] script.py [args]``: torchrun, plus
     ``--standalone`` unless a rendezvous or --nnodes was given, and ``--nproc-per-node <GPUs, or
     2>`` unless it was given. Returns torchrun's exit code."""
+    argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(torchrun_main.__doc__)
         return 0 if argv else 2

@@ -1,0 +1,22 @@
+"""Shared test helpers. ``@pytest.mark.gpu`` tests (``@pytest.mark.gpu(n)``: n GPUs, default 2)
+are skipped unless that many GPUs and NCCL are here. GPUs are counted through NVML, without
+initialising CUDA, so that forked ranks can still use CUDA afterwards."""
+
+import pytest
+import torch.distributed as dist
+
+from minizero.launch import gpu_count
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = None
+    for item in items:
+        mark = item.get_closest_marker("gpu")
+        if mark is None:
+            continue
+        gpus = gpu_count() if gpus is None else gpus
+        need = mark.args[0] if mark.args else 2
+        if gpus < need or not dist.is_nccl_available():
+            why = f"needs {need} GPUs and NCCL; found {gpus} GPUs"
+            why += "" if dist.is_nccl_available() else ", no NCCL"
+            item.add_marker(pytest.mark.skip(reason=why))
