@@ -1,0 +1,271 @@
+# %% [markdown]
+# # Lesson 00 — Collectives: the only way ranks talk
+#
+# Data parallelism, and every ZeRO stage after it, is a handful of **collectives**: operations that
+# every rank of a process group calls together. This lesson:
+#
+# 1. starts N ranks from a notebook cell (`minizero.launch`);
+# 2. shows all-reduce, reduce-scatter and all-gather on real ranks;
+# 3. has you build **all-reduce = reduce-scatter + all-gather** (the identity ZeRO is built on);
+# 4. measures what each collective costs, with the definitions nccl-tests uses.
+#
+# **Grade yourself** at any time (runs this notebook in a fresh kernel; your file is not changed):
+#
+#     python -m minizero grade lessons/00_collectives.ipynb
+#
+# On a laptop or a CPU machine the ranks are processes talking over **gloo**. On a machine with
+# several GPUs the same cells run one rank per GPU over **NCCL**, with no edits: `launch` picks
+# the backend (`backend="auto"`), and each rank picks its device from the backend.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import checks
+from minizero import collectives as C
+from minizero.collectives import all_gather, reduce_scatter
+
+NPROCS = checks.default_nprocs()  # one rank per GPU if there are >= 2 GPUs, else 2 CPU ranks
+print(f"minizero {minizero.__version__}, torch {torch.__version__}, {NPROCS} ranks")
+
+# %% [markdown]
+# ## 1. Ranks
+#
+# `minizero.launch(fn, nprocs, *args)` runs `fn(*args)` in `nprocs` processes with
+# `torch.distributed` already initialised, and returns their results in rank order. What the
+# ranks print appears below the cell, prefixed with their rank. `checks.rank_device()` is the
+# device a rank computes on: its own GPU under NCCL, the CPU under gloo.
+
+
+# %%
+def hello():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = checks.rank_device()
+    print(f"I am rank {rank} of {world}, backend {dist.get_backend()}, device {device}")
+    return checks.run_info()
+
+
+infos = minizero.launch(hello, NPROCS)
+INFO = infos[0]  # where this lesson's measurements are made; every figure names it
+print(checks.describe(INFO))
+
+# %% [markdown]
+# ## 2. Three collectives
+#
+# Each rank holds a tensor. After the call:
+#
+# | collective | input on each rank | output on each rank |
+# |---|---|---|
+# | **all-reduce** | `t` (S elements) | the sum of every rank's `t` (S elements), in place |
+# | **reduce-scatter** | `t` (S elements) | chunk r of the sum: S/N elements |
+# | **all-gather** | a chunk (S/N elements) | every rank's chunk, end to end (S elements) |
+#
+# The cell runs each one on small integer tensors so you can check the sums by eye.
+
+
+# %%
+def three_collectives():
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
+    t = torch.arange(2 * world, device=dev, dtype=torch.float32) + 10 * rank  # (2N,)
+    summed = t.clone()
+    C.all_reduce(summed)  # in place: every rank gets the sum of every rank's t
+    mine = torch.empty(2, device=dev)  # (2,) this rank's chunk of the sum
+    C.reduce_scatter(mine, t)
+    gathered = torch.empty(2 * world, device=dev)  # (2N,) every rank's chunk, rank r's at r
+    C.all_gather(gathered, mine)
+    print(
+        f"t={t.tolist()}  all_reduce={summed.tolist()}  reduce_scatter={mine.tolist()}  "
+        f"all_gather(that)={gathered.tolist()}"
+    )
+    return torch.equal(summed, gathered)
+
+
+print(
+    "all-gather of the reduce-scatter == all-reduce on every rank:",
+    minizero.launch(three_collectives, NPROCS, verbose=False),
+)
+
+# %% [markdown]
+# The last column already shows the identity of this lesson: **all-gathering the chunks of a
+# reduce-scatter gives the all-reduce**. Ring and tree implementations of all-reduce are built
+# exactly this way, and the ZeRO paper (Rajbhandari et al., *ZeRO: Memory Optimizations Toward
+# Training Trillion Parameter Models*, arXiv 1910.02054, SC20, §7.1) counts communication with it:
+# an all-reduce of Ψ elements moves 2Ψ (Ψ in the reduce-scatter, Ψ in the all-gather). ZeRO
+# stages 1 and 2 keep only the reduce-scatter half where the gradient is needed, stage 3 adds
+# all-gathers of the parameters; all of them are this identity, taken apart.
+#
+# ## Exercise 1 — `all_reduce_via_rs_ag`
+#
+# Write `all_reduce_via_rs_ag(t, group=None)`: sum `t` over the ranks of `group` **in place**, like
+# `dist.all_reduce(t)`, using one `reduce_scatter` and one `all_gather` from
+# `minizero.collectives` (their signatures: `reduce_scatter(output, input, group=group)` with
+# `input` (N·shard,) and `output` (shard,); `all_gather(output, input, group=group)` with `input`
+# (shard,) and `output` (N·shard,)).
+#
+# The catch: `t` may have any shape and any number of elements. Reduce-scatter cuts its input
+# into N **equal** chunks, so pad the flattened tensor with zeros to a multiple of N first, and
+# drop the padding at the end. (ZeRO does the same to every flat buffer it shards.)
+
+
+# %%
+def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``t`` over the ranks of ``group`` in place with a reduce-scatter and an all-gather."""
+    # BEGIN SOLUTION
+    # TODO: world = dist.get_world_size(group); shard = ceil(t.numel() / world)
+    # TODO: flat = zeros(world * shard) holding t's elements; reduce_scatter into a (shard,) chunk
+    # TODO: all_gather the chunks back into flat; copy the first t.numel() elements into t
+    world = dist.get_world_size(group)
+    n = t.numel()
+    shard = -(-n // world)  # ceil(n / world): the chunk each rank owns
+    flat = torch.zeros(world * shard, dtype=t.dtype, device=t.device)  # (N * shard,) padded
+    flat[:n] = t.reshape(-1)
+    chunk = torch.empty(shard, dtype=t.dtype, device=t.device)  # (shard,) rank r's sum
+    reduce_scatter(chunk, flat, group=group)
+    all_gather(flat, chunk, group=group)  # flat: every rank's chunk, end to end
+    t.copy_(flat[:n].view_as(t))
+    return t
+    # END SOLUTION
+
+
+# %% check="all_reduce_via_rs_ag"
+# Runs your function on NPROCS real ranks on shapes (1,), (2,), (7,), (12,), (1001,), (3, 5),
+# (4097,), compares every element with dist.all_reduce, and checks the collectives it issued.
+checks.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
+
+# %% [markdown]
+# ## 3. Measuring a collective
+#
+# Every collective in minizero goes through `minizero.collectives`, which records it in any open
+# `CommLedger`: op, dtype, size, time, and the ZeRO paper's volume. Sizes and bandwidths follow
+# **nccl-tests** (its `doc/PERFORMANCE.md`):
+#
+# * `S` is the full size in bytes: the tensor of an all-reduce; the *input* of a reduce-scatter;
+#   the *output* of an all-gather;
+# * **algbw** = S / t, the speed the caller sees;
+# * **busbw** = algbw × factor, with factor 2(N−1)/N for all-reduce and (N−1)/N for
+#   reduce-scatter and all-gather: the rate at which each rank's link carries data in a ring
+#   implementation, comparable across ops and world sizes (and with the hardware's link speed).
+#
+# First the volumes, in the paper's accounting (elements moved), for S = 1200 float32:
+
+
+# %%
+def volumes():
+    world, dev = dist.get_world_size(), checks.rank_device()
+    full = torch.ones(1200, device=dev)  # (S,), divisible by 2, 3, 4, 5, 6, 8
+    shard = torch.empty(1200 // world, device=dev)  # (S/N,)
+    with C.CommLedger() as ledger:
+        C.all_reduce(full, tag="all-reduce")
+        C.reduce_scatter(shard, full, tag="reduce-scatter half")
+        C.all_gather(full, shard, tag="all-gather half")
+    return ledger
+
+
+ledger = minizero.launch(volumes, NPROCS, verbose=False)[0]  # rank 0's ledger
+print(ledger.table())
+print("volume (elements):", ledger.by_op())
+
+# %% [markdown]
+# The all-reduce counts 2 × 1200 elements; the reduce-scatter and the all-gather 1200 each:
+# together, exactly one all-reduce. (Times for a single small call are noise; the curve below
+# repeats each call and takes the median.)
+#
+# ## 4. Bandwidth over message sizes
+#
+# The cell below runs each collective at sizes from 4 KiB up, a few times each, on every rank,
+# and keeps rank 0's median time. It shows a progress bar while it runs.
+#
+# **gloo emulates reduce-scatter.** gloo (the CPU backend) has no reduce-scatter of its own:
+# PyTorch's `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of the whole
+# input** and copies out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce
+# costs, and its busbw (computed with the smaller factor (N−1)/N) comes out at about half of the
+# all-reduce's. NCCL implements reduce-scatter natively, and there it takes about half the time
+# of an all-reduce of the same S. The last cell of this section prints the ratio measured here.
+
+
+# %%
+CALLS = {  # full: (S,), shard: (S/N,)
+    "all_reduce": lambda full, shard: C.all_reduce(full),
+    "reduce_scatter": lambda full, shard: C.reduce_scatter(shard, full),
+    "all_gather": lambda full, shard: C.all_gather(full, shard),
+}
+OPS = list(CALLS)
+
+
+def bandwidth(progress):
+    world, dev = dist.get_world_size(), checks.rank_device()
+    top = 24 if dev.type == "cpu" else 28  # 16 MiB on CPUs, 256 MiB on GPUs
+    rows = []
+    for op in OPS:
+        for nbytes in [2**k for k in range(12, top + 1, 2)]:
+            n = nbytes // 4 // world * world  # float32 elements, a multiple of N
+            full = torch.ones(n, device=dev)  # (S,)
+            shard = torch.empty(n // world, device=dev)  # (S/N,)
+            CALLS[op](full, shard)  # warm-up: connections, buffers
+            repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
+            with C.CommLedger() as ledger:
+                for _ in range(repeats):
+                    CALLS[op](full, shard)
+            median = sorted(ledger.records, key=lambda r: r.seconds)[repeats // 2]
+            rows.append(
+                dict(
+                    op=op,
+                    nbytes=median.nbytes,
+                    seconds=median.seconds,
+                    algbw=median.algbw,
+                    busbw=median.busbw,
+                )
+            )
+            progress.tick()
+    return rows
+
+
+n_sizes = len(range(12, (24 if INFO["backend"] == "gloo" else 28) + 1, 2))
+rows = checks.launch_with_progress(
+    bandwidth, NPROCS, total=len(OPS) * n_sizes, desc="collectives", verbose=False
+)[0]
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+for op in OPS:
+    mine = [r for r in rows if r["op"] == op]
+    sizes = [r["nbytes"] for r in mine]
+    ax1.plot(sizes, [r["busbw"] / 1e9 for r in mine], "o-", label=op)
+    ax2.plot(sizes, [r["seconds"] * 1e6 for r in mine], "o-", label=op)
+for ax, ylabel in ((ax1, "busbw (GB/s)"), (ax2, "time per call (µs)")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("S: message size (bytes)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+ax2.set_yscale("log")
+note = " (gloo: reduce_scatter = all-reduce + copy)" if INFO["backend"] == "gloo" else ""
+fig.suptitle(f"Collectives measured on {checks.describe(INFO)}{note}")
+fig.tight_layout()
+plt.show()
+
+# %%
+largest = max(r["nbytes"] for r in rows)
+t = {r["op"]: r["seconds"] for r in rows if r["nbytes"] == largest}
+print(f"at S = {largest / 2**20:.0f} MiB on {checks.describe(INFO)}:")
+print(f"  time(reduce_scatter) / time(all_reduce) = {t['reduce_scatter'] / t['all_reduce']:.2f}")
+print(f"  time(all_gather)     / time(all_reduce) = {t['all_gather'] / t['all_reduce']:.2f}")
+print(
+    f"  time(reduce_scatter + all_gather) / time(all_reduce) = "
+    f"{(t['reduce_scatter'] + t['all_gather']) / t['all_reduce']:.2f}"
+)
+
+# %% [markdown]
+# What to read in the measurements:
+#
+# * **Small messages are latency-bound**: below some size the time per call hardly changes with
+#   S, so busbw grows with S (left plot, rising part). Sending many small tensors costs a latency
+#   each: this is why DDP groups gradients into buckets (lesson 01).
+# * **The ratio** printed above is near 1 on gloo for reduce-scatter (it *is* an all-reduce
+#   there), and near 0.5 on NCCL. With an emulated reduce-scatter, RS + AG costs more than one
+#   all-reduce; with native ones, about the same. The *volume* is the same either way (section 3):
+#   that is what the ZeRO paper counts, and what lessons 02–04 measure.
+#
+# Next: **lesson 01 — DDP**, where the all-reduce averages gradients.

@@ -1,0 +1,479 @@
+# %% [markdown]
+# # Lesson 01 — DDP: data parallelism, naive then bucketed
+#
+# **Data parallelism**: every rank holds a full copy of the model, takes its own 1/N of each
+# global batch, and before the optimizer step the ranks **average their gradients** with an
+# all-reduce. Then every rank applies the same update and the copies stay identical. This is the
+# baseline the ZeRO paper starts from (§3): plain synchronous data parallelism. ZeRO keeps this
+# exact training algorithm and only removes the redundant copies (lessons 02–04).
+#
+# You will write:
+#
+# 1. **naive DDP**: after backward, all-reduce every gradient, one at a time;
+# 2. **bucketed DDP**: gradients grouped into buckets whose all-reduce starts *during* backward,
+#    from gradient hooks.
+#
+# Each check trains your version on real ranks next to one process on the whole batch, PyTorch's
+# `DistributedDataParallel` and minizero's own `minizero.ddp`, and says where they differ.
+#
+#     python -m minizero grade lessons/01_ddp.ipynb
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import checks
+from minizero import collectives as C
+from minizero.bucket import make_buckets
+from minizero.collectives import all_reduce, mark
+from minizero.data import synthetic_batch
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+
+NPROCS = checks.default_nprocs()
+INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
+print(checks.describe(INFO))
+
+# %% [markdown]
+# ## 1. Why averaging gradients is enough
+#
+# The loss of a global batch of B rows is the mean over its rows. Split it into N equal slices:
+# its gradient is the **mean of the N slices' gradients**. So if rank r computes the gradient of
+# its slice and the ranks average, every rank holds the gradient that one process would compute
+# on the whole batch. The cell measures it: each rank returns its local gradients (no
+# communication), and we compare their mean with one process on the whole batch.
+
+
+# %%
+def local_gradients():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = MLP()
+    x, y = synthetic_batch("mlp", 4 * world, step=0, rank=rank, world=world)  # this rank's rows
+    model(x, y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+local = minizero.launch(local_gradients, NPROCS, verbose=False)
+torch.manual_seed(0)
+single = MLP()
+single(*synthetic_batch("mlp", 4 * NPROCS, step=0)).backward()  # one process, whole batch
+for name, p in single.named_parameters():
+    spread = max((g[name] - local[0][name]).abs().max().item() for g in local)
+    mean = sum(g[name] for g in local) / NPROCS
+    print(
+        f"{name:18} ranks differ by up to {spread:.2e};  "
+        f"|mean over ranks - one process| = {(mean - p.grad).abs().max().item():.1e}"
+    )
+
+# %% [markdown]
+# Local gradients differ between ranks (each saw other rows), so without communication the copies
+# would drift apart after one step; their mean equals one process's gradient up to float rounding.
+#
+# ## Exercise 1 — naive DDP
+#
+# Write `allreduce_gradients(model, group=None)`, called on every rank after `loss.backward()`:
+# replace every `p.grad` by its average over the ranks of `group`. Use
+# `minizero.collectives.all_reduce(tensor, group=group)` (in place, it **sums**), so that the
+# `CommLedger` sees each call. Parameters without a gradient (`p.grad is None`) are skipped.
+#
+# (The initial weights must also be the same everywhere; DDP broadcasts rank 0's at the start.
+# Here every rank seeds its generator the same way, so they already are.)
+
+
+# %%
+def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
+    """Average every gradient of ``model`` over the ranks of ``group``, in place."""
+    # BEGIN SOLUTION
+    # TODO: world = dist.get_world_size(group)
+    # TODO: for every parameter with a gradient: all_reduce(p.grad, group=group), then divide
+    world = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            all_reduce(p.grad, group=group, tag="naive")  # sum over ranks, in place
+            p.grad.div_(world)
+    # END SOLUTION
+
+
+# %% check="allreduce_gradients"
+# 3 SGD steps of minizero's MLP on NPROCS ranks: your gradients and parameters, step by step,
+# against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
+checks.check_allreduce_gradients(allreduce_gradients, NPROCS)
+
+# %% [markdown]
+# ## 2. What naive DDP costs
+#
+# Per step, naive DDP all-reduces Ψ gradient elements, which moves **2Ψ** elements in the ZeRO
+# paper's accounting (§7.1; lesson 00: all-reduce = reduce-scatter + all-gather). It does so in
+# **one collective per parameter tensor**, and **only after backward has finished**: the network
+# idles during backward, and the compute idles during communication. minizero's `NaiveDDP` does
+# the same as your function (from a callback at the end of backward). Measured on `TinyGPT`:
+
+# %%
+GPT = GPTConfig.tiny()
+PSI = count_params(TinyGPT(GPT))
+
+
+def gpt_step(model, step):
+    """One forward + backward of ``model`` on this rank's slice of a global batch of 8 N rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = checks.rank_device()
+    x, y = synthetic_batch("gpt", 8 * world, step, rank=rank, world=world, device=dev)
+    mark("forward start")
+    loss = model(x, y)
+    mark("backward start")
+    loss.backward()
+
+
+def naive_volume():
+    from minizero.ddp import NaiveDDP
+
+    torch.manual_seed(0)
+    model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
+    with C.CommLedger() as ledger:
+        gpt_step(model, 0)
+    end = next(i for i, label in ledger.marks if label == "backward end")
+    after = sum(r.index > end for r in ledger.records)
+    return len(ledger.records), after, ledger.volume_elements
+
+
+n, after, volume = minizero.launch(naive_volume, NPROCS, verbose=False)[0]
+print(
+    f"TinyGPT: Ψ = {PSI:,}; naive DDP issued {n} all-reduces per step, {after} of them after "
+    f"backward ended; volume {volume:,} elements = {volume / PSI:.2f} Ψ"
+)
+
+# %% [markdown]
+# ## 3. Gradient hooks: the argument is the parameter
+#
+# To start communicating during backward we need to know when each gradient is ready. PyTorch
+# calls `p.register_post_accumulate_grad_hook(hook)` **after** the gradient has been accumulated
+# into `p.grad`, with **the parameter `p` as the argument**, not the gradient (unlike a tensor's
+# `register_hook(hook)`, whose argument is the gradient flowing through). A well-known teaching
+# repository switched to this hook, kept treating the argument as the gradient, and all-reduced
+# the *weights*: training ran, and was silently wrong. The cell shows what each hook receives:
+
+# %%
+lin = torch.nn.Linear(3, 2)
+lin.weight.register_post_accumulate_grad_hook(
+    lambda arg: print(
+        f"post_accumulate_grad_hook: argument is lin.weight? {arg is lin.weight}; "
+        f"its .grad has shape {tuple(arg.grad.shape)}"
+    )
+)
+lin.bias.register_hook(
+    lambda grad: print(
+        f"register_hook: argument is a gradient of shape {tuple(grad.shape)}, "
+        f"requires_grad={grad.requires_grad}, is lin.bias? {grad is lin.bias}"
+    )
+)
+lin(torch.randn(4, 3)).sum().backward()
+
+# %% [markdown]
+# ## Exercise 2 — bucketed DDP, overlapped with backward
+#
+# Torch DDP (and minizero's `DDP`) group parameters into **buckets** of about `bucket_cap_mb`
+# MiB, in **reverse** registration order (backward produces the last layer's gradients first).
+# Each bucket has one flat buffer; when the last gradient of a bucket has arrived, the bucket's
+# all-reduce starts **asynchronously**, while backward goes on with earlier layers. At the end of
+# backward we wait for every bucket and write the averages back into `p.grad`.
+#
+# The class below is written except for two bodies. Provided: buckets from
+# `minizero.bucket.make_buckets` (a `Bucket` has `.index`, `.params`, `.numel` and
+# `.view(flat, p)`, the slice of a flat buffer that belongs to `p`, shaped like `p`); one flat
+# buffer per bucket; a count of gradients still expected per bucket; a hook on every parameter;
+# and `_finish()`, queued to run once when backward is over, which marks `"backward end"` on the
+# ledger's timeline.
+#
+# * `_on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer;
+#   decrement the bucket's count; when it reaches 0, start the bucket's all-reduce with
+#   `all_reduce(flat, group=self.group, async_op=True, tag=...)` and keep `(bucket, work)` in
+#   `self.works`.
+# * `_finish()`: for each `(bucket, work)`: `work.wait()`, divide the flat buffer by the world size,
+#   copy each parameter's slice back into its `p.grad`.
+
+
+# %%
+class BucketedDDP(torch.nn.Module):
+    """DDP with gradient buckets whose all-reduce overlaps backward."""
+
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25, group=None):
+        super().__init__()
+        self.module, self.group = module, group
+        self.world = dist.get_world_size(group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for p in params:
+                C.broadcast(p.detach(), src=0, group=group, tag="initial weights")
+        self.buckets = make_buckets(params, bucket_cap_mb)  # bucket 0 holds the LAST parameters
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        # (numel,) flat gradient buffer per bucket; b.view(self.flat[b.index], p) is p's slot
+        self.flat = [torch.zeros(b.numel, device=b.params[0].device) for b in self.buckets]
+        self.pending = [len(b.params) for b in self.buckets]  # gradients still to arrive
+        self.works = []  # (bucket, async work) of the all-reduces in flight
+        self._finish_queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Autograd calls this when ``param.grad`` holds this backward's gradient."""
+        if not self._finish_queued:  # run self._finish() once, when backward is over
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        # BEGIN SOLUTION
+        # TODO: b = self.bucket_of[param]; copy param.grad into b.view(self.flat[b.index], param)
+        # TODO: one gradient fewer to wait for in b; if none is left, start b's async all-reduce
+        b = self.bucket_of[param]
+        b.view(self.flat[b.index], param).copy_(param.grad)  # the argument is the PARAMETER
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:  # b's last gradient: communicate while backward goes on
+            work = all_reduce(self.flat[b.index], group=self.group, async_op=True,
+                              tag=f"bucket {b.index}")  # fmt: skip
+            self.works.append((b, work))
+        # END SOLUTION
+
+    def _finish(self) -> None:
+        """Runs once at the end of backward: wait, average, write back into p.grad."""
+        self._finish_queued = False
+        mark("backward end")
+        # BEGIN SOLUTION
+        # TODO: for (b, work) in self.works: wait; divide self.flat[b.index] by self.world;
+        # TODO: copy each p's slice, b.view(self.flat[b.index], p), into p.grad
+        for b, work in self.works:
+            work.wait()
+            flat = self.flat[b.index].div_(self.world)  # (numel,) sum over ranks -> average
+            for p in b.params:
+                p.grad.copy_(b.view(flat, p))
+        # END SOLUTION
+        self.works.clear()
+        self.pending = [len(b.params) for b in self.buckets]
+
+
+# %% check="BucketedDDP"
+# 3 SGD steps of the MLP with bucket_cap_mb=0.002 (a few buckets): gradients and parameters
+# against one process, torch DDP and minizero.ddp.DDP; one all-reduce per bucket, asynchronous,
+# some started before backward ended; volume 2Ψ.
+checks.check_bucketed_ddp(BucketedDDP, NPROCS)
+
+# %% [markdown]
+# ## 4. When did each bucket's all-reduce run?
+#
+# minizero's `DDP` works like your class (its gradients *are* views into the buckets, as with
+# torch DDP's `gradient_as_bucket_view=True`, which saves one copy of the gradients). The cell
+# trains `TinyGPT` for 3 steps at three bucket sizes and keeps the last step's timeline: when each
+# mark was made and when each all-reduce was issued and completed (its `wait()` returned), from a
+# `CommLedger` that also notes times (`checks.TimedLedger`).
+
+# %%
+CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT
+
+
+def timelines(progress, steps=3):
+    dev = checks.rank_device()
+    out = {}
+    for cap in CAPS:
+        torch.manual_seed(0)
+        model, opt = minizero.parallelize(
+            TinyGPT(GPT).to(dev), 0, lambda p: torch.optim.SGD(p, lr=0.1), bucket_cap_mb=cap
+        )
+        for step in range(steps):  # the first steps warm up; keep the last one
+            with checks.TimedLedger() as ledger:
+                gpt_step(model, step)
+            opt.step()
+            opt.zero_grad()
+        t0 = ledger.at[ledger.marks[0][0]]
+        marks = {label: ledger.at[i] - t0 for i, label in ledger.marks}
+        comm = [(r.tag, ledger.at[r.index] - t0, ledger.at[r.index] - t0 + r.seconds, r.numel)
+                for r in ledger.records]  # fmt: skip
+        out[cap] = {"marks": marks, "comm": comm}
+        progress.tick()
+    return out
+
+
+TIMELINES = checks.launch_with_progress(timelines, NPROCS, total=len(CAPS), desc="timelines",
+                                        verbose=False)[0]  # fmt: skip
+
+
+def draw(cap, ax):
+    tl, ms = TIMELINES[cap], 1e3
+    m = {label: t * ms for label, t in tl["marks"].items()}  # ms since forward start
+    ax.barh(0, m["backward start"], color="tab:gray", label="forward")
+    ax.barh(0, m["backward end"] - m["backward start"], left=m["backward start"],
+            color="tab:blue", label="backward")  # fmt: skip
+    for k, (_, start, end, numel) in enumerate(tl["comm"], start=1):
+        ax.barh(k, (end - start) * ms, left=start * ms, color="tab:orange")
+        ax.text(end * ms, k, f" {numel:,} elements", va="center", fontsize=7)
+    ax.axvline(m["backward end"], color="k", ls="--", lw=1)
+    ax.set_yticks(range(len(tl["comm"]) + 1),
+                  ["compute"] + [f"bucket {k}" for k in range(len(tl["comm"]))])  # fmt: skip
+    ax.tick_params(axis="y", labelsize=7)
+    ax.invert_yaxis()
+    ax.set_title(f"bucket_cap_mb={cap}: {len(tl['comm'])} buckets", fontsize=9)
+
+
+rows = [len(TIMELINES[cap]["comm"]) + 1 for cap in CAPS]
+fig, axes = plt.subplots(len(CAPS), 1, figsize=(10, 1.5 + 0.3 * sum(rows)), sharex=True,
+                         gridspec_kw={"height_ratios": rows})  # fmt: skip
+for cap, ax in zip(CAPS, axes, strict=True):
+    draw(cap, ax)
+axes[-1].set_xlabel("ms since forward start (dashed line: end of backward)")
+axes[0].legend(loc="lower right", fontsize=7)
+fig.suptitle(f"minizero DDP on TinyGPT, one step seen from rank 0: {checks.describe(INFO)}")
+fig.tight_layout()
+plt.show()
+for cap in CAPS:
+    tl = TIMELINES[cap]
+    start, end = tl["marks"]["backward start"], tl["marks"]["backward end"]
+    first = min(s for _, s, _, _ in tl["comm"])
+    print(
+        f"bucket_cap_mb={cap:>5}: {len(tl['comm']):2d} all-reduces; the first was issued "
+        f"{(first - start) / (end - start):4.0%} of the way through backward"
+    )
+
+# %% [markdown]
+# Each orange bar runs from the moment a bucket's all-reduce was issued to the moment its
+# `wait()` returned at the end of backward. With small buckets the first all-reduce is issued
+# early in backward (printed above) and communication proceeds while earlier layers are still
+# being differentiated; with one big bucket (25 MiB, torch DDP's default, larger than TinyGPT)
+# the all-reduce can only be issued once the last gradient exists: naive DDP in one message.
+# On GPUs the host issues work ahead of the device, so these host-side times show order more
+# than duration.
+#
+# To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is
+# the same data):
+
+# %%
+try:
+    import ipywidgets
+except ImportError:  # the static figure above shows the same timelines
+    ipywidgets = None
+if ipywidgets is not None:
+
+    def show(cap):
+        fig, ax = plt.subplots(figsize=(10, 3))
+        draw(cap, ax)
+        ax.set_xlabel("ms since forward start")
+        fig.suptitle(checks.describe(INFO), fontsize=9)
+        plt.show()
+
+    ipywidgets.interact(show, cap=ipywidgets.Dropdown(options=CAPS, value=CAPS[0]))
+
+# %% [markdown]
+# ## 5. Naive, bucketed, PyTorch: messages, volume, time
+#
+# Same model, same data, three implementations of the same averaging. The cell measures per step
+# (median of 5 after 2 warm-up steps): the number of all-reduces, the volume in units of Ψ, and
+# the wall time of forward + backward + communication. (torch DDP does not go through
+# `minizero.collectives`, so the ledger cannot count its messages.)
+
+
+# %%
+def compare(progress, steps=7):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minizero.ddp import DDP, NaiveDDP
+
+    dev = checks.rank_device()
+    ids = [dev.index] if dev.type == "cuda" else None
+    makers = {
+        "naive (NaiveDDP)": lambda m: NaiveDDP(m),
+        "bucketed (DDP, 0.1 MiB)": lambda m: DDP(m, bucket_cap_mb=0.1),
+        "torch DDP (0.1 MiB)": lambda m: DistributedDataParallel(
+            m, device_ids=ids, bucket_cap_mb=0.1
+        ),
+    }
+    rows = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        model = make(TinyGPT(GPT).to(dev))
+        times, counts, volumes = [], [], []
+        for step in range(steps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            with C.CommLedger() as ledger:
+                gpt_step(model, step)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            counts.append(len(ledger.records))
+            volumes.append(ledger.volume_elements)
+            model.zero_grad()
+        rows[name] = (sorted(times[2:])[len(times[2:]) // 2], counts[-1], volumes[-1])
+        progress.tick()
+    return rows
+
+
+ROWS = checks.launch_with_progress(compare, NPROCS, total=3, desc="DDP variants",
+                                   verbose=False)[0]  # fmt: skip
+print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}")
+for name, (sec, count, volume) in ROWS.items():
+    msgs = f"{count:3d} all-reduces, {volume / PSI:.2f} Ψ" if count else "(not counted)"
+    print(f"  {name:26} {sec * 1e3:7.2f} ms/step   {msgs}")
+
+# %% [markdown]
+# What the numbers say:
+#
+# * **Volume is the same, 2Ψ**: bucketing changes how many messages carry the gradient and when,
+#   not how much is sent.
+# * **Messages**: one per parameter tensor for naive DDP, one per bucket for bucketed DDP. Each
+#   message pays a latency (lesson 00's curve), so fewer, larger messages help.
+# * **Time**: the measured times above mix two effects, fewer messages (fewer latencies) and
+#   overlap (communication hidden behind backward). Overlap helps only where communication and
+#   computation do not compete for the same resources: gloo's threads share the CPU cores with
+#   backward, while NCCL on GPUs has its own stream and links. Rerun the cell: on a shared
+#   machine these times move.
+#
+# ## 6. The redundancy ZeRO removes
+#
+# Every rank holds the whole model state: parameters, gradients and optimizer states. The cell
+# measures, on every rank, the bytes of each after one step of DDP with AdamW in fp32 and in bf16
+# mixed precision (`minizero.memory.model_state_bytes`), next to the paper's formulas:
+# (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed precision (fp32
+# master weights, momentum and variance). On GPUs the same states also show in
+# `torch.cuda.memory_allocated()`; lesson 02 plots the allocator's figures.
+
+
+# %%
+def model_states(precision):
+    from minizero.memory import model_state_bytes, paper_model_state_bytes
+
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(
+        TinyGPT(GPT).to(checks.rank_device()), 0, lambda p: torch.optim.AdamW(p, lr=1e-3),
+        precision=precision,
+    )  # fmt: skip
+    gpt_step(model, 0)
+    opt.step()
+    paper = paper_model_state_bytes(PSI, dist.get_world_size(), 0, precision)
+    return model_state_bytes(model, opt), paper
+
+
+for precision in ("fp32", "bf16"):
+    per_rank = minizero.launch(model_states, NPROCS, precision, verbose=False)
+    paper = per_rank[0][1]
+    print(f"DDP, {precision}, {checks.describe(INFO)}: bytes per rank / Ψ")
+    for r, (got, _) in enumerate(per_rank):
+        print(
+            f"  rank {r}: "
+            + ", ".join(f"{k} {v / PSI:.1f}" for k, v in got.items())
+            + f"  (total {sum(got.values()) / PSI:.1f})"
+        )
+    print(
+        "  paper : "
+        + ", ".join(f"{k} {v / PSI:.1f}" for k, v in paper.items())
+        + f"  (total {sum(paper.values()) / PSI:.1f})"
+    )
+
+# %% [markdown]
+# Every rank holds the same 16Ψ bytes: N ranks hold N copies of everything, though each rank only
+# needs its own data's gradient contribution. ZeRO (Rajbhandari et al., Microsoft DeepSpeed,
+# arXiv 1910.02054, SC20) is this same synchronous data parallelism with that redundancy removed:
+# no parameter server, no asynchrony, nothing specific to Transformers. Lesson 02 partitions the
+# optimizer states (stage 1, P_os).

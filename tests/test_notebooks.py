@@ -1,0 +1,280 @@
+"""The course: notebooks match their sources, lessons fail exactly at their check cells, solutions
+pass (under nbval too), the grader reports PASS/FAIL, and checks say what differs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from minizero import checks, course
+from minizero.bucket import make_buckets
+from minizero.collectives import all_gather, all_reduce, mark, reduce_scatter
+
+ROOT = Path(__file__).resolve().parent.parent
+STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
+
+
+# -- generation ------------------------------------------------------------------------------------
+def test_committed_notebooks_match_their_sources():
+    assert course.stale(ROOT) == [], "run `python -m minizero lessons` and commit the notebooks"
+
+
+def test_every_lesson_has_both_notebooks_and_a_check_per_exercise():
+    assert STEMS, "no lesson sources in course/"
+    for stem in STEMS:
+        cells = course.parse((ROOT / "course" / f"{stem}.py").read_text(), stem)
+        assert any(c.check for c in cells), f"{stem} has no check cell"
+        for variant in course.VARIANTS:
+            assert (ROOT / variant / f"{stem}.ipynb").exists()
+
+
+def test_generation_is_deterministic_valid_and_without_outputs():
+    first, second = course.generate(ROOT), course.generate(ROOT)
+    assert first == second
+    for rel, text in first.items():
+        nb = nbformat.reads(text, as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata.kernelspec.name == "python3"
+        ids = [c.id for c in nb.cells]
+        assert len(set(ids)) == len(ids) and ids[0] == f"{rel.stem}-000"
+        for c in nb.cells:
+            if c.cell_type == "code":
+                assert c.outputs == [] and c.execution_count is None, rel
+
+
+def test_lessons_hide_the_solutions_and_solutions_hide_the_hints():
+    for stem in STEMS:
+        lesson = json.loads(course.generate(ROOT)[Path("lessons") / f"{stem}.ipynb"])
+        solution = json.loads(course.generate(ROOT)[Path("solutions") / f"{stem}.ipynb"])
+        for lc, sc in zip(lesson["cells"], solution["cells"], strict=True):
+            ltext, stext = "".join(lc["source"]), "".join(sc["source"])
+            assert lc["metadata"] == sc["metadata"]
+            if "exercise" in lc["metadata"].get("tags", []):
+                assert 'raise NotImplementedError("TODO: write' in ltext
+                assert "# TODO:" in ltext and "# TODO:" not in stext
+                assert "NotImplementedError" not in stext
+                assert "BEGIN SOLUTION" not in ltext + stext
+            else:
+                assert ltext == stext
+
+
+SOURCE = '''# %% [markdown]
+# # Title
+#
+# text
+
+# %%
+import math
+
+
+def f(x):
+    """doc"""
+    y = 1
+    # BEGIN SOLUTION
+    # TODO: return x plus y
+    return x + y
+    # END SOLUTION
+
+
+# %% check="f"
+assert f(1) == 2
+'''
+
+
+def test_a_small_source_renders_to_both_variants():
+    cells = course.parse(SOURCE, "x.py")
+    assert [c.kind for c in cells] == ["markdown", "code", "code"]
+    assert cells[0].lines == ["# Title", "", "text"]
+    assert cells[1].tags == ["exercise"] and cells[2].tags == ["check"] and cells[2].check == "f"
+    lesson = course.render_code(cells[1], "lessons")
+    solution = course.render_code(cells[1], "solutions")
+    assert lesson.endswith(
+        '    # TODO: return x plus y\n    raise NotImplementedError("TODO: write f()")'
+    )
+    assert solution.endswith("    y = 1\n    return x + y")
+    nb = course.notebook(cells, "99_x", "lessons", "course/99_x.py")
+    assert nb["cells"][2]["metadata"] == {"tags": ["check"], "minizero": {"check": "f"}}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            '# %%\n# BEGIN SOLUTION\nx = 1\n# END SOLUTION\n# %% check="x"\n',
+            "x.py:2: '# BEGIN SOLUTION' at top level",
+        ),
+        ("# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n", "x.py:1: '# BEGIN SOLUTION' without"),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n",
+            "x.py:1: exercise cell has no check cell after it",
+        ),
+        ('# %% tags=["x"]\n', "x.py:1: cannot read cell header"),
+        ("x = 1\n", "x.py:1: text before the first"),
+        ("# %% [markdown]\nnot a comment\n", "x.py:2: a markdown line must start with '# '"),
+    ],
+)
+def test_source_errors_name_file_and_line(text, message):
+    with pytest.raises(course.SourceError, match="^" + re.escape(message)):
+        course.parse(text, "x.py")
+
+
+def test_lessons_check_names_the_stale_file(tmp_path, capsys):
+    shutil.copytree(ROOT / "course", tmp_path / "course")
+    assert course.lessons_main(["--root", str(tmp_path)]) == 0
+    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 0
+    src = tmp_path / "course" / f"{STEMS[0]}.py"
+    src.write_text(src.read_text() + "\n# %%\nprint('new cell')\n")
+    capsys.readouterr()
+    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"stale: lessons/{STEMS[0]}.ipynb (differs from its source)" in err
+    assert f"stale: solutions/{STEMS[0]}.ipynb (differs from its source)" in err
+    (tmp_path / "lessons" / "77_orphan.ipynb").write_text("{}")
+    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 1
+    assert "lessons/77_orphan.ipynb (no source course/77_orphan.py)" in capsys.readouterr().err
+
+
+# -- running the notebooks -----------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stem", STEMS)
+def test_lessons_fail_exactly_at_the_check_cells(stem):
+    runs = course.execute(ROOT / "lessons" / f"{stem}.ipynb")
+    failed = {r.index: r.error for r in runs if r.error}
+    check_cells = {r.index for r in runs if r.check}
+    assert set(failed) == check_cells, failed
+    for i in check_cells:
+        assert "CheckFailed" in failed[i] and "NotImplementedError: TODO: write" in failed[i]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_solutions_pass_under_nbval():
+    cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "solutions/",
+           "-q", "-p", "no:cacheprovider"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1700)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_grade_prints_pass_and_fail_per_exercise(capsys):
+    stem = STEMS[0]
+    assert course.grade_main([str(ROOT / "solutions" / f"{stem}.ipynb")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  all_reduce_via_rs_ag" in out and "1/1 passed" in out
+    assert course.grade_main([str(ROOT / "lessons" / f"{stem}.ipynb")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  all_reduce_via_rs_ag" in out and "NotImplementedError: TODO: write" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stem", STEMS)
+def test_solutions_run_one_rank_per_gpu_over_nccl(stem):
+    runs = course.execute(ROOT / "solutions" / f"{stem}.ipynb")
+    assert [r for r in runs if r.error] == []
+
+
+# -- what the checks say ------------------------------------------------------------------------
+def _no_padding(t, group=None):
+    world = dist.get_world_size(group)
+    flat = t.reshape(-1).clone()
+    chunk = torch.empty(t.numel() // world)
+    reduce_scatter(chunk, flat[: chunk.numel() * world], group=group)
+    all_gather(flat[: chunk.numel() * world], chunk, group=group)
+    t.copy_(flat.view_as(t))
+    return t
+
+
+def _plain_all_reduce(t, group=None):
+    all_reduce(t, group=group)
+    return t
+
+
+def test_check_all_reduce_via_rs_ag_names_shape_element_and_padding():
+    with pytest.raises(checks.CheckFailed) as e:
+        checks.check_all_reduce_via_rs_ag(_no_padding, 2)
+    assert str(e.value).startswith("wrong sum for a tensor of shape (1,) on rank 0 (world size 2)")
+    assert "pad the flat tensor to a multiple of the world size (2)" in str(e.value)
+    with pytest.raises(checks.CheckFailed, match=r"issued \['all_reduce'\]"):
+        checks.check_all_reduce_via_rs_ag(_plain_all_reduce, 2)
+
+
+def _summed_not_averaged(model, group=None):
+    for p in model.parameters():
+        if p.grad is not None:
+            all_reduce(p.grad, group=group)
+
+
+def test_check_naive_ddp_names_step_parameter_and_factor():
+    with pytest.raises(checks.CheckFailed) as e:
+        checks.check_allreduce_gradients(_summed_not_averaged, 2)
+    msg = str(e.value)
+    assert msg.startswith("step 0, rank 0, gradient of 'gain': max |yours - one process")
+    assert "Yours is 2.00x the reference" in msg
+
+
+class _HookArgumentAsGradient(torch.nn.Module):
+    """The famous bug: all-reduces the hook's argument (the parameter) as if it were the grad."""
+
+    def __init__(self, module, bucket_cap_mb=25, group=None):
+        super().__init__()
+        self.module, self.world = module, dist.get_world_size(group)
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def _hook(self, grad):  # wrong: the argument is the parameter
+        all_reduce(grad)
+        grad.div_(self.world)
+
+
+class _AllAtTheEnd(torch.nn.Module):
+    """Correct buckets, but every all-reduce starts after backward: no overlap."""
+
+    def __init__(self, module, bucket_cap_mb=25, group=None):
+        super().__init__()
+        self.module, self.world = module, dist.get_world_size(group)
+        self.buckets = make_buckets(list(module.parameters()), bucket_cap_mb)
+        self.queued = False
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def _hook(self, p):
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self):
+        self.queued = False
+        mark("backward end")
+        for b in self.buckets:
+            flat = torch.cat([p.grad.reshape(-1) for p in b.params])
+            all_reduce(flat, async_op=True).wait()
+            flat /= self.world
+            for p in b.params:
+                p.grad.copy_(b.view(flat, p))
+
+
+def test_check_bucketed_ddp_explains_the_hook_argument_and_missing_overlap():
+    with pytest.raises(checks.CheckFailed) as e:
+        checks.check_bucketed_ddp(_HookArgumentAsGradient, 2)
+    assert "It is rank 0's own local gradient" in str(e.value)
+    assert "hook receives the PARAMETER" in str(e.value)
+    with pytest.raises(checks.CheckFailed, match="none overlaps backward"):
+        checks.check_bucketed_ddp(_AllAtTheEnd, 2)
