@@ -1,0 +1,148 @@
+"""The README's main demo: ``python -m minizero demo [--nprocs N] [--stage S]``. Lessons 01-05.
+
+Trains a TinyGPT for a few steps with ``minizero.parallelize(model, stage, AdamW)`` on 2 gloo
+ranks on the CPU, or on one rank per GPU over NCCL, and prints three measurements:
+
+(a) equivalence: the largest parameter difference against one process trained on the whole global
+    batch, and against ``torch.nn.parallel.DistributedDataParallel`` on the same ranks;
+(b) communication: the elements this rank moved in one step (``CommLedger``), in units of Ψ, next
+    to the ZeRO paper's 2Ψ (DDP, stages 1 and 2) or 3Ψ (stage 3) (§7);
+(c) memory: model-state bytes this rank holds at the end of backward, next to the paper's formula
+    (§3.1, §5) for fp32 Adam: params 4Ψ, grads 4Ψ, optimizer K=8 (m and v), divided by N as the
+    stage partitions them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
+PAPER_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # Ψ moved per step (ZeRO §7.2)
+STEPS, GLOBAL_BATCH, LR = 5, 16, 1e-3
+TOLERANCE = 1e-5  # fp32: different summation orders, a few AdamW steps
+
+
+def _rank(stage: int) -> dict:
+    """One rank: train minizero, torch DDP and (here too) one process on the global batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minizero.bench import _device, _where
+    from minizero.collectives import CommLedger
+    from minizero.data import synthetic_batch
+    from minizero.memory import model_state_bytes
+    from minizero.models import GPTConfig, TinyGPT, count_params
+    from minizero.parallelize import full_state_dict, parallelize
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dev = _device()
+    cfg = GPTConfig.tiny()
+    torch.manual_seed(0)
+    base = TinyGPT(cfg).to(dev)
+    adamw = lambda params: torch.optim.AdamW(params, lr=LR)
+    model, opt = parallelize(copy.deepcopy(base), stage, adamw)
+    ref = copy.deepcopy(base)  # one process, the whole global batch
+    ref_opt = adamw(ref.parameters())
+    ids = None if dev.index is None else [dev.index]
+    tddp = DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
+    tddp_opt = adamw(tddp.parameters())
+    shape = dict(vocab_size=cfg.vocab_size, seq_len=cfg.block_size, device=dev)
+    batch = lambda s, r, n: synthetic_batch("gpt", GLOBAL_BATCH, s, rank=r, world=n, **shape)
+    losses, ref_losses, ledger, states = [], [], CommLedger(), {}
+    t0 = time.perf_counter()
+    for s in range(STEPS):
+        mine = batch(s, rank, world)  # this rank's rows of step s's global batch
+        with ledger if s == STEPS - 1 else nullcontext():  # the last step: a steady state
+            loss = model(*mine)
+            loss.backward()
+            if s == STEPS - 1:
+                states = model_state_bytes(model, opt)  # end of backward: every state alive
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())  # mean over this rank's rows
+        for m, o, b in ((ref, ref_opt, batch(s, 0, 1)), (tddp, tddp_opt, mine)):
+            loss = m(*b)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            if m is ref:
+                ref_losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+    full = full_state_dict(model)  # collective for ZeRO: every rank calls it
+    diff = lambda other: max((full[k].cpu() - v.detach().float().cpu()).abs().max().item()
+                             for k, v in other.state_dict().items())  # fmt: skip
+    return dict(where=_where(), psi=count_params(base), losses=losses, ref_losses=ref_losses,
+                states=states, by_op=ledger.by_op(), volume=ledger.volume_elements,
+                seconds=seconds, diff_ref=diff(ref), diff_torch=diff(tddp.module))  # fmt: skip
+
+
+def demo(nprocs: int | None = None, stage: int = 0) -> int:
+    """Run the demo; print (a) equivalence, (b) volume per step, (c) memory. 0 when (a) passes."""
+    from minizero.launch import gpu_count, launch
+    from minizero.memory import format_bytes, paper_model_state_bytes
+
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
+    gpus = gpu_count()
+    n = nprocs or (gpus if gpus >= 2 else 2)
+    t0 = time.perf_counter()
+    if n > gpus:  # gloo ranks are forked from this process: import once here what they all need
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first one imports torch._dynamo
+    res = launch(_rank, n, stage, timeout=300, verbose=False)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank has the results
+        return 0
+    where, psi = res[0]["where"], res[0]["psi"]
+    world = where["world"]
+    print(f"minizero demo: stage {stage} = {STAGE_NAMES[stage]}, {world} ranks, "
+          f"{where['backend']} on {where['device']}, torch {where['torch']}")  # fmt: skip
+    print(f"model: TinyGPT tiny, Ψ = {psi:,} parameters; global batch {GLOBAL_BATCH} sequences "
+          f"({GLOBAL_BATCH // world} per rank); AdamW lr {LR:g}; fp32; {STEPS} steps")  # fmt: skip
+    print(f"\n{'step':>6}{'loss, minizero':>17}{'loss, 1 process':>18}")
+    for s in range(STEPS):
+        mean = sum(r["losses"][s] for r in res) / world  # equal slices: mean of means = mean
+        print(f"{s:>6}{mean:>17.6f}{res[0]['ref_losses'][s]:>18.6f}")
+
+    print(f"\n(a) equivalence after {STEPS} steps (max over ranks){'max|Δparam|':>18}"
+          f"{'tolerance':>11}")  # fmt: skip
+    ok = True
+    for label, key in (("vs one process on the global batch", "diff_ref"),
+                       ("vs torch DistributedDataParallel", "diff_torch")):  # fmt: skip
+        d = max(r[key] for r in res)
+        ok &= d <= TOLERANCE
+        print(
+            f"    {label:<44}{d:>18.1e}{TOLERANCE:>11.0e}   {'PASS' if d <= TOLERANCE else 'FAIL'}"
+        )
+
+    vol = res[0]["volume"] / psi
+    print("\n(b) communication in one step, rank 0 (CommLedger; all-reduce of S counts 2S)")
+    for op, elements in res[0]["by_op"].items():
+        print(f"    {op:<16}{elements:>12,} elements = {elements / psi:.2f} Ψ")
+    if max(r["volume"] for r in res) != min(r["volume"] for r in res):
+        print("    (ranks moved different volumes: " + ", ".join(f"{r['volume'] / psi:.3f} Ψ"
+                                                          for r in res) + ")")  # fmt: skip
+    print(f"    moved {vol:.2f} Ψ per step, paper: {PAPER_VOLUME[stage]}Ψ")
+
+    paper = paper_model_state_bytes(psi, world, stage, "fp32")
+    per = {"params": 4, "grads": 4, "optimizer": 8}
+    cut = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    print("\n(c) model states per rank at the end of backward (max over ranks), fp32 Adam")
+    print(f"    {'':12}{'measured':>14}{'paper':>14}{'formula':>10}{'measured/paper':>16}")
+    got_total = 0
+    for cat in ("params", "grads", "optimizer"):
+        got = max(r["states"][cat] for r in res)
+        got_total += got
+        formula = f"{per[cat]}Ψ" + (f"/{world}" if cut[cat] else "")
+        print(f"    {cat:<12}{format_bytes(got):>14}{format_bytes(paper[cat]):>14}{formula:>10}"
+              f"{got / paper[cat]:>16.3f}")  # fmt: skip
+    want = sum(paper.values())
+    print(f"    {'total':<12}{format_bytes(got_total):>14}{format_bytes(want):>14}{'':>10}"
+          f"{got_total / want:>16.3f}")  # fmt: skip
+    print(f"\n{'PASS' if ok else 'FAIL'}: {world} ranks x {STEPS} steps in "
+          f"{max(r['seconds'] for r in res):.1f} s of training, {time.perf_counter() - t0:.1f} s "
+          "in all")  # fmt: skip
+    return 0 if ok else 1

@@ -1,0 +1,91 @@
+"""Smoke tests of the benchmarks and the demo: each runs at a tiny size on 2 gloo ranks and writes
+what it promises (JSON keys, exact model-state bytes, the paper's volumes). No timing asserts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minizero.__main__ import main
+from minizero.bench import bench_ddp, bench_stages
+from minizero.collectives import BUSBW_FACTOR
+from minizero.demo import demo
+from minizero.models import GPTConfig, TinyGPT, count_params
+
+PSI_TINY = count_params(TinyGPT(GPTConfig.tiny()))
+TINY = ["--nprocs", "2", "--model", "tiny", "--batch", "4", "--warmup", "1", "--steps", "2",
+        "--k", "1"]  # fmt: skip
+
+
+def test_bench_collectives_json(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    argv = ["bench", "collectives", "--nprocs", "2", "--min-bytes", "1024", "--max-bytes", "4096",
+            "--iters", "2", "--warmup", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "2 ranks, gloo on" in text and "gloo: reduce-scatter is built on all-reduce" in text
+    data = json.loads(out.read_text())
+    assert set(data["where"]) == {"backend", "device", "world", "torch"}
+    rows = data["rows"]
+    assert [(r["op"], r["nbytes"]) for r in rows] == [
+        (op, size) for size in (1024, 4096)
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["count"] * 4 == r["nbytes"] and r["count"] % 2 == 0
+        assert r["algbw"] == pytest.approx(r["nbytes"] / r["seconds"])
+        assert r["busbw"] == pytest.approx(r["algbw"] * BUSBW_FACTOR[r["op"]](2))
+        assert r["ratio"] == pytest.approx(r["seconds"] / r["torch_seconds"])
+
+
+def test_bench_ddp_json(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert bench_ddp([*TINY, "--json", str(out)]) == 0
+    assert "minizero DDP / torch DDP:" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["psi"] == PSI_TINY and data["where"]["world"] == 2
+    (group,) = data["groups"]
+    assert [r["name"] for r in group["rows"]] == ["minizero DDP", "torch DDP"]
+    assert group["steps"] == 1 + 2  # warmup + rounds * k, the same for both
+    assert group["max_param_diff"] <= 1e-6  # same init, same batches, same AdamW
+    for row in group["rows"]:  # fp32 Adam, nothing partitioned: 4Ψ + 4Ψ + 8Ψ, exactly
+        assert row["state_bytes"] == {"params": 4 * PSI_TINY, "grads": 4 * PSI_TINY,
+                                      "optimizer": 8 * PSI_TINY}  # fmt: skip
+        assert row["peak_bytes"] > 16 * PSI_TINY
+        assert len(row["times_rank0"]) == 2 and row["median_s"] > 0
+    plain = group["rows"][0]["median_s"] / group["rows"][1]["median_s"]
+    assert group["median_ratio"] == pytest.approx(plain) and group["ratio"] > 0
+
+
+def test_bench_stages_json(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert bench_stages([*TINY, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for peer in ("ZeroRedundancyOptimizer(AdamW)", "fully_shard(reshard_after_forward=False)",
+                 "fully_shard(reshard_after_forward=True)"):  # fmt: skip
+        assert peer in text
+    groups = json.loads(out.read_text())["groups"]
+    assert [g["rows"][0]["name"] for g in groups] == [f"minizero stage {s}" for s in range(4)]
+    for g in groups:
+        assert g["max_param_diff"] <= 1e-5 and g["ratio"] > 0
+    states = [g["rows"][0]["state_bytes"] for g in groups]  # minizero stage s on one rank
+    half = lambda n: pytest.approx(n / 2, rel=0.01)  # a shard of N=2, padding aside
+    assert states[0]["optimizer"] == 8 * PSI_TINY
+    assert states[1]["optimizer"] == half(8 * PSI_TINY) and states[1]["grads"] == 4 * PSI_TINY
+    assert states[2]["grads"] == half(4 * PSI_TINY) and states[2]["params"] == 4 * PSI_TINY
+    assert states[3]["params"] == half(4 * PSI_TINY)
+
+
+@pytest.mark.parametrize(("stage", "volume"), [(0, "2.00"), (3, "3.0")])
+def test_demo(stage, volume, capsys):
+    assert demo(2, stage) == 0
+    text = capsys.readouterr().out
+    assert f"stage {stage}" in text and "2 ranks, gloo on" in text
+    assert text.count("PASS") == 3  # two equivalence lines and the verdict
+    assert f"moved {volume}" in text and f"paper: {2 if stage < 3 else 3}Ψ" in text
+
+
+def test_demo_rejects_bad_stage():
+    with pytest.raises(ValueError, match="stage must be 0 "):
+        demo(2, 4)
