@@ -89,12 +89,12 @@ print(
 
 # %% [markdown]
 # The last column already shows the identity of this lesson: **all-gathering the chunks of a
-# reduce-scatter gives the all-reduce**. Ring and tree implementations of all-reduce are built
-# exactly this way, and the ZeRO paper (Rajbhandari et al., *ZeRO: Memory Optimizations Toward
-# Training Trillion Parameter Models*, arXiv 1910.02054, SC20, §7.1) counts communication with it:
-# an all-reduce of Ψ elements moves 2Ψ (Ψ in the reduce-scatter, Ψ in the all-gather). ZeRO
-# stages 1 and 2 keep only the reduce-scatter half where the gradient is needed, stage 3 adds
-# all-gathers of the parameters; all of them are this identity, taken apart.
+# reduce-scatter gives the all-reduce**. Ring all-reduce is built exactly this way (a
+# reduce-scatter pass around the ring, then an all-gather pass), and the ZeRO paper (Rajbhandari
+# et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, arXiv
+# 1910.02054, SC20, §7.1) counts communication with it: an all-reduce of Ψ elements moves 2Ψ,
+# Ψ in the reduce-scatter and Ψ in the all-gather. The ZeRO stages use the two halves separately,
+# with work in between; lessons 02–04 measure how.
 #
 # ## Exercise 1 — `all_reduce_via_rs_ag`
 #
@@ -181,8 +181,8 @@ print("volume (elements):", ledger.by_op())
 # PyTorch's `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of the whole
 # input** and copies out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce
 # costs, and its busbw (computed with the smaller factor (N−1)/N) comes out at about half of the
-# all-reduce's. NCCL implements reduce-scatter natively, and there it takes about half the time
-# of an all-reduce of the same S. The last cell of this section prints the ratio measured here.
+# all-reduce's. NCCL implements reduce-scatter natively; run this notebook on GPUs and the same
+# cells measure it there. The last cell of this section prints the ratio measured here.
 
 
 # %%
@@ -263,9 +263,10 @@ print(
 # * **Small messages are latency-bound**: below some size the time per call hardly changes with
 #   S, so busbw grows with S (left plot, rising part). Sending many small tensors costs a latency
 #   each: this is why DDP groups gradients into buckets (lesson 01).
-# * **The ratio** printed above is near 1 on gloo for reduce-scatter (it *is* an all-reduce
-#   there), and near 0.5 on NCCL. With an emulated reduce-scatter, RS + AG costs more than one
-#   all-reduce; with native ones, about the same. The *volume* is the same either way (section 3):
-#   that is what the ZeRO paper counts, and what lessons 02–04 measure.
+# * **The ratio** printed above: on gloo, time(reduce_scatter) / time(all_reduce) is near 1,
+#   because there the reduce-scatter *is* an all-reduce, so RS + AG costs more than one
+#   all-reduce. With a native reduce-scatter (NCCL) each half should cost about half an
+#   all-reduce. The *volume* is the same either way (section 3): that is what the ZeRO paper
+#   counts, and what lessons 02–04 measure.
 #
 # Next: **lesson 01 — DDP**, where the all-reduce averages gradients.
