@@ -16,15 +16,28 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks: collectives, ddp, stages")
     b.add_argument("what", choices=["collectives", "ddp", "stages"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    r = sub.add_parser("run", help="run a script under torchrun (multi-node, one rank per GPU)")
+    r = sub.add_parser(
+        "run", add_help=False, help="run a script under torchrun (multi-node, one rank per GPU)"
+    )
     r.add_argument("rest", nargs=argparse.REMAINDER)
-    s = sub.add_parser("simulate", help="ZeRO's Table 1 from the real stage code on meta tensors")
+    s = sub.add_parser(
+        "simulate", add_help=False, help="ZeRO's Table 1 from the real stage code on meta tensors"
+    )
     s.add_argument("rest", nargs=argparse.REMAINDER)
-    g = sub.add_parser("grade", help="grade your lesson notebooks (runs their check cells)")
+    g = sub.add_parser(
+        "grade", add_help=False, help="grade your lesson notebooks (runs their check cells)"
+    )
     g.add_argument("rest", nargs=argparse.REMAINDER)
-    m = sub.add_parser("lessons", help="regenerate lessons/ and solutions/ from course/")
+    m = sub.add_parser(
+        "lessons", add_help=False, help="regenerate lessons/ and solutions/ from course/"
+    )
     m.add_argument("rest", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
+    # REMAINDER does not take a leading --flag (`lessons --check`): pass unknown flags on too.
+    args, extra = p.parse_known_args(argv)
+    if extra and not hasattr(args, "rest"):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.rest = [*extra, *args.rest]
     if args.cmd == "demo":
         from minizero.demo import demo
 

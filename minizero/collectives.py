@@ -54,6 +54,7 @@ class CommRecord:
     tag: str  # who issued it, e.g. "ddp bucket 2"
     index: int  # position in the ledger's timeline (records and marks share one counter)
     seconds: float | None = None  # issue -> completion; None until an async op is waited on
+    start: float | None = None  # time.perf_counter() at issue, to draw timelines
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +183,8 @@ def _run(op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, 
     if not async_op:
         _sync(payload)
     t0 = time.perf_counter()
+    for r in recs:
+        r.start = t0
     work = fn(async_op)
     if async_op:
         return _TimedWork(work, recs, t0, payload)
