@@ -1,0 +1,477 @@
+# %% [markdown]
+# # Lesson 02 — ZeRO stage 1: partition the optimizer states (P_os)
+#
+# **ZeRO** (Zero Redundancy Optimizer; Rajbhandari, Rasley, Ruwase and He, Microsoft's DeepSpeed
+# team, *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, arXiv 1910.02054,
+# SC20) is the data parallelism of lesson 01 with its **redundancy removed**. Training is the same
+# plain synchronous algorithm: every rank runs the whole model on its own slice of each batch and
+# every rank ends each step with the same parameters. What changes is who *keeps* what. Under DDP
+# every rank keeps a full copy of the three **model states** (paper §3.1):
+#
+# | model state | mixed-precision Adam | bytes per rank under DDP |
+# |---|---|---|
+# | parameters (fp16/bf16) | 2 bytes each | 2Ψ |
+# | gradients (fp16/bf16) | 2 bytes each | 2Ψ |
+# | optimizer states: fp32 master copy, momentum, variance | 4 + 4 + 4 | KΨ, K = 12 |
+#
+# so (2 + 2 + K)Ψ = 16Ψ bytes on *every* rank, for a model of Ψ parameters. The three ZeRO-DP
+# stages partition these states over the N ranks, one more state per stage (§5):
+#
+# | stage | partitioned | per-rank model states | volume per step |
+# |---|---|---|---|
+# | DDP | nothing | (2 + 2 + K)Ψ | 2Ψ |
+# | 1 (P_os) | optimizer states | 2Ψ + 2Ψ + KΨ/N | 2Ψ |
+# | 2 (P_os+g) | + gradients | 2Ψ + (2 + K)Ψ/N | 2Ψ |
+# | 3 (P_os+g+p) | + parameters | (2 + 2 + K)Ψ/N | 3Ψ |
+#
+# This lesson builds **stage 1** and measures it: memory per rank against DDP and against the
+# formula, and communication against 2Ψ. You will write the two methods that *are* stage 1: the
+# reduce-scatter of the gradients before the optimizer steps, and the all-gather of the updated
+# parameters after it.
+#
+#     python -m minizero grade lessons/02_zero1.ipynb
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import checks, checks_zero
+from minizero.bucket import make_buckets, trainable_parameters
+from minizero.collectives import all_gather, reduce_scatter
+from minizero.data import synthetic_batch
+from minizero.memory import (
+    PAPER_TABLE1,
+    TABLE1_PSI,
+    MemoryMeter,
+    model_state_bytes,
+    paper_model_state_bytes,
+    table1_gb,
+)
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.zero1 import ZeRO1
+
+NPROCS = checks.default_nprocs()
+INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
+GPT = GPTConfig.tiny()
+PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
+print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
+
+# %% [markdown]
+# ## 1. Why the optimizer can be split: it is elementwise
+#
+# Adam updates element i of a parameter from element i of its gradient and of its two moments,
+# nothing else. So the update of a tensor is the same as the updates of its pieces, done
+# separately, by different optimizers, possibly on different ranks. The cell checks it: Adam on
+# a whole tensor against two Adams, each on one half, for 5 steps.
+
+# %%
+torch.manual_seed(0)
+whole = torch.randn(10, requires_grad=True)
+halves = [whole.detach()[:5].clone().requires_grad_(), whole.detach()[5:].clone().requires_grad_()]
+opt_whole = torch.optim.Adam([whole], lr=0.1)
+opt_halves = [torch.optim.Adam([h], lr=0.1) for h in halves]  # two optimizers, two states
+for _ in range(5):
+    g = torch.randn(10)  # the same gradient for both
+    whole.grad = g.clone()
+    halves[0].grad, halves[1].grad = g[:5].clone(), g[5:].clone()
+    opt_whole.step()
+    for opt in opt_halves:
+        opt.step()
+diff = (torch.cat([h.detach() for h in halves]) - whole.detach()).abs().max().item()
+print(f"max |whole - halves| after 5 Adam steps: {diff:g}")
+print(
+    "states: whole", [tuple(v.shape) for v in opt_whole.state[whole].values()],
+    "| each half", [tuple(v.shape) for v in opt_halves[0].state[halves[0]].values()],
+)  # fmt: skip
+
+# %% [markdown]
+# Identical, and each half's optimizer holds states for its half only. That is all stage 1
+# needs: rank r keeps the optimizer states of **its** 1/N of the elements, steps those, and the
+# ranks exchange the results. (An optimizer that mixes elements, such as LAMB's per-tensor trust
+# ratio or Shampoo, does not split this way; `minizero.parallelize` refuses those for ZeRO.)
+#
+# ## 2. The layout: flatten, pad, shard
+#
+# Parameters come in many shapes, and 1/N of a (37, 13) matrix is not a tensor. So ZeRO lays the
+# parameters end to end in a flat buffer and cuts the buffer, not the tensors. minizero does it
+# per **bucket** (lesson 01's buckets: a few parameters in the order backward produces their
+# gradients, `bucket_cap_mb` at most): each bucket's flat buffer is zero-padded to a multiple of
+# N and cut into N equal chunks, and **rank r owns chunk r of every bucket**
+# (`minizero/bucket.py`). A parameter may straddle two chunks; then two ranks each own a part of it.
+#
+# The cell lays out the MLP (Ψ = 1,837, an odd number on purpose) in 2 KiB buckets for N ranks:
+
+# %%
+mlp = MLP()
+names = {id(p): n for n, p in mlp.named_parameters()}
+for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPROCS):
+    print(
+        f"bucket {b.index}: {b.numel} elements, padded to {b.padded} = {NPROCS} chunks of {b.shard}"
+    )
+    for r in range(NPROCS):
+        lo, hi = r * b.shard, (r + 1) * b.shard  # rank r owns [lo, hi) of the flat buffer
+        owned = [
+            f"{names[id(p)]}[{max(lo, o) - o}:{min(hi, o + p.numel()) - o}]"
+            for p, o in zip(b.params, b.offsets, strict=True)
+            if o < hi and o + p.numel() > lo
+        ]
+        pad = max(0, hi - max(lo, b.numel))
+        print(f"   rank {r} owns {', '.join(owned)}" + (f" + {pad} padding" if pad else ""))
+
+# %% [markdown]
+# Every rank owns the same number of elements, so the optimizer memory divides exactly by N;
+# the price is at most N − 1 zeros of padding per bucket.
+#
+# ## 3. The step: reduce-scatter, step, all-gather
+#
+# Lesson 00 showed **all-reduce = reduce-scatter + all-gather**. DDP all-reduces the gradients
+# and then every rank steps *every* element. Stage 1 puts the optimizer step **between the two
+# halves** of that all-reduce:
+#
+# 1. backward fills each bucket's flat gradient buffer (every rank: the full local gradient);
+# 2. **reduce-scatter** each bucket: rank r receives the sum over ranks of chunk r only; divide
+#    by N for the average (volume Ψ);
+# 3. the optimizer steps chunk r: it was built on this rank's chunks only, so its states are
+#    (shard,) tensors, 1/N of the model;
+# 4. **all-gather** the updated chunks: every rank has every updated parameter again (volume Ψ).
+#
+# Total volume 2Ψ, the same as DDP's all-reduce (§7.2.1): stage 1 saves memory for free.
+#
+# How minizero's `ZeRO1` (`minizero/zero1.py`) is organised, and what you get to use:
+#
+# * `self.buckets`: the buckets; `b.chunk(flat, r)` is the (shard,) view of chunk r of a
+#   (padded,) buffer, `b.index` its position;
+# * `self.grad_buffers[i]`: bucket i's flat gradient buffer (padded,); every `p.grad` is a view
+#   into it, so after backward it holds this rank's full local gradient;
+# * `self.flat_params[i]`: bucket i's flat parameter buffer (padded,); every `p.data` is a view
+#   into it, so writing into it changes the model's parameters;
+# * `self.masters[i]`: what the optimizer steps for bucket i, a (shard,) tensor. In fp32 it *is*
+#   `b.chunk(self.flat_params[i], self.rank)`; in mixed precision it is a separate fp32 copy of
+#   that chunk (the master weights, part of K);
+# * `self.rank`, `self.world`, `self.group` (pass `group=self.group` to every collective),
+#   `self.precision.master` (True in mixed precision).
+#
+# `minizero.parallelize(model, 1, optimizer_fn)` builds `ZeRO1(model)` and calls
+# `optimizer_fn(zero1.optimizer_params())`, i.e. the optimizer on `self.masters`. The optimizer's
+# `step()` then runs `before_step()` (given: it calls `_reduce_grads()` and sets each master's
+# `.grad` to the returned chunk), the optimizer's own step on the masters, and `after_step()`.
+#
+# ## Exercise — `MyZeRO1`: the two collectives of stage 1
+#
+# * `_reduce_grads()`: reduce-scatter every bucket's gradient buffer into this rank's chunk and
+#   average; return the chunks. Use `reduce_scatter(output, input, group=self.group)` from
+#   `minizero.collectives` (input (N·shard,), output (shard,)). The output may be the chunk of
+#   the input itself (in place, as NCCL documents), so no extra buffer is needed.
+# * `after_step()`: in mixed precision, copy the stepped fp32 master into this rank's chunk of
+#   the parameters; then `all_gather(flat, own_chunk, group=self.group)`.
+
+
+# %%
+class MyZeRO1(ZeRO1):
+    """ZeRO stage 1 (P_os): your reduce-scatter and all-gather around the optimizer's step."""
+
+    def _reduce_grads(self) -> list[torch.Tensor]:
+        """Average every bucket's gradient over the ranks into this rank's chunk of it."""
+        # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
+        chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
+        if not self._reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
+            # BEGIN SOLUTION
+            # TODO: for each bucket b, its buffer in self.grad_buffers and its chunk in chunks:
+            # TODO: reduce_scatter(chunk, buffer, group=self.group) leaves the SUM over ranks
+            # TODO: of this rank's chunk in chunk; divide it by self.world to average
+            for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
+                reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+                chunk.div_(self.world)  # sum over ranks -> average
+            # END SOLUTION
+            self._reduced = True
+        return chunks
+
+    def after_step(self) -> None:
+        """The optimizer has stepped this rank's masters: give every rank every updated chunk."""
+        with torch.no_grad():
+            for b, master, flat in zip(self.buckets, self.masters, self.flat_params, strict=True):
+                own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
+                # BEGIN SOLUTION
+                # TODO: if self.precision.master: the optimizer stepped `master`, an fp32 copy of
+                # TODO: own: copy it into own (and set master.grad = None). In fp32 master IS own.
+                # TODO: then all_gather(flat, own, group=self.group): flat gets every rank's chunk
+                if self.precision.master:
+                    own.copy_(master)  # fp32 master -> bf16/fp16 working copy
+                    master.grad = None
+                all_gather(flat, own, group=self.group, tag=f"params {b.index}")
+                # END SOLUTION
+
+
+# %% check="MyZeRO1"
+# 3 Adam steps of the MLP (3 buckets, padded) on NPROCS ranks, step by step: the gradient chunks
+# your optimizer steps with against minizero's ZeRO1, the parameters against one process on the
+# whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
+# bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
+checks_zero.check_zero1(MyZeRO1, NPROCS)
+
+# %% [markdown]
+# ## 4. Memory per rank: measured against the formula
+#
+# From here on the cells use `minizero.parallelize(model, stage, ...)`, whose stage 1 is
+# minizero's `ZeRO1`: the class you just completed. Each rank trains TinyGPT for one step with
+# Adam under DDP (stage 0) and stage 1, in fp32 and in bf16 mixed precision, and measures the
+# bytes of each model state it holds (`model_state_bytes`: every live tensor's storage, counted
+# once). Next to it, the paper's formula (`paper_model_state_bytes`). In fp32 the parameters are
+# their own master copy, so K = 8 (Adam's two moments) and the gradients take 4 bytes.
+
+
+# %%
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def gpt_step(model, opt, step=0, group=None):
+    """One training step of ``model`` on this rank's slice of a global batch of 8 N rows."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    x, y = synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
+                           device=checks.rank_device())  # fmt: skip
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def states_per_rank():
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1):
+            torch.manual_seed(0)
+            model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision)
+            gpt_step(model, opt)
+            rows.append((precision, stage, model_state_bytes(model, opt)))
+    return rows
+
+
+STATES = minizero.launch(states_per_rank, NPROCS, verbose=False)  # one list per rank
+print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}: bytes per rank / Ψ")
+print(f"{'':20}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}")
+for k, (precision, stage, _) in enumerate(STATES[0]):
+    paper = paper_model_state_bytes(PSI, NPROCS, stage, precision)
+    for r, rows in enumerate(STATES):
+        got = rows[k][2]
+        cells = "".join(f"{got[c] / PSI:8.3f}" for c in paper)
+        print(f"{precision} stage {stage} rank {r}{cells}{sum(got.values()) / PSI:8.3f}")
+    cells = "".join(f"{v / PSI:8.3f}" for v in paper.values())
+    print(f"{precision} stage {stage} paper {cells}{sum(paper.values()) / PSI:8.3f}\n")
+
+# %% [markdown]
+# Every rank measures the formula: the optimizer states (fp32 masters included) drop from
+# KΨ to KΨ/N, parameters and gradients stay whole. When Ψ does not divide by N the measured
+# figure is a few bytes above the formula: the padding of section 2.
+#
+# ## 5. How it scales with N
+#
+# The formula says stage 1 tends to 4Ψ per rank in mixed precision (the 16-bit parameters and
+# gradients), a 4x saving over DDP's 16Ψ, and reaches most of it at small N. The cell measures
+# it for every N from 1 to `SWEEP` in one launch: for each n, the first n ranks form their own
+# process group (`dist.new_group`) and train on it, the way `parallelize(...,
+# process_group=...)` lets a stage run on a subset of the ranks. On CPUs we start 4 ranks for
+# this, on GPUs one per GPU.
+
+# %%
+SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
+
+
+def sweep(stages, precision="bf16"):
+    rank, rows = dist.get_rank(), []
+    for n in range(1, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
+        if rank < n:
+            for stage in stages:
+                torch.manual_seed(0)
+                model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision,
+                                                  process_group=group)  # fmt: skip
+                gpt_step(model, opt, group=group)
+                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
+    return {"info": checks.run_info(), "rows": rows}
+
+
+SWEPT = minizero.launch(sweep, SWEEP, (0, 1), verbose=False)
+sweep_info = SWEPT[0]["info"]
+fig, ax = plt.subplots(figsize=(7, 4))
+ns = range(1, 65)
+for stage, color in ((0, "tab:gray"), (1, "tab:blue")):
+    paper = [sum(paper_model_state_bytes(PSI, n, stage, "bf16").values()) / PSI for n in ns]
+    ax.plot(ns, paper, color=color, lw=1, label=f"paper, stage {stage}")
+    got = [(n, b / PSI) for res in SWEPT for n, s, b in res["rows"] if s == stage]
+    ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("N: data-parallel ranks")
+ax.set_ylabel("model-state bytes per rank / Ψ")
+ax.set_ylim(0, 17)
+ax.grid(alpha=0.3)
+ax.legend()
+ax.set_title(
+    f"TinyGPT, bf16 + Adam (K = 12): measured on {sweep_info['backend']} · "
+    f"{sweep_info['device']} · N = 1..{sweep_info['world']}",
+    fontsize=9,
+)
+plt.show()
+
+# %% [markdown]
+# The dots (every rank of every group; they coincide) sit on the lines. The lines beyond the
+# dots are the formula alone; for large models the paper's Table 1 lists it, and
+# `minizero.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
+
+# %%
+for stage in (1, 2, 3):
+    print(
+        f"7.5B, N = 64, stage {stage}: formula {table1_gb(TABLE1_PSI['7.5B'], 64, stage):7.2f} GB"
+        f"   paper's Table 1: {PAPER_TABLE1['7.5B'][64][stage - 1]} GB"
+    )
+
+# %% [markdown]
+# ## 6. Inside one step
+#
+# `model_state_bytes` is a snapshot of the model states. `MemoryMeter` follows a whole step: at
+# each mark it splits the memory this rank holds into parameters, gradients, optimizer states,
+# communication buffers and everything else (activations), and keeps the peak. On GPUs it reads
+# the caching allocator (`torch.cuda.memory_allocated`); on CPUs it tracks every tensor storage
+# the step creates. Here in bf16, DDP against stage 1:
+
+# %%
+MARKS = ("start", "after forward", "after backward", "after step")
+CATS = ("params", "grads", "optimizer", "activations")
+
+
+def one_step_memory(stage):
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16")
+    x, y = synthetic_batch("gpt", 8 * world, 0, rank=rank, world=world, device=dev)
+    with MemoryMeter(model, opt) as meter:
+        meter.mark("start")
+        loss = model(x, y)
+        meter.mark("after forward")
+        loss.backward()
+        meter.mark("after backward")
+        opt.step()
+        opt.zero_grad()
+        meter.mark("after step")
+    return meter.marks
+
+
+def plot_steps(stages, title):
+    runs = {s: minizero.launch(one_step_memory, NPROCS, s, verbose=False)[0] for s in stages}
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 4), sharey=True)
+    for ax, (stage, marks) in zip(axes, runs.items(), strict=True):
+        bottom = [0.0] * len(marks)
+        for cat in CATS:
+            vals = [m[cat] / 2**10 for m in marks]
+            ax.bar(range(len(marks)), vals, bottom=bottom, label=cat)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.plot(range(len(marks)), [m["peak"] / 2**10 for m in marks], "k_", ms=20,
+                label="peak so far")  # fmt: skip
+        ax.set_xticks(range(len(marks)), [m["label"] for m in marks], rotation=20, fontsize=8)
+        ax.set_title(f"stage {stage}", fontsize=9)
+    axes[0].set_ylabel("KiB held by rank 0")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"{title}: {checks.describe(INFO)}", fontsize=9)
+    fig.tight_layout()
+    plt.show()
+    return runs
+
+
+RUNS = plot_steps((0, 1), "TinyGPT, one bf16 Adam step")
+for stage, marks in RUNS.items():
+    end = marks[-1]
+    print(
+        f"stage {stage}, after the step: "
+        + ", ".join(f"{c} {end[c] / PSI:.2f}Ψ" for c in ("params", "grads", "optimizer"))
+    )
+
+# %% [markdown]
+# What to read: before the first step the optimizer holds only the fp32 masters (Adam creates
+# its moments in its first step); after it, stage 1 holds 12Ψ/N of optimizer states where DDP
+# holds 12Ψ. The parameters and the gradients are the same size under both: every rank still
+# holds the full 2Ψ of bf16 gradients after backward, although after the reduce-scatter it only
+# ever reads its own chunk of them. Stage 2 (lesson 03) stops keeping the rest. The activations
+# are not model states: ZeRO-DP leaves them alone (the paper's ZeRO-R handles them).
+#
+# ## 7. Communication: still 2Ψ
+#
+# Same TinyGPT step, with a `CommLedger` open: what each stage sent, in the paper's volume
+# (an all-reduce of S elements counts 2S, a reduce-scatter or an all-gather of S counts S).
+
+
+# %%
+def volume(stage):
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
+    gpt_step(model, opt, step=0)  # the first step creates the optimizer states
+    with minizero.CommLedger() as ledger:
+        gpt_step(model, opt, step=1)
+    return ledger.by_op()
+
+
+for stage in (0, 1):
+    by_op = minizero.launch(volume, NPROCS, stage, verbose=False)[0]
+    parts = ", ".join(f"{op} {v / PSI:.3f}Ψ" for op, v in by_op.items())
+    print(
+        f"stage {stage}: {parts}; total {sum(by_op.values()) / PSI:.3f}Ψ  ({checks.describe(INFO)})"
+    )
+
+# %% [markdown]
+# The same volume, split differently: DDP's all-reduce counts 2Ψ, stage 1's reduce-scatter Ψ and
+# all-gather Ψ. The paper counts volume; what it costs in time depends on the backend: gloo
+# carries out a reduce-scatter as an all-reduce of its whole input (lesson 00 measured it),
+# NCCL has a native one.
+#
+# ## 8. PyTorch's stage 1: `ZeroRedundancyOptimizer`
+#
+# `torch.distributed.optim.ZeroRedundancyOptimizer` (the check compared your class with it)
+# partitions the optimizer states too, with a different layout: it gives **whole parameter
+# tensors** to ranks, greedily by size, keeps torch DDP's all-reduce for the gradients, and after
+# each step **broadcasts** every parameter from the rank that owns it. No padding and no flat
+# buffers, but the split can only be as even as the tensor sizes allow:
+
+
+# %%
+def optimizer_share():
+    """Each rank's share of the Adam states of the MLP, under both layouts (fp32, one step)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
+    x, y = synthetic_batch("mlp", 4 * world, 0, rank=rank, world=world, device=dev)
+    torch.manual_seed(0)
+    model = MLP().to(dev)
+    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    ddp(x, y).backward()
+    zro.step()
+    owned = [n for n, p in model.named_parameters() if p in zro.optim.state]
+    torch.manual_seed(0)
+    zero1, opt = minizero.parallelize(MLP(), 1, adam)
+    zero1(x, y).backward()
+    opt.step()
+    full = 8 * count_params(model)  # bytes of fp32 Adam states (two moments) for the whole MLP
+    return (
+        model_state_bytes(None, zro.optim)["optimizer"] / full,  # zro.optim: this rank's Adam
+        model_state_bytes(zero1, opt)["optimizer"] / full,
+        owned,
+    )
+
+
+SHARES = minizero.launch(optimizer_share, NPROCS, verbose=False)
+print(f"MLP, Ψ = {count_params(MLP()):,}, fp32 Adam, {checks.describe(INFO)}: share of the states")
+for r, (theirs, ours, owned) in enumerate(SHARES):
+    print(f"rank {r}: ZeroRedundancyOptimizer {theirs:6.1%} ({', '.join(owned)})")
+    print(f"        minizero ZeRO1          {ours:6.1%} (chunk {r} of one flat bucket)")
+
+# %% [markdown]
+# Flat chunks split every bucket evenly (to within the padding); whole tensors cannot, and the
+# MLP's `layers.1.weight` alone is 58% of its parameters. DeepSpeed's ZeRO stages flatten
+# and pad too.
+#
+# **Summary.** Stage 1 keeps DDP's algorithm and DDP's 2Ψ of communication; it only moves the
+# optimizer step between the reduce-scatter and the all-gather that make up the all-reduce, so
+# that each rank steps, and keeps optimizer states for, its 1/N of every bucket. Measured: KΨ
+# becomes KΨ/N on every rank. Next, **lesson 03 — stage 2**: the gradients, which each rank
+# still holds in full.

@@ -1,0 +1,364 @@
+# %% [markdown]
+# # Lesson 03 — ZeRO stage 2: partition the gradients too (P_os+g)
+#
+# After lesson 02, rank r steps only its chunk r of every bucket, so of the averaged gradient it
+# only ever reads chunk r, Ψ/N elements. Yet it holds the whole gradient, 2Ψ bytes in mixed
+# precision, from backward to the step. **Stage 2** (ZeRO §5.2, P_os+g) keeps only the chunk:
+#
+# | | per-rank model states | volume per step |
+# |---|---|---|
+# | stage 1 (P_os) | 2Ψ + 2Ψ + KΨ/N | 2Ψ |
+# | **stage 2 (P_os+g)** | **2Ψ + (2 + K)Ψ/N** | **2Ψ** |
+#
+# The gradient of a bucket exists in full only for a moment: backward fills the bucket, its
+# reduce-scatter starts at once (while backward goes on with earlier layers, as DDP's
+# all-reduce did in lesson 01), the averaged chunk is added into a small persistent (shard,)
+# buffer, and the full buffer is freed. The paper reduces the gradients bucket by bucket,
+# overlapped with backward, each rank receiving the reduced gradients of its partition (§5.2),
+# and counts Ψ for this reduce-scatter plus Ψ for the all-gather of the parameters (§7.2.1).
+# You will write the hook that does it.
+#
+#     python -m minizero grade lessons/03_zero2.ipynb
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import checks, checks_zero
+from minizero.data import synthetic_batch
+from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
+from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.zero2 import ZeRO2
+
+NPROCS = checks.default_nprocs()
+INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
+GPT = GPTConfig.tiny()
+PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
+print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def gpt_batch(step=0):
+    """This rank's slice of step ``step``'s global batch of 8 N rows of token ids."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
+                           device=checks.rank_device())  # fmt: skip
+
+
+# %% [markdown]
+# ## 1. What stage 1 holds and never reads
+#
+# One bf16 Adam step of TinyGPT under stage 1, measured on rank 0 after backward: the gradient
+# bytes it holds, and the bytes the optimizer then reads (the (shard,) chunks handed to it).
+
+
+# %%
+def stage1_gradients():
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), 1, adam, precision="bf16")
+    model(*gpt_batch()).backward()
+    held = model_state_bytes(model, opt)["grads"]
+    read = sum(c.numel() * c.element_size() for c in model._reduce_grads())  # (shard,) chunks
+    return held, read
+
+
+held, read = minizero.launch(stage1_gradients, NPROCS, verbose=False)[0]
+print(
+    f"stage 1, after backward: holds {held / PSI:.2f}Ψ bytes of gradients, the optimizer reads "
+    f"{read / PSI:.2f}Ψ of them ({checks.describe(INFO)})"
+)
+
+# %% [markdown]
+# ## 2. Stage 2: reduce-scatter during backward, keep the chunk
+#
+# `ZeRO2` (`minizero/zero2.py`) is `ZeRO1` with a different life for gradients. The layout is
+# the same (buckets, flat buffers padded to a multiple of N, rank r owns chunk r); what changes
+# is what the gradient hook does. Per bucket `b`:
+#
+# 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
+#    `self._filling[b.index]`;
+# 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
+#    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
+# 3. `self._pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
+#    is complete and `self._launch(b)` starts its reduce-scatter (asynchronous) into a new
+#    (shard,) output, and remembers `self._in_flight = (b, work, buffer, output)`;
+# 4. `self._finish_in_flight()` waits for that reduce-scatter, divides the output by N and
+#    **adds** it into `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps; then
+#    forgets the buffers, which frees them. It **adds** so that several backwards before one
+#    step (gradient accumulation) sum up in the chunk.
+#
+# `_launch` (given) first calls `_finish_in_flight()`, so at most one reduce-scatter is in flight
+# and at most two full buffers are alive: one in flight, one filling (DeepSpeed's stage 2
+# with `overlap_comm` also alternates two bucket buffers). At the end of backward, `_backward_end()`
+# (given) finishes the last one. After that, `before_step()` hands `grad_shards` to the
+# optimizer, and the rest is stage 1: step the chunk, all-gather the parameters.
+#
+# ## Exercise — `MyZeRO2`: the gradient hook of stage 2
+#
+# Write `_on_grad_ready(p)` (steps 1–3 above; autograd calls it with the **parameter** once
+# `p.grad` holds this backward's gradient) and `_finish_in_flight()` (step 4).
+
+
+# %%
+class MyZeRO2(ZeRO2):
+    """ZeRO stage 2 (P_os+g): gradients live in full only in a bucket, until its reduce-scatter."""
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Autograd calls this when ``p.grad`` holds this backward's gradient (``p``: the param)."""
+        b = self._bucket_of[id(p)]  # the bucket p belongs to
+        self._queue_backward_end()  # given: runs self._backward_end() once backward is over
+        # BEGIN SOLUTION
+        # TODO: b's (padded,) buffer is self._filling[b.index]; the first gradient of b to arrive
+        # TODO: allocates it (zeros, with p.grad's dtype and device)
+        # TODO: copy p.grad into p's slot, b.view(buf, p); drop p.grad
+        # TODO: one gradient fewer pending in b (self._pending); none left: self._launch(b)
+        buf = self._filling.get(b.index)
+        if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
+            buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+            self._filling[b.index] = buf
+        b.view(buf, p).copy_(p.grad)
+        p.grad = None  # the full gradient of p now lives only in the bucket
+        self._pending[b.index] -= 1
+        if self._pending[b.index] == 0:  # b is complete: reduce-scatter it while backward goes on
+            self._launch(b)
+        # END SOLUTION
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the reduce-scatter in flight (if any); add its averaged chunk to the shard."""
+        # BEGIN SOLUTION
+        # TODO: if a reduce-scatter is in flight, self._in_flight = (b, work, buf, out): wait for
+        # TODO: it, add the average (out / self.world) into self.grad_shards[b.index], forget it
+        if self._in_flight is not None:
+            b, work, _buf, out = self._in_flight
+            work.wait()
+            self.grad_shards[b.index].add_(out.div_(self.world))  # (shard,) += average
+            self._in_flight = None  # the last references to buf and out: both are freed
+        # END SOLUTION
+
+
+# %% check="MyZeRO2"
+# 3 Adam steps of the MLP (3 buckets), the second over 2 micro-batches: gradient chunks against
+# minizero's ZeRO2, parameters against one process, FSDP2 (reshard_after_forward=False) and
+# ZeRO2; no p.grad after backward, every reduce-scatter started during backward, at most two
+# full bucket buffers alive, one reduce-scatter per bucket per backward and one all-gather.
+checks_zero.check_zero2(MyZeRO2, NPROCS)
+
+# %% [markdown]
+# FSDP2 with `reshard_after_forward=False` is PyTorch's closest relative of stage 2: it
+# reduce-scatters gradients during backward and keeps only its shard of them, and keeps the
+# gathered parameters from forward to backward (it also shards the parameters between steps,
+# which stage 3 does; lesson 04).
+#
+# ## 3. Memory per rank: measured against the formula
+#
+# The cells below use `minizero.parallelize(model, 2, ...)`, whose stage 2 is minizero's
+# `ZeRO2`: the class you just completed. First the model states after one step, on every rank,
+# stage 1 against stage 2, fp32 and bf16:
+
+
+# %%
+def states_per_rank():
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision)
+            model(*gpt_batch()).backward()
+            opt.step()
+            opt.zero_grad()
+            rows.append((precision, stage, model_state_bytes(model, opt)))
+    return rows
+
+
+STATES = minizero.launch(states_per_rank, NPROCS, verbose=False)
+print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}: bytes per rank / Ψ")
+print(f"{'':20}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}")
+for k, (precision, stage, _) in enumerate(STATES[0]):
+    paper = paper_model_state_bytes(PSI, NPROCS, stage, precision)
+    for r, rows in enumerate(STATES):
+        got = rows[k][2]
+        cells = "".join(f"{got[c] / PSI:8.3f}" for c in paper)
+        print(f"{precision} stage {stage} rank {r}{cells}{sum(got.values()) / PSI:8.3f}")
+    cells = "".join(f"{v / PSI:8.3f}" for v in paper.values())
+    print(f"{precision} stage {stage} paper {cells}{sum(paper.values()) / PSI:8.3f}\n")
+
+# %% [markdown]
+# The gradients that persist between steps, `grad_shards`, are 2Ψ/N (bf16) or 4Ψ/N (fp32), as
+# the formula says. But the formula counts what a rank *keeps*. During backward the bucket
+# buffers hold full gradients for a while; how much depends on the bucket size. The next cell
+# runs one backward per `bucket_cap_mb` and, after every gradient hook, measures the bytes of
+# the full-size buffers alive (`model_state_bytes(..., include_comm=True)["comm"]`: the buckets
+# being filled and in flight), keeping the maximum.
+
+# %%
+CAPS = [0.01, 0.03, 0.1, 0.3, 25]  # MiB; 25 holds all of TinyGPT in one bucket
+
+
+def peak_buckets():
+    out = {}
+    for cap in CAPS:
+        torch.manual_seed(0)
+        model, opt = minizero.parallelize(TinyGPT(GPT), 2, adam, precision="bf16",
+                                          bucket_cap_mb=cap)  # fmt: skip
+        peak = [0]
+
+        def after_hook(p, model=model, peak=peak):  # runs after ZeRO2's own hook on p
+            peak[0] = max(peak[0], model_state_bytes(model, include_comm=True)["comm"])
+
+        for p in model.params:
+            p.register_post_accumulate_grad_hook(after_hook)
+        model(*gpt_batch()).backward()
+        out[cap] = (len(model.buckets), peak[0], model_state_bytes(model, opt)["grads"])
+    return {"info": checks.run_info(), "peaks": out}
+
+
+PEAKS = minizero.launch(peak_buckets, NPROCS, verbose=False)[0]
+fig, ax = plt.subplots(figsize=(7, 4))
+xs = range(len(CAPS))
+ax.bar(xs, [PEAKS["peaks"][c][1] / PSI for c in CAPS], color="tab:orange",
+       label="temporary, at most: buckets being filled or reduced, and outputs")  # fmt: skip
+ax.bar(xs, [PEAKS["peaks"][c][2] / PSI for c in CAPS], bottom=[PEAKS["peaks"][c][1] / PSI
+       for c in CAPS], color="tab:blue", label="grad_shards (kept): 2Ψ/N")  # fmt: skip
+ax.axhline(2, color="k", ls="--", lw=1, label="stage 1: the whole gradient, 2Ψ")
+ax.set_xticks(list(xs), [f"{c} MiB\n{PEAKS['peaks'][c][0]} buckets" for c in CAPS], fontsize=8)
+ax.set_xlabel("bucket_cap_mb")
+ax.set_ylabel("gradient bytes on rank 0 / Ψ (bf16)")
+ax.legend(fontsize=8)
+ax.set_title(f"TinyGPT, ZeRO stage 2, one backward: {checks.describe(PEAKS['info'])}", fontsize=9)
+plt.show()
+
+# %% [markdown]
+# With one bucket (25 MiB) the whole gradient is alive at the end of backward, as in stage 1,
+# and then some: the reduce-scatter's (shard,) output and the kept chunk come on top, so at its
+# peak stage 2 holds *more* than stage 1. With small buckets the temporaries stay small (about
+# two buckets: one filling, one in flight) and the peak approaches the 2Ψ/N of the formula.
+# Smaller buckets mean more, smaller reduce-scatters, each paying a latency (lesson 00):
+# `bucket_cap_mb` trades peak memory for message count, which is why DeepSpeed exposes
+# `reduce_bucket_size`.
+#
+# ## 4. One step, mark by mark
+#
+# `MemoryMeter` over one bf16 step of stage 1 and stage 2 (small buckets, 0.03 MiB), on rank 0:
+
+# %%
+MARKS = ("start", "after forward", "after backward", "after step")
+CATS = ("params", "grads", "optimizer", "comm", "activations")
+
+
+def one_step_memory(stage):
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16",
+                                      bucket_cap_mb=0.03)  # fmt: skip
+    x, y = gpt_batch()
+    with MemoryMeter(model, opt) as meter:
+        meter.mark("start")
+        loss = model(x, y)
+        meter.mark("after forward")
+        loss.backward()
+        meter.mark("after backward")
+        opt.step()
+        opt.zero_grad()
+        meter.mark("after step")
+    return meter.marks
+
+
+RUNS = {s: minizero.launch(one_step_memory, NPROCS, s, verbose=False)[0] for s in (1, 2)}
+fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+for ax, (stage, marks) in zip(axes, RUNS.items(), strict=True):
+    bottom = [0.0] * len(marks)
+    for cat in CATS:
+        vals = [m[cat] / 2**10 for m in marks]
+        ax.bar(range(len(marks)), vals, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks(range(len(marks)), [m["label"] for m in marks], rotation=20, fontsize=8)
+    ax.set_title(f"stage {stage}", fontsize=9)
+axes[0].set_ylabel("KiB held by rank 0")
+axes[-1].legend(fontsize=7)
+fig.suptitle(f"TinyGPT, one bf16 Adam step: {checks.describe(INFO)}", fontsize=9)
+fig.tight_layout()
+plt.show()
+for stage, marks in RUNS.items():
+    print(f"stage {stage}: gradients held after backward {marks[2]['grads'] / PSI:.2f}Ψ")
+
+# %% [markdown]
+# Parameters, optimizer states and activations are the same under both stages; the gradient
+# bar shrinks from 2Ψ to 2Ψ/N. What every rank still holds in full is the 2Ψ of parameters.
+#
+# ## 5. Communication: the same 2Ψ, started earlier
+#
+# A `CommLedger` over one step of each stage: the volume per op, and how many reduce-scatters
+# were issued before `optimizer.step()` was called, i.e. during backward (a `mark("step")` on
+# the ledger's timeline separates the two).
+
+
+# %%
+def comm(stage):
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, bucket_cap_mb=0.03)
+    with minizero.CommLedger() as ledger:
+        model(*gpt_batch()).backward()
+        minizero.collectives.mark("step")
+        opt.step()
+    step_at = next(i for i, label in ledger.marks if label == "step")
+    rs = [r for r in ledger.records if r.op == "reduce_scatter"]
+    return ledger.by_op(), sum(r.index < step_at for r in rs), len(rs)
+
+
+for stage in (1, 2):
+    by_op, early, n = minizero.launch(comm, NPROCS, stage, verbose=False)[0]
+    parts = ", ".join(f"{op} {v / PSI:.3f}Ψ" for op, v in by_op.items())
+    print(f"stage {stage}: {parts}; {early} of {n} reduce-scatters issued during backward")
+print(checks.describe(INFO))
+
+# %% [markdown]
+# Same volume, Ψ + Ψ. In stage 1 the reduce-scatters wait for `optimizer.step()`; in stage 2
+# they run during backward, where (on GPUs with NCCL) they overlap with computation. On gloo a
+# reduce-scatter is carried out as a full all-reduce, so it costs all-reduce time here.
+#
+# ## 6. The price: gradient accumulation communicates every backward
+#
+# With gradient accumulation (several backwards per step), stage 1 and DDP can accumulate full
+# local gradients and communicate once per step (DDP inside `no_sync()`). Stage 2 has no full
+# gradient to accumulate into: each backward must reduce-scatter its gradients into the chunk.
+# Measured, 4 micro-batches per step:
+
+
+# %%
+def accumulate(stage, micro=4):
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
+    x, y = gpt_batch()
+    with minizero.CommLedger() as ledger:
+        for xi, yi in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            (model(xi, yi) / micro).backward()
+        opt.step()
+    try:
+        with model.no_sync():
+            pass
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return ledger.volume_elements, refused
+
+
+for stage in (1, 2):
+    vol, refused = minizero.launch(accumulate, NPROCS, stage, verbose=False)[0]
+    print(f"stage {stage}, 4 backwards + 1 step: {vol / PSI:.3f}Ψ moved")
+    if refused:
+        print(f"   and no_sync() says: {refused}")
+
+# %% [markdown]
+# Stage 1: one reduce-scatter and one all-gather per step, 2Ψ, however many micro-batches.
+# Stage 2: one reduce-scatter per backward, (micro-batches + 1)Ψ. Stage 2 saves memory and pays
+# for it in communication when gradients are accumulated; with one backward per step the two
+# stages move the same 2Ψ.
+#
+# **Summary.** Stage 2 keeps each bucket's full gradient only from its first gradient to the
+# end of its reduce-scatter, started from the gradient hook during backward, and keeps just
+# rank r's averaged chunk: gradients go from 2Ψ to 2Ψ/N per rank (measured), the volume stays
+# 2Ψ per step. Next, **lesson 04 — stage 3**: the parameters themselves.

@@ -1,0 +1,455 @@
+# %% [markdown]
+# # Lesson 04 — ZeRO stage 3: partition the parameters too (P_os+g+p)
+#
+# After lesson 03 every rank still holds all 2Ψ bytes of 16-bit parameters, although between
+# two uses of a layer nobody needs its weights. **Stage 3** (ZeRO §5.3, P_os+g+p) keeps only
+# rank r's chunk of the parameters too, and gathers each module's parameters just before it
+# runs:
+#
+# | | per-rank model states | volume per step |
+# |---|---|---|
+# | DDP | (2 + 2 + K)Ψ | 2Ψ |
+# | stage 2 (P_os+g) | 2Ψ + (2 + K)Ψ/N | 2Ψ |
+# | **stage 3 (P_os+g+p)** | **(2 + 2 + K)Ψ/N** | **3Ψ** |
+#
+# Every model state is divided by N, so memory per rank shrinks without bound as ranks are
+# added. The price is communication (§7.2.2): the parameters are all-gathered once for forward
+# (Ψ) and once more for backward (Ψ, they were freed in between), and the gradients are
+# reduce-scattered as in stage 2 (Ψ): **3Ψ, 1.5x DDP**. The all-gather after the optimizer step
+# of stages 1 and 2 disappears: the next forward gathers what it needs.
+#
+# You will write the two halves of it: gathering and freeing one module's parameters, and the
+# hooks that do it around each module with **prefetch**, the next module's all-gather started
+# while the current one computes.
+#
+#     python -m minizero grade lessons/04_zero3.ipynb
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minizero
+from minizero import checks, checks_zero
+from minizero.collectives import all_gather, mark
+from minizero.data import synthetic_batch
+from minizero.memory import model_state_bytes, paper_model_state_bytes
+from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.zero3 import ZeRO3
+
+NPROCS = checks.default_nprocs()
+INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
+GPT = GPTConfig.tiny()
+PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
+print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def gpt_batch(step=0, group=None):
+    """This rank's slice of step ``step``'s global batch of 8 N rows of token ids."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
+                           device=checks.rank_device())  # fmt: skip
+
+
+# %% [markdown]
+# ## 1. Units: what is gathered together
+#
+# Stage 1 and 2 cut buckets of `bucket_cap_mb`. Stage 3 needs the parameters *of the module
+# about to run*, so minizero's `ZeRO3` (`minizero/zero3.py`) makes one **unit** per module that
+# owns parameters directly (`module.parameters(recurse=False)`): a flat buffer with the same
+# layout as a bucket (padded to a multiple of N, rank r owns chunk r). TinyGPT's units:
+
+# %%
+model = TinyGPT(GPT)
+owner = {}  # id(param) -> the first module that owns it: its unit
+for name, m in model.named_modules():
+    own = list(m.parameters(recurse=False))
+    if own:
+        new = [p for p in own if id(p) not in owner]
+        owner.update({id(p): name for p in new})
+        users = sorted({owner[id(p)] for p in own})
+        size = sum(p.numel() for p in new)
+        print(f"{name:22} unit of {size:6,} elements" if new else f"{name:22} uses unit {users}")
+
+# %% [markdown]
+# `lm_head.weight` *is* `wte.weight` (tied), so it belongs to `wte`'s unit, and `lm_head` gathers
+# that unit again when it runs.
+#
+# ## 2. Freeing parameters that autograd still needs
+#
+# A freed parameter must keep its shape and identity: the optimizer, the hooks and autograd's
+# saved tensors all refer to the same `Parameter`. So `ZeRO3` frees the **storage** under the
+# flat buffer, `flat.untyped_storage().resize_(0)`, and leaves every view in place. Gathering
+# gives the storage its bytes back and all-gathers into it. The cell shows the trick on one
+# process, with a parameter set up as minizero's stages do it (`p.data = view of the flat
+# buffer`: the `Parameter` object stays, its data lives in the buffer): the parameter survives
+# its storage going to 0 bytes, and autograd's saved copy of it (here `w`, saved by the
+# multiplication) is valid again once the storage is refilled.
+
+# %%
+flat = torch.arange(6.0)  # a flat buffer of 6 float32 elements
+w = nn.Parameter(torch.empty(2, 2))
+w.data = flat[:4].view(2, 2)  # the parameter's data: a view into the flat buffer
+x = torch.ones(2, 2, requires_grad=True)
+y = (x * w).sum()  # autograd saves w to compute x's gradient
+kept = flat.clone()
+flat.untyped_storage().resize_(0)  # free: w keeps its shape, the storage has 0 bytes
+print(f"freed:    w.shape={tuple(w.shape)}, storage {flat.untyped_storage().nbytes()} bytes")
+flat.untyped_storage().resize_(6 * flat.element_size())  # gather: bytes back, then fill them
+flat.copy_(kept)  # (ZeRO3: all_gather(flat, my_shard, ...) instead)
+y.backward()
+print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.grad.tolist()}")
+
+# %% [markdown]
+# ## Exercise 1 — gather and free one unit
+#
+# `ZeRO3` keeps, for unit i:
+#
+# * `self.param_shards[i]`: this rank's chunk of the unit's parameters, (shard,): the only copy
+#   kept between uses;
+# * `self.flat_params[i]`: the unit's flat buffer, (padded,); every parameter of the unit is a
+#   view into it; its storage has 0 bytes while freed;
+# * `self.buckets[i].padded`: the buffer's length; `self._gathered[i]`: whether the storage is
+#   full (or being filled); `self._gathers[i]`: the asynchronous all-gather in flight, or None.
+#
+# Write `_gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
+# and start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait
+# for the all-gather in flight (prefetch calls it with `wait=False`, and the module that needs
+# the unit calls it again with `wait=True`). And `_free(i)`: wait for an all-gather still in
+# flight (never free memory a collective is writing into), then resize the storage to 0.
+
+
+# %%
+class MyZeRO3(ZeRO3):
+    """ZeRO stage 3 (P_os+g+p): your gather and free of one unit's parameters."""
+
+    def _gather(self, i: int, wait: bool = True) -> None:
+        """Make unit i's full parameters available (asynchronously unless ``wait``)."""
+        # BEGIN SOLUTION
+        # TODO: if unit i is not gathered: give the storage of self.flat_params[i] its bytes back
+        # TODO: (padded elements * element_size()), start an asynchronous all_gather of
+        # TODO: self.param_shards[i] into it, keep the work in self._gathers[i], mark it gathered
+        # TODO: then, if wait and an all-gather of unit i is in flight: wait for it, forget it
+        if not self._gathered[i]:
+            flat = self.flat_params[i]  # (padded,) 0 bytes until now
+            flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
+            self._gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
+                                          async_op=True, tag=f"zero3 params {i}")  # fmt: skip
+            self._gathered[i] = True
+        if wait and self._gathers[i] is not None:
+            self._gathers[i].wait()
+            self._gathers[i] = None
+        # END SOLUTION
+        self.max_gathered = max(self.max_gathered, sum(self._gathered))  # given: for the check
+
+    def _free(self, i: int) -> None:
+        """Drop unit i's full parameters; only this rank's shard stays."""
+        # BEGIN SOLUTION
+        # TODO: if an all-gather of unit i is in flight: wait for it, forget it
+        # TODO: resize the storage of self.flat_params[i] to 0 bytes; mark the unit not gathered
+        if self._gathers[i] is not None:  # never free memory a collective is writing into
+            self._gathers[i].wait()
+            self._gathers[i] = None
+        self.flat_params[i].untyped_storage().resize_(0)  # the views stay, with 0 bytes
+        self._gathered[i] = False
+        # END SOLUTION
+
+
+# %% check="MyZeRO3"
+# 3 Adam steps of the MLP (one unit per Linear, one for the output gain) on NPROCS ranks, step by
+# step: losses against minizero's ZeRO3 and FSDP2's fully_shard, gradient chunks against ZeRO3,
+# parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward; the
+# same all-gathers as ZeRO3 and one reduce-scatter per unit.
+checks_zero.check_zero3_gather(MyZeRO3, NPROCS)
+
+# %% [markdown]
+# FSDP2's `fully_shard` is PyTorch's implementation of the same idea (with its default
+# `reshard_after_forward=True`, parameters are freed after forward and gathered again for
+# backward, as here); the check trained it next to your class.
+#
+# ## 3. When to gather: hooks, and prefetch
+#
+# `ZeRO3` calls `_gather` and `_free` from hooks:
+#
+# * a **forward pre-hook** on each module that uses a unit (`_pre_forward`): gather its units;
+# * a **forward hook** (`_post_forward`, given): free them again, and register a hook on the
+#   module's output tensor that fires when backward reaches it, i.e. just before the module's
+#   own backward (`_pre_backward`): gather the units again;
+# * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
+#   the unit (`_launch`, given).
+#
+# Gathering on demand makes every module wait for its all-gather. **Prefetch** hides it: the
+# first forward records the order in which the modules ran (`self._order`); from then on,
+# once a module's own units are gathered, the hook *starts* the all-gather of the next
+# module's units (`wait=False`) so that it runs while this module computes; in backward the
+# order is reversed. `self._neighbour(m, k)` gives the units of the module k places after `m`
+# in the recorded order (`k < 0`: before), or `[]` while recording; `self.prefetch` is 1.
+#
+# ## Exercise 2 — prefetch
+#
+# Write `_pre_forward(m, args)` and `_pre_backward(m)`: gather (and wait for) every unit of
+# `m`, `self._units_of[m]`; then start, without waiting, the gathers of the units of the module
+# `self.prefetch` places ahead in the direction of travel (forward: after `m`; backward:
+# before it). The class is built on minizero's `ZeRO3`, so it does not depend on exercise 1.
+
+
+# %%
+class PrefetchZeRO3(ZeRO3):
+    """ZeRO stage 3 whose hooks gather each module's units and prefetch the next module's."""
+
+    def _pre_forward(self, m: nn.Module, args) -> None:
+        """Forward pre-hook of every module that uses a unit."""
+        if self._recording and m not in self._order:  # given: the first forward records
+            self._order.append(m)
+        # BEGIN SOLUTION
+        # TODO: gather (and wait for) every unit of m: they are needed now
+        # TODO: then start, without waiting, the gathers of the units that self._neighbour(...)
+        # TODO: gives for the module self.prefetch places later
+        for i in self._units_of[m]:
+            self._gather(i)  # needed now: wait for it
+        for i in self._neighbour(m, +self.prefetch):
+            self._gather(i, wait=False)  # needed next: runs while m computes
+        # END SOLUTION
+
+    def _pre_backward(self, m: nn.Module) -> None:
+        """Runs when the gradient of m's output arrives: just before m's backward."""
+        self._queue_backward_end()  # given: frees everything and finishes up after backward
+        # BEGIN SOLUTION
+        # TODO: as _pre_forward; backward visits the modules in the reverse order
+        for i in self._units_of[m]:
+            self._gather(i)
+        for i in self._neighbour(m, -self.prefetch):
+            self._gather(i, wait=False)  # backward runs the modules in reverse order
+        # END SOLUTION
+
+
+# %% check="PrefetchZeRO3"
+# As the previous check, and: in steps 1 and 2 (step 0 records the order), every module whose
+# units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
+# yours too, in forward and in backward; no more units gathered at once than ZeRO3.
+checks_zero.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
+
+# %% [markdown]
+# ## 4. Parameters held during one step
+#
+# The cells below use `minizero.parallelize(model, 3, ...)`, whose stage 3 is minizero's
+# `ZeRO3`: your two exercises together. The cell trains TinyGPT in bf16 for two steps (the first
+# records the module order) and, in the second, measures the parameter bytes rank 0 holds as
+# each module starts its forward and its backward (after the stage's own hooks have gathered),
+# for stage 2 and stage 3.
+
+# %%
+UNIT_MODULES = [n for n, m in TinyGPT(GPT).named_modules() if list(m.parameters(recurse=False))]
+
+
+def params_timeline(stage):
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16")
+    trace = []
+
+    def sample(label):
+        kept = model_state_bytes(model, opt)["params"]  # stage 3: the shards only
+        # stage 3: the unit buffers gathered right now (0 bytes while freed)
+        gathered = sum(f.untyped_storage().nbytes() for f in model.flat_params) if stage == 3 else 0
+        trace.append((label, kept, gathered))
+
+    def pre(m, args, name):
+        sample(f"fwd {name}")
+
+    def post(m, args, out, name):
+        if out.requires_grad:
+            out.register_hook(lambda grad: sample(f"bwd {name}"))
+
+    for step in range(2):
+        if step == 1:  # registered after the stage's hooks: they run after its gathers
+            for name in UNIT_MODULES:
+                m = model.module.get_submodule(name)
+                m.register_forward_pre_hook(lambda m, a, name=name: pre(m, a, name))
+                m.register_forward_hook(lambda m, a, out, name=name: post(m, a, out, name))
+        sample("start")
+        model(*gpt_batch(step)).backward()
+        sample("end of backward")
+        opt.step()
+        opt.zero_grad()
+    return trace[2:]  # the second step (the first sampled only "start" and "end of backward")
+
+
+TIMELINES = {s: minizero.launch(params_timeline, NPROCS, s, verbose=False)[0] for s in (2, 3)}
+fig, ax = plt.subplots(figsize=(11, 4.5))
+xs = range(len(TIMELINES[3]))
+ax.step(xs, [kept / PSI for _, kept, _ in TIMELINES[2]], where="mid", marker=".",
+        label="stage 2: all parameters")  # fmt: skip
+ax.step(xs, [(kept + g) / PSI for _, kept, g in TIMELINES[3]], where="mid", marker=".",
+        label="stage 3: shards + gathered units")  # fmt: skip
+ax.step(xs, [kept / PSI for _, kept, _ in TIMELINES[3]], where="mid", color="k", ls="--", lw=1,
+        label="stage 3: shards (2Ψ/N)")  # fmt: skip
+ax.set_xticks(list(xs), [label for label, _, _ in TIMELINES[3]], rotation=90, fontsize=7)
+ax.set_ylim(0, 2.2)
+ax.set_ylabel("parameter bytes on rank 0 / Ψ")
+ax.legend(fontsize=8)
+ax.set_title(f"TinyGPT, bf16, one step after the first: {checks.describe(INFO)}", fontsize=9)
+fig.tight_layout()
+plt.show()
+peak = max(kept + g for _, kept, g in TIMELINES[3])
+print(f"stage 3: at most {peak / PSI:.2f}Ψ of parameters held at once; stage 2: 2.00Ψ throughout")
+
+# %% [markdown]
+# Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus whatever is
+# gathered at that moment: the running module's unit and, with prefetch, the next one's. One
+# unit lingers: `lm_head` gathers the tied `wte` unit for its backward, and that unit's gradient
+# is complete only after the embedding's backward, the very last, so through backward the
+# orange line never drops back to the shards.
+#
+# ## 5. Memory per rank, every stage, against the formula
+#
+# As in lesson 02, one launch measures every N from 1 to `SWEEP` (the first n ranks form a
+# process group), now for all four stages, in bf16 with Adam (K = 12):
+
+# %%
+SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
+STAGES = (0, 1, 2, 3)
+
+
+def sweep():
+    rank, rows = dist.get_rank(), []
+    for n in range(1, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
+        if rank < n:
+            for stage in STAGES:
+                torch.manual_seed(0)
+                model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16",
+                                                  process_group=group)  # fmt: skip
+                model(*gpt_batch(group=group)).backward()
+                opt.step()
+                opt.zero_grad()
+                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
+    return {"info": checks.run_info(), "rows": rows}
+
+
+SWEPT = minizero.launch(sweep, SWEEP, verbose=False)
+sweep_info = SWEPT[0]["info"]
+fig, ax = plt.subplots(figsize=(7, 4))
+ns = range(1, 65)
+for stage, color in zip(STAGES, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True):
+    paper = [sum(paper_model_state_bytes(PSI, n, stage, "bf16").values()) / PSI for n in ns]
+    ax.plot(ns, paper, color=color, lw=1, label=f"paper, stage {stage}")
+    got = [(n, b / PSI) for res in SWEPT for n, s, b in res["rows"] if s == stage]
+    ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log", base=2)
+ax.set_xlabel("N: data-parallel ranks")
+ax.set_ylabel("model-state bytes per rank / Ψ")
+ax.grid(alpha=0.3)
+ax.legend(fontsize=7, ncol=2)
+ax.set_title(
+    f"TinyGPT, bf16 + Adam (K = 12): measured on {sweep_info['backend']} · "
+    f"{sweep_info['device']} · N = 1..{sweep_info['world']}",
+    fontsize=9,
+)
+plt.show()
+for n, stage, b in SWEPT[0]["rows"]:
+    if n == sweep_info["world"]:
+        paper = sum(paper_model_state_bytes(PSI, n, stage, "bf16").values())
+        print(f"N = {n}, stage {stage}: measured {b / PSI:.3f}Ψ, paper {paper / PSI:.3f}Ψ")
+
+# %% [markdown]
+# Stages 1 and 2 flatten out at 4Ψ and 2Ψ (what they do not partition); stage 3 keeps falling
+# as 16Ψ/N.
+#
+# ## 6. Communication: 1.5x
+#
+# A `CommLedger` over one training step (after a first one), for each stage, on two models:
+# an untied MLP built as `nn.Sequential` (every parameter used once), and TinyGPT (its tied
+# embedding is used twice). The forward's collectives are those issued before the
+# `"backward start"` mark.
+
+# %%
+SEQ = (13, 37, 29, 7)  # an MLP with no parameter of its own at the top, every layer used once
+
+
+def untied_mlp():
+    layers = []
+    for a, b in zip(SEQ[:-1], SEQ[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def comm(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev, out = checks.rank_device(), {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        net = untied_mlp() if kind == "untied MLP" else TinyGPT(GPT)
+        model, opt = minizero.parallelize(net, stage, adam)
+        for step in range(2):  # keep the second step's ledger: prefetch runs from then on
+            if kind == "untied MLP":
+                x, y = synthetic_batch("mlp", 4 * world, step, rank=rank, world=world, device=dev)
+                batch = (x, y)
+            else:
+                batch = gpt_batch(step)
+            with minizero.CommLedger() as ledger:
+                mark("forward start")
+                out_ = model(batch[0])
+                mark("backward start")
+                loss = F.mse_loss(out_, batch[1]) if kind == "untied MLP" else F.cross_entropy(
+                    out_.flatten(0, 1), batch[1].flatten())  # fmt: skip
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        bwd = next(i for i, label in ledger.marks if label == "backward start")
+        parts = {}
+        for r in ledger.records:
+            key = f"{r.op} (forward)" if r.index < bwd else r.op
+            parts[key] = parts.get(key, 0) + r.volume_elements
+        out[stage] = parts
+    return {"psi": count_params(net), "parts": out}
+
+
+COMM = {k: minizero.launch(comm, NPROCS, k, verbose=False)[0] for k in ("untied MLP", "TinyGPT")}
+KEYS = ("all_reduce", "reduce_scatter", "all_gather", "all_gather (forward)")
+NAMES = {"all_gather": "all_gather (after the step; stage 3: in backward)"}
+fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+for ax, (kind, res) in zip(axes, COMM.items(), strict=True):
+    bottom = [0.0] * len(STAGES)
+    for key in KEYS:
+        vals = [res["parts"][s].get(key, 0) / res["psi"] for s in STAGES]
+        ax.bar(STAGES, vals, bottom=bottom, label=NAMES.get(key, key))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.plot(STAGES, [2, 2, 2, 3], "k_", ms=30, mew=2, label="paper: 2Ψ, 2Ψ, 2Ψ, 3Ψ")
+    ax.set_xticks(STAGES, ["DDP", "stage 1", "stage 2", "stage 3"])
+    ax.set_title(f"{kind}, Ψ = {res['psi']:,}", fontsize=9)
+axes[0].set_ylabel("volume per step / Ψ (elements)")
+handles, labels = axes[0].get_legend_handles_labels()
+fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=3)
+fig.suptitle(f"Communication volume per training step: {checks.describe(INFO)}", fontsize=9)
+fig.tight_layout()
+plt.show()
+for kind, res in COMM.items():
+    total = {s: sum(res["parts"][s].values()) / res["psi"] for s in STAGES}
+    print(f"{kind:10}: " + ", ".join(f"stage {s} {v:.3f}Ψ" for s, v in total.items()))
+tied = GPT.vocab_size * GPT.n_embd
+print(
+    f"TinyGPT stage 3 - 3Ψ = {(total[3] - 3) * PSI:,.0f} elements; the tied wte/lm_head unit "
+    f"has {tied:,}"
+)
+
+# %% [markdown]
+# On the untied MLP, stage 3 moves 3Ψ (plus a few elements of padding when a unit's size does
+# not divide by N): Ψ all-gathered in forward, Ψ in backward, Ψ reduce-scattered. DDP and
+# stages 1 and 2 move 2Ψ. On TinyGPT stage 3 moves a little more than 3Ψ, and the printed
+# difference is exactly the tied unit: `lm_head` uses `wte`'s weight, so forward gathers that
+# unit twice (for the embedding, and again for the output layer, having freed it in between).
+# That is volume, the quantity the paper counts; on gloo, where a reduce-scatter runs as an
+# all-reduce, time would not follow it (lesson 00).
+#
+# **Summary.** Stage 3 keeps only a 1/N chunk of every model state and gathers each module's
+# parameters around its forward and its backward: measured memory per rank follows
+# (2 + 2 + K)Ψ/N, for 1.5x the communication of DDP, and prefetch lets the all-gathers run
+# while the previous module computes. That completes ZeRO-DP: the same training, with memory
+# per rank divided by up to N.
