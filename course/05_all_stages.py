@@ -295,9 +295,9 @@ plt.show()
 # ## 4. A calculator
 #
 # The paper's formula for any Ψ, N_d and precision. The figure below is drawn for the 7.5B model
-# on 64 ranks. In Jupyter (JupyterLab, Notebook or VS Code), sliders follow it and redraw the bars;
-# in a graded run only the static figure is drawn. `plots.calculator()` builds the sliders in any
-# cell, and `MINIZERO_WIDGETS=1` / `=0` forces them on or off.
+# on 64 ranks. In JupyterLab or Jupyter Notebook, sliders follow it and redraw the bars; in a
+# graded run only the static figure is drawn. In other front ends (VS Code, ...) start the kernel
+# with `MINIZERO_WIDGETS=1`, or call `display(plots.calculator())` in any cell.
 
 # %%
 fig = plots.state_bars(7.5e9, 64, "bf16", stage=3)

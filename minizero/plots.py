@@ -421,9 +421,9 @@ def state_bars(psi: float, world: int, precision: str = "bf16", stage: int | Non
 
 
 def widgets_available() -> bool:
-    """Whether this kernel has a front end that shows widgets: a Jupyter server or VS Code started
-    it (``JPY_SESSION_NAME``), unless ``MINIZERO_WIDGETS=0``; ``MINIZERO_WIDGETS=1`` forces it.
-    nbclient, nbval and the grader set neither, so graded runs never build a widget."""
+    """Whether this kernel has a front end that shows widgets: a Jupyter server started it (it
+    sets ``JPY_SESSION_NAME``), unless ``MINIZERO_WIDGETS=0``; ``MINIZERO_WIDGETS=1`` forces it
+    (other front ends). nbclient, nbval and the grader set neither: graded runs build no widget."""
     force = os.environ.get("MINIZERO_WIDGETS")
     if force in ("0", "1"):
         return force == "1"
