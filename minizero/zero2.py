@@ -69,7 +69,7 @@ class ZeRO2(ZeRO1):
     def _launch(self, b: Bucket) -> None:
         self._finish_in_flight()  # at most one reduce-scatter in flight
         buf = self._filling.pop(b.index)
-        out = torch.empty(b.shard, dtype=buf.dtype, device=buf.device)  # (shard,) chunk r
+        out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
         work = C.reduce_scatter(
             out, buf, group=self.group, async_op=True, tag=f"zero2 grads {b.index}"
         )
@@ -104,7 +104,7 @@ class ZeRO2(ZeRO1):
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = list(self._filling.values())
         if self._in_flight is not None:
-            live += [self._in_flight[2], self._in_flight[3]]
+            live.append(self._in_flight[2])
         return {
             "params": self.flat_params + list(self.module.parameters()),
             "grads": self.grad_shards,

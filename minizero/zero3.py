@@ -131,7 +131,8 @@ class ZeRO3(ZeRO2):
         for i in self._units_of[m]:
             self._gather(i)
         for i in self._neighbour(m, -self.prefetch):
-            self._gather(i, wait=False)
+            if self._pending[i] != -1:  # not a unit whose backward is already over
+                self._gather(i, wait=False)
 
     def _launch(self, b: Bucket) -> None:
         super()._launch(b)  # every gradient of the unit is in: reduce-scatter it...
