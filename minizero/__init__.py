@@ -14,58 +14,46 @@ ZeRO2                  minizero/zero2.py           03_zero2
 ZeRO3                  minizero/zero3.py           04_zero3
 model_state_bytes      minizero/memory.py          02_zero1 .. 05_all_stages
 simulate               minizero/simulate.py        05_all_stages
+plots                  minizero/plots.py           05_all_stages, 06_myths
 parallelize            minizero/parallelize.py     every lesson
 =====================  ==========================  ============================================
 """
 
-from importlib import import_module
-
 __version__ = "0.1.0"
 
-# Public name -> module that defines it. Imported on first use, so `import minizero` stays cheap
-# (the launcher forks ranks from a parent that may not need torch.distributed at all).
-_WHERE = {
-    "launch": "launch",
-    "CommLedger": "collectives",
-    "CommRecord": "collectives",
-    "all_reduce": "collectives",
-    "reduce_scatter": "collectives",
-    "all_gather": "collectives",
-    "broadcast": "collectives",
-    "NaiveDDP": "ddp",
-    "DDP": "ddp",
-    "Bucket": "bucket",
-    "ZeRO1": "zero1",
-    "ZeRO2": "zero2",
-    "ZeRO3": "zero3",
-    "parallelize": "parallelize",
-    "full_state_dict": "parallelize",
-    "model_state_bytes": "memory",
-    "MemoryMeter": "memory",
-    "format_bytes": "memory",
-    "model_state_report": "memory",
-    "PAPER_TABLE1": "memory",
-    "count_params": "models",
-    "paper_model_state_bytes": "memory",
-    "simulate": "simulate",
-    "table1": "simulate",
-    "FlatModel": "simulate",
-    "TinyGPT": "models",
-    "GPTConfig": "models",
-    "MLP": "models",
-    "synthetic_batch": "data",
-}
+# The functions are bound here, after their modules have loaded, so that the package attribute
+# `minizero.launch` is the function even though `minizero/launch.py` is also a module.
+from minizero.bucket import Bucket  # noqa: E402
+from minizero.collectives import (  # noqa: E402
+    CommLedger,
+    CommRecord,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce_scatter,
+)
+from minizero.data import synthetic_batch  # noqa: E402
+from minizero.ddp import DDP, NaiveDDP  # noqa: E402
+from minizero.launch import LaunchError, LaunchTimeout, launch  # noqa: E402
+from minizero.memory import (  # noqa: E402
+    PAPER_TABLE1,
+    MemoryMeter,
+    format_bytes,
+    model_state_bytes,
+    model_state_report,
+    paper_model_state_bytes,
+)
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params  # noqa: E402
+from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
+from minizero.simulate import FlatModel, simulate, table1  # noqa: E402
+from minizero.zero1 import ZeRO1  # noqa: E402
+from minizero.zero2 import ZeRO2  # noqa: E402
+from minizero.zero3 import ZeRO3  # noqa: E402
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(import_module(f"minizero.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'minizero' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = [
+    "CommLedger", "CommRecord", "all_gather", "all_reduce", "broadcast", "reduce_scatter",
+    "LaunchError", "LaunchTimeout", "launch", "Bucket", "DDP", "NaiveDDP", "ZeRO1", "ZeRO2",
+    "ZeRO3", "full_state_dict", "parallelize", "PAPER_TABLE1", "MemoryMeter", "format_bytes",
+    "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
+    "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1",
+]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero {demo,bench,simulate,run,grade,lessons} ...``."""
+"""Command line: ``python -m minizero {demo,bench,compare,simulate,run,grade,lessons} ...``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         "run", add_help=False, help="run a script under torchrun (multi-node, one rank per GPU)"
     )
     r.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser(
+        "compare", add_help=False, help="instructor demo: every stage measured, one figure"
+    )
+    c.add_argument("rest", nargs=argparse.REMAINDER)
     s = sub.add_parser(
         "simulate", add_help=False, help="ZeRO's Table 1 from the real stage code on meta tensors"
     )
@@ -46,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from minizero import bench
 
         return getattr(bench, f"bench_{args.what}")(args.rest)
+    if args.cmd == "compare":
+        from minizero.plots import main as compare_main
+
+        return compare_main(args.rest)
     if args.cmd == "simulate":
         from minizero.simulate import main as simulate_main
 
