@@ -82,7 +82,7 @@ def test_demo(stage, volume, capsys):
     assert demo(2, stage) == 0
     text = capsys.readouterr().out
     assert f"stage {stage}" in text and "2 ranks, gloo on" in text
-    assert text.count("PASS") == 3  # two equivalence lines and the verdict
+    assert text.count("PASS") == 4  # three equivalence lines and the verdict
     assert f"moved {volume}" in text and f"paper: {2 if stage < 3 else 3}Ψ" in text
 
 
