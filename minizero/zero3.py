@@ -31,6 +31,9 @@ class ZeRO3(ZeRO2):
     only ``param_shards`` (rank r's chunk) stays. Tensors autograd saved in forward point at the
     same storage, so the gather before backward makes them whole again.
 
+    A unit that several modules use (tied weights) stays gathered from its first use in forward
+    to its last, so that after the first step each unit is gathered once in forward.
+
     Prefetch: the order in which modules ran in the first forward is recorded; with ``prefetch=1``
     the next module's all-gather is issued (asynchronously) as soon as the current one's is done,
     in forward, and the previous module's in backward. ``bucket_cap_mb`` is not used.
@@ -55,6 +58,7 @@ class ZeRO3(ZeRO2):
         self.max_gathered = 0  # most units gathered at once (a structure check)
         self._order: list[nn.Module] = []  # modules with units, in the first forward's order
         self._recording = True
+        self._last_use: dict[int, int] = {}  # unit -> position of its last user in _order
         for m in self._units_of:
             m.register_forward_pre_hook(self._pre_forward)
             m.register_forward_hook(self._post_forward)
@@ -120,7 +124,8 @@ class ZeRO3(ZeRO2):
 
     def _post_forward(self, m: nn.Module, args, out):
         for i in self._units_of[m]:
-            self._free(i)
+            if self._recording or self._last_use[i] <= self._order.index(m):
+                self._free(i)  # (a tied unit stays gathered until its last use in forward)
         if torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -143,7 +148,9 @@ class ZeRO3(ZeRO2):
         for i in range(len(self.buckets)):
             if self._gathered[i]:
                 self._free(i)
-        self._recording = False
+        if self._recording:  # the forward order is known now: where each unit is last used
+            self._recording = False
+            self._last_use = {i: j for j, m in enumerate(self._order) for i in self._units_of[m]}
 
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:
