@@ -26,6 +26,7 @@ ignored in favour of ``WORLD_SIZE`` (with a note when they differ).
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -38,7 +39,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +48,7 @@ _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping ranks
 _POLL = 0.02  # seconds between looks at the ranks
 _STARTUP = 120.0  # seconds allowed for starting the ranks, on top of the timeout
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+_WORKER = "import sys; from minizero.launch import _torchrun_worker as w; sys.exit(w(sys.argv[1]))"
 
 
 class LaunchError(RuntimeError):
@@ -92,7 +93,7 @@ def launch(
     nprocs: int,
     *args: Any,
     backend: str = "auto",
-    timeout: float = 300.0,
+    timeout: float | timedelta = 300.0,
     mechanism: str = "auto",
     verbose: bool = True,
     **kwargs: Any,
@@ -100,13 +101,16 @@ def launch(
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks; return their results in rank order.
 
     backend: "auto" (NCCL when every rank can have its own GPU, else gloo), "nccl" or "gloo".
-    timeout: seconds before hung ranks are stopped (also the process group's timeout).
-    mechanism: "auto" (fork for gloo, torchrun for NCCL), "fork" or "torchrun".
+    timeout: seconds (or a timedelta) a rank may run, counted once all ranks have started; also
+        the process group's timeout.
+    mechanism: "auto" (fork for gloo, torchrun for NCCL), "fork" or "torchrun". Forked ranks
+        cannot use CUDA if this process has initialised it: use "torchrun" for that.
     verbose: print one line saying how the ranks run.
     Raises LaunchError naming the first failing rank with its traceback; LaunchTimeout on timeout.
     Return values must be picklable. ``backend``, ``timeout``, ``mechanism`` and ``verbose`` are
     taken by launch and never passed on to ``fn``.
     """
+    timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if all(k in os.environ for k in _ENV):
         return _launch_here(fn, nprocs, args, kwargs, backend, timeout, verbose)
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -115,6 +119,9 @@ def launch(
         raise ValueError(f"unknown backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
     if mechanism not in ("auto", "fork", "torchrun"):
         raise ValueError(f"unknown mechanism {mechanism!r}: use 'auto', 'fork' or 'torchrun'")
+    # Import here, in full, all that the ranks import: a fork taken while another thread is half
+    # way through importing a module leaves the child waiting forever on that module's lock.
+    import cloudpickle  # noqa: F401
     import torch.distributed as dist
 
     gpus = gpu_count()
@@ -326,6 +333,9 @@ class _Torchrun(_Ranks):
             return {r: f"ended ({tail})" for r in range(self.n) if r not in done}
         # torchrun SIGTERMs the survivors of a failure: they are not the cause
         out = {r: _exit_words(c) for r, c in codes.items() if r not in done and c != -15}
+        for r in out:  # died before its output was captured: torchrun's log has the reason
+            if not (self.tmp / f"{r}.err.log").exists():
+                out[r] += f" before starting (torchrun's log ends:\n{log[-3000:]})"
         return out
 
     def wait(self, seconds: float) -> None:
@@ -400,11 +410,11 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
     except Exception as e:
         raise TypeError(f"torchrun needs fn and its arguments picklable; they are not: {e}") from e
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    root = str(Path(__file__).resolve().parent.parent)  # so that `-m minizero.launch` imports
+    root = str(Path(__file__).resolve().parent.parent)  # so that the workers import this minizero
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={n}", "--monitor-interval=0.05",
-           "-m", "minizero.launch", str(tmp)]  # fmt: skip
+           f"--nproc-per-node={n}", "--monitor-interval=0.05", "--no-python",
+           sys.executable, "-c", _WORKER, str(tmp)]  # fmt: skip
     with open(tmp / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -478,8 +488,6 @@ def _die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this rank if its parent dies, so no rank is orphaned."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     parent = os.getppid()
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
@@ -487,7 +495,7 @@ def _die_with_parent() -> None:
 
 
 def _torchrun_worker(tmp: str) -> int:
-    """Entry point of ``python -m minizero.launch TMP`` under torchrun."""
+    """What each torchrun worker runs (``_WORKER``)."""
     setup = pickle.loads(Path(tmp, "setup.pkl").read_bytes())
     sys.path[:] = setup["sys_path"]  # before unpickling fn: its module may live on that path
     env = os.environ
@@ -547,18 +555,3 @@ def torchrun_main(argv: list[str]) -> int:
     if not given(r"nproc[-_]per[-_]node"):
         extra.append(f"--nproc-per-node={gpu_count() or 2}")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", *extra, *argv])
-
-
-class _CallableModule(types.ModuleType):
-    """``import minizero.launch`` makes the package attribute ``minizero.launch`` this module,
-    hiding the function of the same name; calling the module calls the function, so
-    ``minizero.launch(fn, n)`` works however the module was imported."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return launch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-
-if __name__ == "__main__":
-    sys.exit(_torchrun_worker(sys.argv[1]))
