@@ -1,0 +1,155 @@
+"""The measured collectives (minizero/collectives.py, lesson 00_collectives): same results as
+torch.distributed, nccl-tests' sizes and bus-bandwidth factors, the ZeRO paper's volumes, and a
+ledger that records only while it is open."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minizero import collectives as C
+from minizero.launch import launch
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT = 60  # seconds per launch
+
+
+def run(fn, world, *args, **kwargs):
+    return launch(fn, world, *args, backend="gloo", timeout=TIMEOUT, verbose=False, **kwargs)
+
+
+# -- sizes and factors, on a record made by hand -------------------------------------------------
+@pytest.mark.parametrize(
+    "op,world,factor,volume",
+    [
+        ("all_reduce", 4, 1.5, 2000),  # 2(n-1)/n; the paper counts an all-reduce of n as 2n
+        ("all_reduce", 2, 1.0, 2000),
+        ("reduce_scatter", 4, 0.75, 1000),  # (n-1)/n
+        ("all_gather", 4, 0.75, 1000),
+        ("all_gather", 3, 2 / 3, 1000),
+        ("broadcast", 4, 1.0, 1000),
+    ],
+)
+def test_record_bandwidth_and_volume(op, world, factor, volume):
+    rec = C.CommRecord(op, torch.bfloat16, 1000, world, False, "t", 0, seconds=1e-3)
+    assert rec.nbytes == 2000  # S = numel * 2 bytes for bf16
+    assert rec.algbw == pytest.approx(2000 / 1e-3)
+    assert rec.busbw == pytest.approx(2000 / 1e-3 * factor)
+    assert rec.volume_elements == volume
+
+
+def test_unfinished_record_has_no_bandwidth():
+    rec = C.CommRecord("all_reduce", torch.float32, 10, 2, True, "", 0)  # async, not waited on
+    assert rec.nbytes == 40 and rec.algbw != rec.algbw  # NaN
+
+
+# -- the wrappers against torch.distributed -----------------------------------------------------
+def all_four(dtype, group_ranks=None, src=0):
+    """On every rank: each wrapper and torch.distributed on the same data, under a ledger.
+    ``group_ranks``: run on dist.new_group(group_ranks) (ranks outside it return None)."""
+    group = dist.new_group(group_ranks) if group_ranks is not None else None
+    if group_ranks is not None and dist.get_rank() not in group_ranks:
+        return None
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = (torch.randn(n * 5, generator=g) * 4).round().to(dtype)  # integers: sums are exact
+    out = {}
+    with C.CommLedger() as ledger:
+        a, b = x.clone(), x.clone()
+        C.all_reduce(a, group=group, tag="sum")
+        dist.all_reduce(b, group=group)
+        out["all_reduce"] = (a, b)
+        a, b = x.clone(), x.clone()
+        assert C.all_reduce(a, op=C.ReduceOp.MAX, group=group) is None  # blocking: no work
+        dist.all_reduce(b, op=dist.ReduceOp.MAX, group=group)
+        out["all_reduce max"] = (a, b)
+        shard = torch.empty(5, dtype=dtype)
+        work = C.reduce_scatter(shard, x.clone(), group=group, async_op=True)
+        pending = ledger.records[-1].seconds
+        work.wait()
+        b = x.clone()
+        dist.all_reduce(b, group=group)
+        out["reduce_scatter"] = (shard, b[me * 5 : (me + 1) * 5])  # chunk `me` of the sum
+        full = torch.empty(n * 5, dtype=dtype)
+        C.all_gather(full, x[:5].clone(), group=group)
+        parts = [torch.empty(5, dtype=dtype) for _ in range(n)]
+        dist.all_gather(parts, x[:5].clone(), group=group)
+        out["all_gather"] = (full, torch.cat(parts))
+        a, b = x.clone(), x.clone()
+        C.broadcast(a, src=src, group=group)  # src: a rank *in the group*
+        global_src = src if group is None else dist.get_global_rank(group, src)
+        dist.broadcast(b, src=global_src, group=group)
+        out["broadcast"] = (a, b)
+    with torch.no_grad():  # the source's own tensor, for the broadcast check
+        src_x = x.clone()
+        dist.broadcast(src_x, src=global_src, group=group)
+    rows = [(r.op, r.numel, r.nbytes, r.dtype, r.world, r.async_op, r.seconds is not None)
+            for r in ledger.records]  # fmt: skip
+    volume = ledger.volume_elements
+    return dict(out=out, rows=rows, pending=pending, src_x=src_x, n=n, volume=volume)
+
+
+def check_all_four(res, dtype):
+    for name, (got, want) in res["out"].items():
+        assert torch.equal(got, want), name
+    assert torch.equal(res["out"]["broadcast"][0], res["src_x"])
+    n, size = res["n"], torch.empty((), dtype=dtype).element_size()
+    assert res["rows"] == [
+        ("all_reduce", n * 5, n * 5 * size, dtype, n, False, True),
+        ("all_reduce", n * 5, n * 5 * size, dtype, n, False, True),
+        ("reduce_scatter", n * 5, n * 5 * size, dtype, n, True, True),  # S: the full input
+        ("all_gather", n * 5, n * 5 * size, dtype, n, False, True),  # S: the full output
+        ("broadcast", n * 5, n * 5 * size, dtype, n, False, True),
+    ]
+    assert res["pending"] is None, "an async record was timed before wait()"
+    assert res["volume"] == 2 * 2 * n * 5 + 3 * n * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_wrappers_match_torch_distributed(world, dtype):
+    for res in run(all_four, world, dtype):
+        check_all_four(res, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_broadcast_from_a_nonzero_rank(world):
+    for res in run(all_four, world, torch.float32, src=world - 1):
+        check_all_four(res, torch.float32)
+
+
+def test_subgroup():
+    """A group made with dist.new_group([1, 2]) of a world of 3; src is a rank in that group."""
+    results = run(all_four, 3, torch.float32, [1, 2], src=1)
+    assert results[0] is None
+    for res in results[1:]:
+        check_all_four(res, torch.float32)
+        assert res["n"] == 2
+
+
+# -- the ledger records only while open ------------------------------------------------------------
+def ledger_scopes():
+    t = torch.ones(4)
+    C.mark("nobody listens")  # no ledger open: nothing to label, no error
+    C.all_reduce(t)  # no ledger open: nothing recorded anywhere
+    assert C._open_ledgers == []
+    with C.CommLedger() as outer:
+        C.all_reduce(t, tag="a")
+        with C.CommLedger() as inner:
+            C.mark("m")
+            C.broadcast(t, src=0, tag="b")
+        C.all_gather(torch.empty(4 * dist.get_world_size()), t, tag="c")
+    C.all_reduce(t)  # after exit: still nothing
+    assert C._open_ledgers == []
+    return dict(
+        outer=[(r.tag, r.index) for r in outer.records], outer_marks=outer.marks,
+        inner=[(r.tag, r.index) for r in inner.records], inner_marks=inner.marks,
+    )  # fmt: skip
+
+
+def test_ledger_records_only_while_open():
+    """Records and marks share one timeline per ledger; nested ledgers each see what ran inside."""
+    for res in run(ledger_scopes, 2):
+        assert res["outer"] == [("a", 0), ("b", 2), ("c", 3)]
+        assert res["outer_marks"] == [(1, "m")]
+        assert res["inner"] == [("b", 1)]
+        assert res["inner_marks"] == [(0, "m")]
