@@ -230,3 +230,18 @@ def test_lbfgs_allowed_for_fp32_ddp():
 def test_bad_stage(stage):
     with pytest.raises(ValueError, match=r"stage must be 0 \(DDP\), 1, 2 or 3"):
         minizero.parallelize(build("mlp"), stage, lambda ps: torch.optim.Adam(ps))
+
+
+# -- the same on GPUs, NCCL, one rank per GPU --------------------------------------------------
+@pytest.mark.parametrize(
+    "world", [pytest.param(1, marks=pytest.mark.gpu(1)), pytest.param(2, marks=pytest.mark.gpu(2))]
+)
+@pytest.mark.parametrize("stage", STAGES)
+def test_nccl_matches_single_process_and_ddp(stage, world):
+    """On the GPU the kernels differ from the CPU reference's, so 1e-5 instead of 1e-6."""
+    spec = f"stage{stage}"
+    results = launch(train_rank, world, [spec, "stage0"], "mlp", "adam", backend="nccl",
+                     timeout=TIMEOUT, verbose=False)  # fmt: skip
+    check_ranks(results, spec, "mlp", "adam", 1e-5)
+    for r, res in enumerate(results):
+        assert_same_run(res[spec], res["stage0"], 1e-5, f"{spec} rank {r} vs DDP")
