@@ -268,8 +268,9 @@ checks.check_bucketed_ddp(BucketedDDP, NPROCS)
 # (as with torch DDP's `gradient_as_bucket_view=True`), so it holds one copy of the gradients
 # where your class holds two (section 6 measures minizero's at exactly one copy). The cell
 # trains `TinyGPT` for 3 steps at three bucket sizes and keeps the last step's timeline: when each
-# mark was made and when each all-reduce was issued and completed (its `wait()` returned), from a
-# `CommLedger` that also notes times (`checks.TimedLedger`).
+# all-reduce was issued and completed (its `wait()` returned), from the ledger's records (`start`
+# and `seconds`), and when each mark was made (`checks.TimedLedger`: a `CommLedger` whose marks
+# also note the time).
 
 # %%
 CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT
@@ -288,10 +289,9 @@ def timelines(progress, steps=3):
                 gpt_step(model, step)
             opt.step()
             opt.zero_grad()
-        t0 = ledger.at[ledger.marks[0][0]]
-        marks = {label: ledger.at[i] - t0 for i, label in ledger.marks}
-        comm = [(r.tag, ledger.at[r.index] - t0, ledger.at[r.index] - t0 + r.seconds, r.numel)
-                for r in ledger.records]  # fmt: skip
+        t0 = ledger.mark_times[0]  # "forward start"
+        marks = {label: t - t0 for (_, label), t in zip(ledger.marks, ledger.mark_times)}
+        comm = [(r.tag, r.start - t0, r.start - t0 + r.seconds, r.numel) for r in ledger.records]
         out[cap] = {"marks": marks, "comm": comm}
         progress.tick()
     return out

@@ -85,11 +85,13 @@ print(
 # 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
 #    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
 # 3. `self._pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
-#    is complete and `self._launch(b)` starts its reduce-scatter (asynchronous) into a new
-#    (shard,) output, and remembers `self._in_flight = (b, work, buffer, output)`;
+#    is complete and `self._launch(b)` starts its reduce-scatter (asynchronous), **in place**:
+#    the output is chunk r of the bucket's own buffer, `b.chunk(buffer, self.rank)`, a (shard,)
+#    view, so no second buffer is allocated; it remembers
+#    `self._in_flight = (b, work, buffer, output)`;
 # 4. `self._finish_in_flight()` waits for that reduce-scatter, divides the output by N and
 #    **adds** it into `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps; then
-#    forgets the buffers, which frees them. It **adds** so that several backwards before one
+#    forgets the buffer, which frees it. It **adds** so that several backwards before one
 #    step (gradient accumulation) sum up in the chunk.
 #
 # `_launch` (given) first calls `_finish_in_flight()`, so at most one reduce-scatter is in flight
@@ -137,7 +139,7 @@ class MyZeRO2(ZeRO2):
             b, work, _buf, out = self._in_flight
             work.wait()
             self.grad_shards[b.index].add_(out.div_(self.world))  # (shard,) += average
-            self._in_flight = None  # the last references to buf and out: both are freed
+            self._in_flight = None  # the last reference to buf (out is a view of it): freed
         # END SOLUTION
 
 
@@ -221,7 +223,7 @@ PEAKS = minizero.launch(peak_buckets, NPROCS, verbose=False)[0]
 fig, ax = plt.subplots(figsize=(7, 4))
 xs = range(len(CAPS))
 ax.bar(xs, [PEAKS["peaks"][c][1] / PSI for c in CAPS], color="tab:orange",
-       label="temporary, at most: buckets being filled or reduced, and outputs")  # fmt: skip
+       label="temporary, at most: buckets being filled or reduced")  # fmt: skip
 ax.bar(xs, [PEAKS["peaks"][c][2] / PSI for c in CAPS], bottom=[PEAKS["peaks"][c][1] / PSI
        for c in CAPS], color="tab:blue", label="grad_shards (kept): 2Ψ/N")  # fmt: skip
 ax.axhline(2, color="k", ls="--", lw=1, label="stage 1: the whole gradient, 2Ψ")
@@ -234,8 +236,9 @@ plt.show()
 
 # %% [markdown]
 # With one bucket (25 MiB) the whole gradient is alive at the end of backward, as in stage 1,
-# and then some: the reduce-scatter's (shard,) output and the kept chunk come on top, so at its
-# peak stage 2 holds *more* than stage 1. With small buckets the temporaries stay small (about
+# and then some: the kept chunks (`grad_shards`, 2Ψ/N) come on top, so at its peak stage 2
+# holds *more* than stage 1. (The reduce-scatter adds nothing: it writes rank r's chunk of the
+# sum into chunk r of the bucket itself.) With small buckets the temporaries stay small (about
 # two buckets: one filling, one in flight) and the peak approaches the 2Ψ/N of the formula.
 # Smaller buckets mean more, smaller reduce-scatters, each paying a latency (lesson 00):
 # `bucket_cap_mb` trades peak memory for message count, which is why DeepSpeed exposes

@@ -25,10 +25,11 @@
 #     python -m minizero grade lessons/04_zero3.ipynb
 
 # %%
+from collections import Counter
+
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import minizero
@@ -78,8 +79,9 @@ for name, m in model.named_modules():
         print(f"{name:22} unit of {size:6,} elements" if new else f"{name:22} uses unit {users}")
 
 # %% [markdown]
-# `lm_head.weight` *is* `wte.weight` (tied), so it belongs to `wte`'s unit, and `lm_head` gathers
-# that unit again when it runs.
+# `lm_head.weight` *is* `wte.weight` (tied), so it belongs to `wte`'s unit, and `lm_head` needs
+# that unit too: two modules use one unit. `ZeRO3` keeps such a unit gathered from its first use
+# in forward to its last (section 6 measures what that saves, and when it starts).
 #
 # ## 2. Freeing parameters that autograd still needs
 #
@@ -178,9 +180,10 @@ checks_zero.check_zero3_gather(MyZeRO3, NPROCS)
 # `ZeRO3` calls `_gather` and `_free` from hooks:
 #
 # * a **forward pre-hook** on each module that uses a unit (`_pre_forward`): gather its units;
-# * a **forward hook** (`_post_forward`, given): free them again, and register a hook on the
-#   module's output tensor that fires when backward reaches it, i.e. just before the module's
-#   own backward (`_pre_backward`): gather the units again;
+# * a **forward hook** (`_post_forward`, given): free them again (except, from the second
+#   step on, a unit that a later module still uses in forward: the tied one), and register a
+#   hook on the module's output tensor that fires when backward reaches it, i.e. just before the
+#   module's own backward (`_pre_backward`): gather the units again;
 # * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
 #   the unit (`_launch`, given).
 #
@@ -191,12 +194,21 @@ checks_zero.check_zero3_gather(MyZeRO3, NPROCS)
 # order is reversed. `self._neighbour(m, k)` gives the units of the module k places after `m`
 # in the recorded order (`k < 0`: before), or `[]` while recording; `self.prefetch` is 1.
 #
+# The reversed forward order is not exactly backward's order. A module that wraps others and
+# owns a parameter itself starts *first* in forward but may use its parameter *last*: the
+# checks' `MLP` multiplies its output by the root module's `gain`. So `gain`'s gradient arrives
+# first in backward, and its unit is reduce-scattered and freed at once. At the first layer's
+# backward, the reversed order names the root as the next module: prefetching its unit there
+# would gather it for nothing. `self._pending[i] == -1` marks a unit whose gradients were
+# already reduce-scattered in this backward: backward must not prefetch those.
+#
 # ## Exercise 2 — prefetch
 #
 # Write `_pre_forward(m, args)` and `_pre_backward(m)`: gather (and wait for) every unit of
 # `m`, `self._units_of[m]`; then start, without waiting, the gathers of the units of the module
 # `self.prefetch` places ahead in the direction of travel (forward: after `m`; backward:
-# before it). The class is built on minizero's `ZeRO3`, so it does not depend on exercise 1.
+# before it, skipping units already reduce-scattered). The class is built on minizero's `ZeRO3`,
+# so it does not depend on exercise 1.
 
 
 # %%
@@ -221,18 +233,22 @@ class PrefetchZeRO3(ZeRO3):
         """Runs when the gradient of m's output arrives: just before m's backward."""
         self._queue_backward_end()  # given: frees everything and finishes up after backward
         # BEGIN SOLUTION
-        # TODO: as _pre_forward; backward visits the modules in the reverse order
+        # TODO: as _pre_forward; backward visits the modules in the reverse order, and must not
+        # TODO: prefetch a unit whose gradients are already reduce-scattered:
+        # TODO: self._pending[i] == -1
         for i in self._units_of[m]:
             self._gather(i)
-        for i in self._neighbour(m, -self.prefetch):
-            self._gather(i, wait=False)  # backward runs the modules in reverse order
+        for i in self._neighbour(m, -self.prefetch):  # backward runs the modules in reverse order
+            if self._pending[i] != -1:  # its backward is over: gathering it would be wasted
+                self._gather(i, wait=False)
         # END SOLUTION
 
 
 # %% check="PrefetchZeRO3"
 # As the previous check, and: in steps 1 and 2 (step 0 records the order), every module whose
 # units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
-# yours too, in forward and in backward; no more units gathered at once than ZeRO3.
+# yours too, in forward and in backward; no more units gathered at once than ZeRO3, and no more
+# elements all-gathered (no unit gathered after its reduce-scatter).
 checks_zero.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %% [markdown]
@@ -302,9 +318,10 @@ print(f"stage 3: at most {peak / PSI:.2f}Ψ of parameters held at once; stage 2:
 # %% [markdown]
 # Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus whatever is
 # gathered at that moment: the running module's unit and, with prefetch, the next one's. One
-# unit lingers: `lm_head` gathers the tied `wte` unit for its backward, and that unit's gradient
-# is complete only after the embedding's backward, the very last, so through backward the
-# orange line never drops back to the shards.
+# unit lingers: the tied `wte` unit stays gathered in forward from `wte` (its first use) to
+# `lm_head` (its last), and in backward from `lm_head` to `wte` (its gradient is complete only
+# after the embedding's backward, the very last). So between "start" and "end of backward" the
+# orange line never drops back to the shards: it stays at least that unit above them.
 #
 # ## 5. Memory per rank, every stage, against the formula
 #
@@ -364,87 +381,93 @@ for n, stage, b in SWEPT[0]["rows"]:
 #
 # ## 6. Communication: 1.5x
 #
-# A `CommLedger` over one training step (after a first one), for each stage, on two models:
-# an untied MLP built as `nn.Sequential` (every parameter used once), and TinyGPT (its tied
-# embedding is used twice). The forward's collectives are those issued before the
-# `"backward start"` mark.
+# A `CommLedger` over each of the first two training steps of TinyGPT, at each stage. The
+# forward's collectives are those issued before the `"backward start"` mark. At stage 3 the cell
+# also counts how often each unit was all-gathered (the tag of a stage-3 all-gather names its
+# unit; the tied `wte`/`lm_head` unit is unit 0, `wte` being the first module that owns
+# parameters).
 
 # %%
-SEQ = (13, 37, 29, 7)  # an MLP with no parameter of its own at the top, every layer used once
+TIED = "zero3 params 0"  # the tag of the tied wte/lm_head unit's all-gathers (section 1)
 
 
-def untied_mlp():
-    layers = []
-    for a, b in zip(SEQ[:-1], SEQ[1:], strict=True):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
-
-
-def comm(kind):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev, out = checks.rank_device(), {}
+def comm():
+    out = {}
     for stage in STAGES:
         torch.manual_seed(0)
-        net = untied_mlp() if kind == "untied MLP" else TinyGPT(GPT)
-        model, opt = minizero.parallelize(net, stage, adam)
-        for step in range(2):  # keep the second step's ledger: prefetch runs from then on
-            if kind == "untied MLP":
-                x, y = synthetic_batch("mlp", 4 * world, step, rank=rank, world=world, device=dev)
-                batch = (x, y)
-            else:
-                batch = gpt_batch(step)
+        model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
+        for step in range(2):  # step 0: stage 3 records the module order; step 1: it uses it
             with minizero.CommLedger() as ledger:
                 mark("forward start")
-                out_ = model(batch[0])
+                loss = model(*gpt_batch(step))
                 mark("backward start")
-                loss = F.mse_loss(out_, batch[1]) if kind == "untied MLP" else F.cross_entropy(
-                    out_.flatten(0, 1), batch[1].flatten())  # fmt: skip
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-        bwd = next(i for i, label in ledger.marks if label == "backward start")
-        parts = {}
-        for r in ledger.records:
-            key = f"{r.op} (forward)" if r.index < bwd else r.op
-            parts[key] = parts.get(key, 0) + r.volume_elements
-        out[stage] = parts
-    return {"psi": count_params(net), "parts": out}
+            bwd = next(i for i, label in ledger.marks if label == "backward start")
+            parts = {}
+            for r in ledger.records:
+                key = f"{r.op} (forward)" if r.index < bwd else r.op
+                parts[key] = parts.get(key, 0) + r.volume_elements
+            gathers = Counter(r.tag for r in ledger.records if r.op == "all_gather")  # tag -> n
+            out[stage, step] = {"parts": parts, "gathers": gathers}
+    return out
 
 
-COMM = {k: minizero.launch(comm, NPROCS, k, verbose=False)[0] for k in ("untied MLP", "TinyGPT")}
+COMM = minizero.launch(comm, NPROCS, verbose=False)[0]
 KEYS = ("all_reduce", "reduce_scatter", "all_gather", "all_gather (forward)")
 NAMES = {"all_gather": "all_gather (after the step; stage 3: in backward)"}
+TITLES = ("step 0 (stage 3 records the module order)", "step 1 (and every later step)")
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-for ax, (kind, res) in zip(axes, COMM.items(), strict=True):
+for step, ax in enumerate(axes):
     bottom = [0.0] * len(STAGES)
     for key in KEYS:
-        vals = [res["parts"][s].get(key, 0) / res["psi"] for s in STAGES]
+        vals = [COMM[s, step]["parts"].get(key, 0) / PSI for s in STAGES]
         ax.bar(STAGES, vals, bottom=bottom, label=NAMES.get(key, key))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.plot(STAGES, [2, 2, 2, 3], "k_", ms=30, mew=2, label="paper: 2Ψ, 2Ψ, 2Ψ, 3Ψ")
     ax.set_xticks(STAGES, ["DDP", "stage 1", "stage 2", "stage 3"])
-    ax.set_title(f"{kind}, Ψ = {res['psi']:,}", fontsize=9)
+    ax.set_title(f"TinyGPT (Ψ = {PSI:,}), {TITLES[step]}", fontsize=9)
 axes[0].set_ylabel("volume per step / Ψ (elements)")
 handles, labels = axes[0].get_legend_handles_labels()
-fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=3)
+fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=3,
+           markerscale=0.5)  # fmt: skip
 fig.suptitle(f"Communication volume per training step: {checks.describe(INFO)}", fontsize=9)
 fig.tight_layout()
 plt.show()
-for kind, res in COMM.items():
-    total = {s: sum(res["parts"][s].values()) / res["psi"] for s in STAGES}
-    print(f"{kind:10}: " + ", ".join(f"stage {s} {v:.3f}Ψ" for s, v in total.items()))
-tied = GPT.vocab_size * GPT.n_embd
+for step in (0, 1):
+    total = ", ".join(f"stage {s} {sum(COMM[s, step]['parts'].values()) / PSI:.3f}Ψ"
+                      for s in STAGES)  # fmt: skip
+    g = COMM[3, step]["gathers"]
+    others = sorted({n for tag, n in g.items() if tag != TIED})
+    print(
+        f"step {step}: {total}; stage 3 all-gathered the tied unit {g[TIED]} times, "
+        f"each of the other {len(g) - 1} units {' or '.join(map(str, others))} times"
+    )
+extra = sum(COMM[3, 0]["parts"].values()) - sum(COMM[3, 1]["parts"].values())
 print(
-    f"TinyGPT stage 3 - 3Ψ = {(total[3] - 3) * PSI:,.0f} elements; the tied wte/lm_head unit "
-    f"has {tied:,}"
+    f"stage 3, step 0 - step 1 = {extra:,} elements; the tied wte/lm_head unit has "
+    f"{GPT.vocab_size * GPT.n_embd:,}"
 )
 
 # %% [markdown]
-# On the untied MLP, stage 3 moves 3Ψ (plus a few elements of padding when a unit's size does
-# not divide by N): Ψ all-gathered in forward, Ψ in backward, Ψ reduce-scattered. DDP and
-# stages 1 and 2 move 2Ψ. On TinyGPT stage 3 moves a little more than 3Ψ, and the printed
-# difference is exactly the tied unit: `lm_head` uses `wte`'s weight, so forward gathers that
-# unit twice (for the embedding, and again for the output layer, having freed it in between).
+# From the second step on, every stage moves what the paper counts: 2Ψ for DDP and stages 1
+# and 2; 3Ψ for stage 3, Ψ all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every
+# unit gathered once for each pass, the tied one included. (TinyGPT's units split evenly over 2,
+# 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks' `MLP`
+# moves 3Ψ plus a few elements per step, as exercise 1's check printed.)
+#
+# The first step moves a little more at stage 3, and the printed difference is exactly the tied
+# unit. On that step `ZeRO3` does not yet know that `lm_head` will use `wte`'s unit again: it
+# frees the unit after `wte`'s forward and gathers it again for `lm_head`'s. The first forward
+# records the order in which the modules run (the order prefetch follows; PyTorch's FSDP records
+# its first iteration's order the same way for `forward_prefetch`). From that order `ZeRO3`
+# knows where each unit is last used in forward, and from the second step on it keeps a unit
+# used by several modules gathered from its first use to its last. The saving in volume is paid
+# in memory: the tied unit stays gathered through the whole forward (section 4's figure). In
+# backward the two steps do the same: the unit is gathered for `lm_head`'s backward and stays
+# until `wte`'s, where its gradient is complete.
+#
 # That is volume, the quantity the paper counts; on gloo, where a reduce-scatter runs as an
 # all-reduce, time would not follow it (lesson 00).
 #

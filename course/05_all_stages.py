@@ -53,12 +53,13 @@ print(checks.describe(INFO), f"· torch {torch.__version__}")
 # | 2: P_os+g | + gradients | 2Ψ | 2Ψ/N | KΨ/N | 2Ψ + (2 + K)Ψ/N |
 # | 3: P_os+g+p | + parameters | 2Ψ/N | 2Ψ/N | KΨ/N | (2 + 2 + K)Ψ/N |
 #
-# The cell below trains TinyGPT (tiny) and a small MLP (`plots.Chain`: three linear layers) for a
-# few steps at every stage in bf16 with AdamW, on NPROCS ranks (`plots.profile_stage` is what each
-# rank runs; read it in `minizero/plots.py`). For each stage it keeps the model-state bytes at the
-# end of backward (`model_state_bytes`: the storages the stage holds, hidden flat buffers
-# included), the peak of one step (`MemoryMeter`: every live byte on CPU, the CUDA allocator's
-# figures on a GPU), every collective of one step (`CommLedger`), and the times of a few more steps.
+# The cell below trains TinyGPT (tiny) and a small MLP (`models.MLP` with sizes 32, 64, 64, 16:
+# three linear layers and an output gain) for a few steps at every stage in bf16 with AdamW, on
+# NPROCS ranks (`plots.profile_stage` is what each rank runs; read it in `minizero/plots.py`).
+# For each stage it keeps the model-state bytes at the end of backward (`model_state_bytes`: the
+# storages the stage holds, hidden flat buffers included), the peak of one step (`MemoryMeter`:
+# every live byte on CPU, the CUDA allocator's figures on a GPU), every collective of one step
+# (`CommLedger`), and the times of a few more steps.
 
 # %%
 STAGES = (0, 1, 2, 3)
@@ -112,8 +113,9 @@ for p in GPT:
 # %% [markdown]
 # ZeRO-DP partitions model states, not activations: the activations of a micro-batch are the same
 # at every stage (every rank runs the whole model on its rows). Stage 2's peak also holds the
-# bucket being filled and the one being reduce-scattered; stage 3's holds the layers gathered at
-# that moment (the current one and the prefetched one). Activations have their own remedies
+# bucket being filled and the one being reduce-scattered; stage 3's holds the units gathered at
+# that moment: the current layer's, the prefetched one's, and the tied embedding's, which stays
+# gathered from its first use to its last (lesson 04). Activations have their own remedies
 # (checkpointing; the paper's ZeRO-R, §6, for model parallelism), outside ZeRO-DP.
 #
 # ## Exercise — the paper's formula
@@ -217,25 +219,29 @@ for i, s in enumerate(plots.STAGES):
     ]
     print(f"stage {s} {plots.STAGES[s]:14}" + "".join(f"{c:>30}" for c in cells))
 
-for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's parameters) gathered?
-    gathers = Counter(r["tag"] for r in ps[3]["records"] if r["op"] == "all_gather")
-    size = {r["tag"]: r["numel"] for r in ps[3]["records"] if r["op"] == "all_gather"}
-    more = {t: n for t, n in gathers.items() if n > 2}
-    extra = sum((n - 2) * size[t] for t, n in more.items())
+for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's parameters) moved?
+    counts = {
+        op: Counter(Counter(r["tag"] for r in ps[3]["records"] if r["op"] == op).values())
+        for op in ("all_gather", "reduce_scatter")
+    }  # op -> {times a unit went through op: number of units}
     print(
-        f"{plots.MODELS[m]}, stage 3: {len(gathers)} units; gathered more than twice: "
-        + (", ".join(f"{t!r} x{n} ({size[t]:,} elements)" for t, n in more.items()) or "none")
-        + f"; extra {extra:,} elements = {extra / ps[3]['psi']:.4f}Ψ"
+        f"{plots.MODELS[m]}, stage 3: "
+        + "; ".join(
+            f"{op}: " + ", ".join(f"{units} units x{n}" for n, units in sorted(c.items()))
+            for op, c in counts.items()
+        )
     )
 
 # %% [markdown]
-# The MLP, whose every parameter belongs to one layer that runs once, moves **exactly** 2Ψ at
-# stages 0–2 and 3Ψ at stage 3 (its layers split evenly over 2, 4 or 8 ranks; on other counts
-# the ledger also shows the few padding elements). TinyGPT moves a little more at stage 3, and
-# the ledger says why: its token embedding `wte` is **tied** to `lm_head` (one tensor, used
-# twice). Stage 3 gathers it for `wte` in forward and again for `lm_head`; in backward it stays
-# gathered from `lm_head`'s gradient to `wte`'s (its gradient is complete only then): one extra
-# gather of V × C = 101 × 64 = 6,464 elements per step.
+# Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3 (their flat buffers split
+# evenly over 2, 4 or 8 ranks; on other counts the ledger also shows the few padding elements):
+# at stage 3 every unit is all-gathered twice, for forward and for backward, and reduce-scattered
+# once. That includes TinyGPT's token embedding `wte`, **tied** to `lm_head` (one tensor, used
+# by two modules): stage 3 keeps its unit gathered from `wte`'s forward to `lm_head`'s, and in
+# backward from `lm_head`'s to `wte`'s, where its gradient is complete. It can do that only once
+# it knows the order of the modules, which it records in the first step: in that step it gathers
+# the tied unit again for `lm_head`, V × C = 101 × 64 = 6,464 elements more (lesson 04 measures
+# both steps). `profile_stage` opens its ledger on the third step.
 #
 # The figure shows volume, the median bus bandwidth of each kind of collective, and the step
 # time. Read the bandwidth with care:
@@ -254,6 +260,7 @@ for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's p
 # %%
 fig = plots.comm_figure({"mlp": PROFILES["mlp"], "gpt": GPT}, INFO)
 plt.show()
+print(checks.describe(INFO))
 for m, ps in PROFILES.items():
     print(
         f"{plots.MODELS[m]}, per stage: median step (ms) [collectives per step]: "
@@ -315,7 +322,7 @@ if plots.widgets_available():  # a widget front end is there; never in a graded 
 # | 0: DDP | (2 + 2 + K)Ψ | 2Ψ |
 # | 1: P_os | 2Ψ + 2Ψ + KΨ/N | 2Ψ |
 # | 2: P_os+g | 2Ψ + (2 + K)Ψ/N | 2Ψ |
-# | 3: P_os+g+p | (2 + 2 + K)Ψ/N | 3Ψ (and a re-gather for each extra use of a tied weight) |
+# | 3: P_os+g+p | (2 + 2 + K)Ψ/N | 3Ψ (from the second step on, tied weights included) |
 #
 # Sections 1 and 2 measured every entry of this table on real ranks, section 3 at the paper's
 # scale on the same stage code.

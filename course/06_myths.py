@@ -116,8 +116,11 @@ for rank, r in enumerate(runs):
 # * each rank did exactly the FLOPs of the whole, unsplit model on its micro-batch.
 #
 # So ZeRO-3 partitions *storage*, never *computation*: it is data parallelism. (The forward
-# gathered a little more than Ψ: the tied embedding is gathered once for `wte` and again for
-# `lm_head`; lesson 05.) Model parallelism and ZeRO are complementary: the paper's largest runs
+# gathered a little more than Ψ, by the tied embedding's 101 × 64 = 6,464 elements: this was
+# the model's first step, on which ZeRO-3 records the order of the modules and does not yet know
+# that `lm_head` uses `wte`'s weight again, so it gathers that unit for each. From the second
+# step on it keeps the unit gathered from `wte` to `lm_head`, and forward gathers exactly Ψ;
+# lesson 04.) Model parallelism and ZeRO are complementary: the paper's largest runs
 # combine ZeRO-DP with Megatron-LM's tensor parallelism (§10).
 #
 # ## Myth 2: "ZeRO is asynchronous"
@@ -190,13 +193,16 @@ for stage in range(4):
         f"stage {stage}: rank 0's step times (ms) {t}; parameters bit-identical on all ranks "
         f"after every step: {same}; max |rank 0 - one process| = {diff:.1e}"
     )
+print(checks.describe(INFO))
 
 # %% [markdown]
 # Rank 0's third step took about 0.3 s longer at every stage: it waited inside a collective
 # (DDP's all-reduce, stage 1's reduce-scatter in `optimizer.step()`, stage 2's at the end of
-# backward, stage 3's gathers and reduce-scatters) for the slow rank. After every step the
-# parameters are the same bits on every rank and match one process on the whole batch to float
-# rounding (the sums are added in a different order). ZeRO's step is exactly DDP's step:
+# backward, stage 3's gathers and reduce-scatters) for the slow rank. (Only that difference
+# matters here: the step times themselves are this machine's, and on gloo each reduce-scatter
+# runs as an all-reduce of its whole input; lesson 00.) After every step the parameters are the
+# same bits on every rank and match one process on the whole batch to float rounding (the sums
+# are added in a different order). ZeRO's step is exactly DDP's step:
 # synchronous, one optimizer update per global batch, no stale gradients. What ZeRO *does*
 # overlap is communication with computation *inside* a step (buckets, prefetch), which is a
 # different thing from asynchronous training.
@@ -470,8 +476,9 @@ for stage, ledgers in LEDGERS.items():
 # taken apart). Stage 3 moves **3Ψ**, 1.5× DDP (§7.2.2): the parameters are gathered twice per step,
 # once for forward and once for backward. What the paper claims is that ZeRO-DP gets its memory
 # savings for **no extra communication** up to stage 2, and for 1.5× at stage 3, which on
-# enough ranks buys an N-fold cut in model-state memory (lesson 05). (TinyGPT moves a bit more at
-# stage 3 because of its tied embedding; lesson 05 shows why.)
+# enough ranks buys an N-fold cut in model-state memory (lesson 05). (TinyGPT, whose embedding
+# is tied to its output layer, moves 3Ψ too, from its second step on; on the first, stage 3 is
+# still recording the order of the modules and gathers the tied unit once more: lesson 04.)
 #
 # ## Summary
 #

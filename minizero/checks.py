@@ -65,15 +65,15 @@ def describe(info: dict) -> str:
 
 @dataclass
 class TimedLedger(C.CommLedger):
-    """A :class:`~minizero.collectives.CommLedger` that also notes when (``time.perf_counter``)
-    each collective was issued and each mark was made: ``at[record.index]``, ``at[mark_index]``."""
+    """A :class:`~minizero.collectives.CommLedger` whose marks also note the time: ``mark_times[k]``
+    is ``time.perf_counter()`` when ``marks[k]`` was made (a record has its own, ``record.start``).
+    Lesson 01 draws timelines with it."""
 
-    at: dict[int, float] = field(default_factory=dict)
+    mark_times: list[float] = field(default_factory=list)
 
-    def _index(self) -> int:
-        i = super()._index()
-        self.at[i] = time.perf_counter()
-        return i
+    def mark(self, label: str) -> None:
+        super().mark(label)
+        self.mark_times.append(time.perf_counter())
 
 
 class Progress:

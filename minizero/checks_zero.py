@@ -264,18 +264,25 @@ def _by_op(records: list) -> dict[str, int]:
     return out
 
 
-def _check_volume(mine: dict, ref: dict, ref_name: str, what: str, at_most: str = "") -> int:
+def _check_volume(
+    mine: dict, ref: dict, ref_name: str, what: str, at_most: str = "", too_many: str = ""
+) -> int:
     """Step by step, the elements each op moved (the paper's volume: no all-reduce is allowed)
-    must equal ``ref``'s; for the ops in ``at_most``, not exceed them. Returns the last step's."""
+    must equal ``ref``'s; for the ops in ``at_most``, not exceed them. ``too_many``: the hint when
+    nothing fell short of ``ref`` (something moved more). Returns the last step's total."""
     for step, (recs, ref_recs) in enumerate(zip(mine["records"], ref["records"], strict=True)):
         got, want = _by_op(recs), _by_op(ref_recs)
         ok = set(got) == set(want) and all(
             got[op] <= want[op] if op in at_most else got[op] == want[op] for op in want
         )
         if not ok:
+            short = any(
+                op not in got or (got[op] < n and op not in at_most) for op, n in want.items()
+            )  # an op missing or moving less than it should: collectives the ledger did not see?
+            hint = "Use minizero.collectives so the ledger sees them." if short else too_many
             raise CheckFailed(
                 f"step {step}: the CommLedger saw {got or 'no collective'} (elements per op), "
-                f"{ref_name} {want}: {what}. Use minizero.collectives so the ledger sees them."
+                f"{ref_name} {want}: {what}. {hint}".rstrip()
             )
     return sum(_by_op(mine["records"][-1]).values())
 
@@ -634,6 +641,8 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         "minizero.zero3.ZeRO3",
         "every unit gathered for its forward and its backward, and reduce-scattered once",
         at_most="all_gather",
+        too_many="In backward, do not prefetch a unit whose gradients are already "
+        "reduce-scattered (self._pending[i] == -1): nothing needs it any more.",
     )
     _pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "

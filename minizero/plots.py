@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from minizero import collectives as C
 from minizero.memory import format_bytes, paper_model_state_bytes
@@ -42,36 +40,20 @@ STYLE = {
 }
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 STAGES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-MLP_SIZES = (32, 64, 64, 16)  # every layer's element count divides by 2, 4 and 8: no padding
+MLP_SIZES = (32, 64, 64, 16)  # every layer's and gain's element count divides by 2, 4 and 8
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
 
 
 # -- measuring, inside a rank ----------------------------------------------------------------------
-class Chain(nn.Module):
-    """Linear layers with tanh between them, and an MSE loss: ``model(x, y)``. Unlike
-    ``models.MLP`` (whose top module owns ``gain``), every parameter sits in a layer that runs
-    once, in order, so ZeRO-3 gathers each exactly once in forward and once in backward."""
-
-    def __init__(self, sizes: tuple[int, ...] = MLP_SIZES):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)  # (B, sizes[i + 1])
-            x = torch.tanh(x) if i < len(self.layers) - 1 else x
-        return x if y is None else F.mse_loss(x, y)
-
-
 def workload(name: str, rows: int, dev: torch.device, precision: str = "fp32"):
     """``(model, batch)``: a fresh seeded model (on the CPU) and ``batch(step)``, this rank's
     ``rows`` rows of that step's global batch on ``dev`` (float inputs in the working dtype of
-    ``precision``). ``name``: "gpt" (TinyGPT tiny, tied embedding) or "mlp" (a :class:`Chain`,
-    untied, whose layers need no padding at N = 2, 4, 8)."""
+    ``precision``). ``name``: "gpt" (TinyGPT tiny, tied embedding) or "mlp" (``models.MLP`` with
+    sizes ``MLP_SIZES``, whose flat buffers need no padding at N = 2, 4, 8)."""
     from minizero.data import synthetic_batch
-    from minizero.models import GPTConfig, TinyGPT
+    from minizero.models import MLP, GPTConfig, TinyGPT
     from minizero.precision import resolve
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,7 +63,7 @@ def workload(name: str, rows: int, dev: torch.device, precision: str = "fp32"):
     if name == "gpt":
         model, kw = TinyGPT(GPTConfig.tiny()), {}
     else:
-        model, kw = Chain(MLP_SIZES), dict(in_features=MLP_SIZES[0], out_features=MLP_SIZES[-1])
+        model, kw = MLP(MLP_SIZES), dict(in_features=MLP_SIZES[0], out_features=MLP_SIZES[-1])
     dtype = resolve(precision).param_dtype
 
     def batch(step: int) -> tuple[torch.Tensor, ...]:
@@ -101,7 +83,8 @@ def profile_stage(
 ) -> dict:
     """Inside a rank: one stage's memory, communication and step time (see the module docstring).
 
-    Step 0 is a warm-up (it creates the optimizer states; stage 3 records its module order).
+    Step 0 is a warm-up (it creates the optimizer states; stage 3 records its module order, so
+    from step 1 on it gathers a tied unit once per pass: the ledger shows the steady state).
     Step 1 runs under a ``MemoryMeter``; step 2 under a ``CommLedger``; ``steps`` more are timed.
     ``bucket_cap_mb=0.02`` cuts TinyGPT tiny's 212 KiB of bf16 gradients into about ten buckets,
     as 25 MB buckets cut a model of a few hundred MB: with one bucket for the whole model, stage 2
@@ -228,10 +211,12 @@ def _stack(ax, x: float, parts: dict[str, float], width: float, labelled: bool, 
 
 
 def _log_y(ax) -> None:
-    """Log scale with plain tick labels (0.002, 30) rather than powers of ten."""
-    from matplotlib.ticker import FuncFormatter
+    """Log scale with plain tick labels (0.002, 30) rather than powers of ten, at 1, 2 and 5
+    times each power of ten, so that a range narrower than a decade still gets labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
@@ -302,8 +287,9 @@ def bandwidth_axes(ax, profiles: list[dict], info: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def time_axes(ax, by_model: dict[str, list[dict]]) -> None:
-    """Median step time per stage (error bars: fastest and slowest timed step), per model."""
+def time_axes(ax, by_model: dict[str, list[dict]], info: dict | None = None) -> None:
+    """Median step time per stage (error bars: fastest and slowest timed step), per model; on
+    gloo (``info``) the title says that a reduce-scatter costs an all-reduce there."""
     width = 0.8 / len(by_model)
     for j, (name, ps) in enumerate(by_model.items()):
         med = [statistics.median(p["step_s"]) * 1e3 for p in ps]
@@ -317,7 +303,8 @@ def time_axes(ax, by_model: dict[str, list[dict]]) -> None:
     _log_y(ax)
     ax.set_ylabel("step time, rank 0 (ms)")
     n = len(next(iter(by_model.values()))[0]["step_s"])
-    ax.set_title(f"step time: median of {n} steps (bars: min..max)", fontsize=10)
+    note = f"\n{GLOO_NOTE}" if info is not None and info["backend"] == "gloo" else ""
+    ax.set_title(f"step time: median of {n} steps (bars: min..max){note}", fontsize=10)
     ax.legend(fontsize=8)
 
 
@@ -339,7 +326,7 @@ def comm_figure(by_model: dict[str, list[dict]], info: dict):
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     volume_axes(axes[0], by_model)
     bandwidth_axes(axes[1], by_model.get("gpt") or next(iter(by_model.values())), info)
-    time_axes(axes[2], by_model)
+    time_axes(axes[2], by_model, info)
     fig.suptitle(f"one training step per stage, measured on {_where(info)}")
     fig.tight_layout()
     return fig
@@ -466,7 +453,7 @@ def compare_stages(
     steps: int = 10,
     path: str | Path = "runs/stages.png",
 ):
-    """Run every stage on ``nprocs`` ranks (TinyGPT and an untied MLP) and save one figure:
+    """Run every stage on ``nprocs`` ranks (TinyGPT and an MLP) and save one figure:
     memory per rank against the paper, volume per step, bandwidth, step time. Returns it."""
     import matplotlib.pyplot as plt
     import torch._dynamo  # noqa: F401  (torch.optim imports it; once here, not once per rank)
@@ -484,7 +471,7 @@ def compare_stages(
     memory_axes(axes[0, 0], by_model["gpt"], info)
     volume_axes(axes[0, 1], by_model)
     bandwidth_axes(axes[1, 0], by_model["gpt"], info)
-    time_axes(axes[1, 1], by_model)
+    time_axes(axes[1, 1], by_model, info)
     fig.suptitle(f"minizero stages 0-3, measured on {_where(info)} (memory: {_meter(info)})")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
