@@ -141,13 +141,25 @@ def launch(
         where = "one GPU per rank" if backend == "nccl" else "CPU"
         ranks = f"{nprocs} rank{'s' * (nprocs != 1)}"
         print(f"minizero.launch: {ranks}, {backend} on {where} ({mechanism})")
-    with tempfile.TemporaryDirectory(prefix="minizero-launch-") as tmp:
-        start = _start_fork if mechanism == "fork" else _start_torchrun
-        ranks = start(Path(tmp), fn, args, kwargs, nprocs, backend, timeout)
-        try:
-            return _supervise(ranks, Path(tmp), nprocs, timeout)
-        finally:
-            ranks.stop()
+    start = _start_fork if mechanism == "fork" else _start_torchrun
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="minizero-launch-") as tmp:
+            ranks = start(Path(tmp), fn, args, kwargs, nprocs, backend, timeout)
+            try:
+                return _supervise(ranks, Path(tmp), nprocs, timeout)
+            except LaunchError as e:
+                # A connection refused while the ranks meet (seen under heavy load) is retried
+                # once, but only when no rank has started fn: fn never runs twice.
+                if attempt == 2 or type(e) is not LaunchError or not e.traceback:
+                    raise
+                if any(Path(tmp).glob("*.started")):
+                    raise
+                why = e.traceback.strip().splitlines()[-1]
+                print(f"minizero.launch: the ranks could not connect ({why}); trying again",
+                      file=sys.stderr)  # fmt: skip
+            finally:
+                ranks.stop()
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- the parent: watch, relay, stop
@@ -284,8 +296,12 @@ class _Forked(_Ranks):
     def exited(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
 
-    def settle(self) -> None:
-        pass
+    def settle(self) -> None:  # a rank that crashed may not be reaped yet when its peers fail
+        end = time.monotonic() + 0.5
+        while (alive := [p.sentinel for p in self.procs if p.exitcode is None]) and (
+            left := end - time.monotonic()
+        ) > 0:
+            multiprocessing.connection.wait(alive, left)
 
     def crashed(self, done: set[int]) -> dict[int, str]:
         codes = {r: p.exitcode for r, p in enumerate(self.procs)}
@@ -388,15 +404,22 @@ def _start_fork(tmp, fn, args, kwargs, n, backend, timeout) -> _Forked:
     ctx = multiprocessing.get_context("fork")
     sys.stdout.flush(), sys.stderr.flush()  # or buffered text would print twice
     ranks = _Forked(tmp, n, [], store)
+    # The gate: no rank connects to the store until every rank is forked. Otherwise a fork can
+    # land while the store's server thread holds a libc lock (the resolver's, while it logs a
+    # connection), and the child inherits that lock held, forever.
+    gate, opened = os.pipe()
     try:
         for r in range(n):
             init = (backend, r, n, r, store.port, timeout)
             job = (fn, args, kwargs)
-            ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, job, True)))
+            ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, job, gate)))
             ranks.procs[-1].start()
+        os.write(opened, b"x" * n)
     except BaseException:
         ranks.stop()
         raise
+    finally:
+        os.close(gate), os.close(opened)
     return ranks
 
 
@@ -424,9 +447,12 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
 # ---------------------------------------------------------------- inside a rank
 
 
-def _rank_main(tmp: Path, init: tuple, job: tuple | Path, forked: bool) -> bool:
-    """One rank: capture output, join the process group, run fn, leave the result in ``tmp``."""
-    if forked:
+def _rank_main(tmp: Path, init: tuple, job: tuple | Path, gate: int | None) -> bool:
+    """One rank: capture output, join the process group, run fn, leave the result in ``tmp``.
+
+    ``gate``: for a forked rank, the read end of a pipe that opens once every rank is forked.
+    """
+    if gate is not None:
         import torch
 
         torch.set_num_threads(1)  # before anything else: libgomp deadlocks after fork otherwise
@@ -453,11 +479,18 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path, forked: bool) -> bool:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         to = timedelta(seconds=timeout)
+        if gate is not None:
+            os.read(gate, 1)  # wait until every rank is forked
+            os.close(gate)
         if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=to)
         else:
             store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
+        # Every rank has joined (the group may set up lazily): fn starts now, and a failure
+        # before this line may be retried.
+        dist.barrier(device_ids=[local_rank] if backend == "nccl" else None)
+        (tmp / f"{rank}.started").touch()
         value = fn(*args, **kwargs)
         try:
             data = cloudpickle.dumps(value)
@@ -501,7 +534,7 @@ def _torchrun_worker(tmp: str) -> int:
     env = os.environ
     init = (setup["backend"], int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
             None, setup["timeout"])  # fmt: skip
-    ok = _rank_main(Path(tmp), init, Path(tmp, "job.pkl"), False)
+    ok = _rank_main(Path(tmp), init, Path(tmp, "job.pkl"), None)
     return 0 if ok else 1  # a failed worker makes torchrun stop the others
 
 

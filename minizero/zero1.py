@@ -80,6 +80,8 @@ class ZeRO1(DataParallel):
         self._reduced = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        if self._require_sync:
+            self._queue_backward_end()  # nothing to do there but mark the ledger's timeline
         b = self._bucket_of[id(p)]
         view = b.view(self.grad_buffers[b.index], p)
         if p.grad._base is not self.grad_buffers[b.index]:  # after zero_grad(None)
