@@ -151,15 +151,33 @@ def test_bad_arguments(nprocs, kw, message):
 # --- failures ----------------------------------------------------------------------------------
 
 
-def test_rank_failure_names_rank_carries_traceback_and_stops_the_others(tmp_path):
+def test_rank_failure_names_rank_carries_traceback_and_stops_the_others(tmp_path, capsys):
     with pytest.raises(LaunchError) as info:
         launch(fail_on_1, 2, tmp_path, verbose=False)
+    assert "trying again" not in capsys.readouterr().err  # fn had started: never run twice
     e = info.value
     assert isinstance(e, RuntimeError) and e.rank == 1
     assert str(e).startswith("rank 1 failed; the other unfinished ranks [0] were stopped.")
     assert 'raise ValueError("rank one is broken")' in e.traceback
     assert e.traceback in str(e)
     assert len(pids(tmp_path)) == 2 and all(gone(p) for p in pids(tmp_path))
+
+
+def test_setup_failure_is_retried_once(tmp_path, monkeypatch, capsys):
+    real = dist.init_process_group
+
+    def flaky(*args, **kwargs):  # forked ranks inherit the patch
+        if kwargs["rank"] == 1 and not (tmp_path / "failed").exists():
+            (tmp_path / "failed").touch()
+            raise RuntimeError("Connection closed by peer (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky)
+    assert launch(where, 2, 0, verbose=False) == [(0, 2, 0, 0), (1, 2, 0, 0)]
+    assert capsys.readouterr().err == (
+        "minizero.launch: the ranks could not connect "
+        "(RuntimeError: Connection closed by peer (simulated)); trying again\n"
+    )
 
 
 @pytest.mark.timeout(60)
