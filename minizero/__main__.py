@@ -1,9 +1,19 @@
-"""Command line: ``python -m minizero {demo,bench,compare,simulate,run,grade,lessons} ...``."""
+"""Command line: ``python -m minizero COMMAND ...`` (also installed as ``minizero``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
+
+# Commands that hand their arguments to a function of their own: name -> (module:function, help)
+PASS_THROUGH = {
+    "compare": ("plots:main", "instructor demo: every stage measured, one figure"),
+    "simulate": ("simulate:main", "ZeRO's Table 1 from the real stage code on meta tensors"),
+    "run": ("launch:torchrun_main", "run a script under torchrun (multi-node, one rank per GPU)"),
+    "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
+    "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,32 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks: collectives, ddp, stages")
     b.add_argument("what", choices=["collectives", "ddp", "stages"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    r = sub.add_parser(
-        "run", add_help=False, help="run a script under torchrun (multi-node, one rank per GPU)"
-    )
-    r.add_argument("rest", nargs=argparse.REMAINDER)
-    c = sub.add_parser(
-        "compare", add_help=False, help="instructor demo: every stage measured, one figure"
-    )
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    s = sub.add_parser(
-        "simulate", add_help=False, help="ZeRO's Table 1 from the real stage code on meta tensors"
-    )
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    g = sub.add_parser(
-        "grade", add_help=False, help="grade your lesson notebooks (runs their check cells)"
-    )
-    g.add_argument("rest", nargs=argparse.REMAINDER)
-    m = sub.add_parser(
-        "lessons", add_help=False, help="regenerate lessons/ and solutions/ from course/"
-    )
-    m.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, (_, text) in PASS_THROUGH.items():
+        sub.add_parser(name, add_help=False, help=text).add_argument(
+            "rest", nargs=argparse.REMAINDER
+        )
     # REMAINDER does not take a leading --flag (`lessons --check`): pass unknown flags on too.
     args, extra = p.parse_known_args(argv)
     if extra and not hasattr(args, "rest"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        args.rest = [*extra, *args.rest]
+    rest = [*extra, *getattr(args, "rest", [])]
     if args.cmd == "demo":
         from minizero.demo import demo
 
@@ -49,22 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bench":
         from minizero import bench
 
-        return getattr(bench, f"bench_{args.what}")(args.rest)
-    if args.cmd == "compare":
-        from minizero.plots import main as compare_main
-
-        return compare_main(args.rest)
-    if args.cmd == "simulate":
-        from minizero.simulate import main as simulate_main
-
-        return simulate_main(args.rest)
-    if args.cmd in ("grade", "lessons"):
-        from minizero import course
-
-        return getattr(course, f"{args.cmd}_main")(args.rest)
-    from minizero.launch import torchrun_main
-
-    return torchrun_main(args.rest)
+        return getattr(bench, f"bench_{args.what}")(rest)
+    module, function = PASS_THROUGH[args.cmd][0].split(":")
+    return getattr(import_module(f"minizero.{module}"), function)(rest)
 
 
 if __name__ == "__main__":
