@@ -320,6 +320,8 @@ class _Forked(_Ranks):
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self.procs and all(p.exitcode is not None for p in self.procs):
+            self.store = None  # shut the server thread now, not whenever a traceback lets go
 
 
 class _Torchrun(_Ranks):
@@ -399,22 +401,21 @@ def _exit_words(code: int | None) -> str:
 def _start_fork(tmp, fn, args, kwargs, n, backend, timeout) -> _Forked:
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=timeout))  # fmt: skip
     ctx = multiprocessing.get_context("fork")
     sys.stdout.flush(), sys.stderr.flush()  # or buffered text would print twice
-    ranks = _Forked(tmp, n, [], store)
-    # The gate: no rank connects to the store until every rank is forked. Otherwise a fork can
-    # land while the store's server thread holds a libc lock (the resolver's, while it logs a
-    # connection), and the child inherits that lock held, forever.
+    ranks = _Forked(tmp, n, [], None)
+    # Fork first, open the store after, and pass its port down a pipe (the gate). A fork taken
+    # while the store's server thread holds a libc lock (the resolver's, while it logs a
+    # connection) leaves the child waiting on that lock forever.
     gate, opened = os.pipe()
     try:
         for r in range(n):
-            init = (backend, r, n, r, store.port, timeout)
-            job = (fn, args, kwargs)
-            ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, job, gate)))
+            init = (backend, r, n, r, gate, timeout)
+            ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, (fn, args, kwargs))))
             ranks.procs[-1].start()
-        os.write(opened, b"x" * n)
+        ranks.store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout))  # fmt: skip
+        os.write(opened, b"%06d" % ranks.store.port * n)  # one write: 6 bytes per rank
     except BaseException:
         ranks.stop()
         raise
@@ -447,11 +448,13 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
 # ---------------------------------------------------------------- inside a rank
 
 
-def _rank_main(tmp: Path, init: tuple, job: tuple | Path, gate: int | None) -> bool:
+def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
     """One rank: capture output, join the process group, run fn, leave the result in ``tmp``.
 
-    ``gate``: for a forked rank, the read end of a pipe that opens once every rank is forked.
+    ``init[4]``: for a forked rank, the read end of the pipe that brings the store's port; None
+    under torchrun (the environment says where to meet).
     """
+    backend, rank, world, local_rank, gate, timeout = init
     if gate is not None:
         import torch
 
@@ -459,7 +462,6 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path, gate: int | None) -> b
         os.environ["OMP_NUM_THREADS"] = "1"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us; it reports Ctrl-C
     _die_with_parent()
-    backend, rank, world, local_rank, port, timeout = init
     (tmp / f"{rank}.pid").write_text(str(os.getpid()))
     for fd, name in ((1, "out"), (2, "err.log")):
         f = os.open(tmp / f"{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -479,12 +481,10 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path, gate: int | None) -> b
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         to = timedelta(seconds=timeout)
-        if gate is not None:
-            os.read(gate, 1)  # wait until every rank is forked
-            os.close(gate)
-        if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
+        if gate is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=to)
         else:
+            port = int(os.read(gate, 6))  # blocks until every rank is forked
             store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
         # Every rank has joined (the group may set up lazily): fn starts now, and a failure
@@ -534,7 +534,7 @@ def _torchrun_worker(tmp: str) -> int:
     env = os.environ
     init = (setup["backend"], int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
             None, setup["timeout"])  # fmt: skip
-    ok = _rank_main(Path(tmp), init, Path(tmp, "job.pkl"), None)
+    ok = _rank_main(Path(tmp), init, Path(tmp, "job.pkl"))
     return 0 if ok else 1  # a failed worker makes torchrun stop the others
 
 
