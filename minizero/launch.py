@@ -7,8 +7,8 @@ How the ranks are started (``mechanism``):
 
 - ``"fork"`` (default for gloo on CPU): the parent forks one child per rank. Children inherit
   ``fn`` directly, so nothing is pickled on the way in; each runs one OpenMP thread (forking a
-  process that has used libgomp deadlocks otherwise). Rendezvous: a ``TCPStore`` that the parent
-  opens on a free port, so launches running side by side never clash.
+  process that has used libgomp deadlocks otherwise). Rendezvous: a ``FileStore`` in the
+  launch's own temporary directory, so launches running side by side never clash (no ports).
 - ``"torchrun"`` (default for NCCL): ``(fn, args, kwargs)`` go through cloudpickle, which carries
   notebook and ``__main__`` functions by value, to ``python -m torch.distributed.run --standalone``
   (free port chosen by torchrun). Fresh processes, so CUDA is safe in every rank.
@@ -286,9 +286,9 @@ class _Ranks:
 
 
 class _Forked(_Ranks):
-    def __init__(self, tmp: Path, n: int, procs: list, store: Any):
+    def __init__(self, tmp: Path, n: int, procs: list):
         super().__init__(tmp, n)
-        self.procs, self.store = procs, store  # the store must outlive the ranks
+        self.procs = procs
 
     def pids(self) -> dict[int, int]:  # our children: their pids stay ours until joined
         return {r: p.pid for r, p in enumerate(self.procs) if p.pid is not None}
@@ -320,8 +320,6 @@ class _Forked(_Ranks):
             if p.is_alive():
                 p.kill()
                 p.join()
-        if self.procs and all(p.exitcode is not None for p in self.procs):
-            self.store = None  # shut the server thread now, not whenever a traceback lets go
 
 
 class _Torchrun(_Ranks):
@@ -399,28 +397,21 @@ def _exit_words(code: int | None) -> str:
 
 
 def _start_fork(tmp, fn, args, kwargs, n, backend, timeout) -> _Forked:
-    from torch.distributed import TCPStore
-
     ctx = multiprocessing.get_context("fork")
     sys.stdout.flush(), sys.stderr.flush()  # or buffered text would print twice
-    ranks = _Forked(tmp, n, [], None)
-    # Fork first, open the store after, and pass its port down a pipe (the gate). A fork taken
-    # while the store's server thread holds a libc lock (the resolver's, while it logs a
-    # connection) leaves the child waiting on that lock forever.
-    gate, opened = os.pipe()
+    ranks = _Forked(tmp, n, [])
+    # Rendezvous through a file in this launch's own directory: no server thread in the parent.
+    # (A TCPStore's server thread can hold a libc lock, the resolver's while it logs a connection,
+    # at the moment another launch in this process forks; that child then waits on it forever.)
+    store = str(tmp / "store")
     try:
         for r in range(n):
-            init = (backend, r, n, r, gate, timeout)
+            init = (backend, r, n, r, store, timeout)
             ranks.procs.append(ctx.Process(target=_rank_main, args=(tmp, init, (fn, args, kwargs))))
             ranks.procs[-1].start()
-        ranks.store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout))  # fmt: skip
-        os.write(opened, b"%06d" % ranks.store.port * n)  # one write: 6 bytes per rank
     except BaseException:
         ranks.stop()
         raise
-    finally:
-        os.close(gate), os.close(opened)
     return ranks
 
 
@@ -451,11 +442,11 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
 def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
     """One rank: capture output, join the process group, run fn, leave the result in ``tmp``.
 
-    ``init[4]``: for a forked rank, the read end of the pipe that brings the store's port; None
-    under torchrun (the environment says where to meet).
+    ``init[4]``: for a forked rank, the path of the launch's FileStore; None under torchrun (the
+    environment says where to meet).
     """
-    backend, rank, world, local_rank, gate, timeout = init
-    if gate is not None:
+    backend, rank, world, local_rank, store_path, timeout = init
+    if store_path is not None:
         import torch
 
         torch.set_num_threads(1)  # before anything else: libgomp deadlocks after fork otherwise
@@ -481,11 +472,10 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         to = timedelta(seconds=timeout)
-        if gate is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
+        if store_path is None:  # torchrun: MASTER_ADDR/MASTER_PORT in the environment
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=to)
         else:
-            port = int(os.read(gate, 6))  # blocks until every rank is forked
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
+            store = dist.FileStore(store_path, world)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
         # Every rank has joined (the group may set up lazily): fn starts now, and a failure
         # before this line may be retried.
