@@ -47,6 +47,7 @@ from minizero.memory import (
     MemoryMeter,
     model_state_bytes,
     paper_model_state_bytes,
+    print_states_per_rank,
     table1_gb,
 )
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
@@ -250,15 +251,7 @@ def states_per_rank():
 
 STATES = minizero.launch(states_per_rank, NPROCS, verbose=False)  # one list per rank
 print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}: bytes per rank / Ψ")
-print(f"{'':20}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}")
-for k, (precision, stage, _) in enumerate(STATES[0]):
-    paper = paper_model_state_bytes(PSI, NPROCS, stage, precision)
-    for r, rows in enumerate(STATES):
-        got = rows[k][2]
-        cells = "".join(f"{got[c] / PSI:8.3f}" for c in paper)
-        print(f"{precision} stage {stage} rank {r}{cells}{sum(got.values()) / PSI:8.3f}")
-    cells = "".join(f"{v / PSI:8.3f}" for v in paper.values())
-    print(f"{precision} stage {stage} paper {cells}{sum(paper.values()) / PSI:8.3f}\n")
+print_states_per_rank(STATES, PSI, NPROCS)
 
 # %% [markdown]
 # Every rank measures the formula: the optimizer states (fp32 masters included) drop from

@@ -175,6 +175,21 @@ def model_state_report(
     return report
 
 
+def print_states_per_rank(per_rank: list[list[tuple]], psi: int, world: int) -> None:
+    """Print bytes per rank / Ψ beside the paper, for ``launch`` results whose rank r returned
+    ``[(precision, stage, model_state_bytes(...)), ...]``. Used in lessons 02 and 03."""
+    lines = [f"{'':20}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}"]
+    for k, (precision, stage, _) in enumerate(per_rank[0]):
+        paper = paper_model_state_bytes(psi, world, stage, precision)
+        for r, rows in enumerate(per_rank):
+            got = rows[k][2]
+            cells = "".join(f"{got[c] / psi:8.3f}" for c in paper)
+            lines.append(f"{precision} stage {stage} rank {r}{cells}{sum(got.values()) / psi:8.3f}")
+        cells = "".join(f"{v / psi:8.3f}" for v in paper.values())
+        lines.append(f"{precision} stage {stage} paper {cells}{sum(paper.values()) / psi:8.3f}\n")
+    print("\n".join(lines))
+
+
 class _StorageTracker(TorchDispatchMode):
     """Sees every aten op; remembers (weakly) each storage an op reads or writes, and after every
     op sums ``nbytes()`` of the storages still alive to keep the peak."""
