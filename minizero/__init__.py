@@ -45,6 +45,7 @@ from minizero.memory import (  # noqa: E402
 )
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params  # noqa: E402
 from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
+from minizero.precision import Precision  # noqa: E402
 from minizero.simulate import FlatModel, simulate, table1  # noqa: E402
 from minizero.zero1 import ZeRO1  # noqa: E402
 from minizero.zero2 import ZeRO2  # noqa: E402
@@ -55,5 +56,5 @@ __all__ = [
     "LaunchError", "LaunchTimeout", "launch", "Bucket", "DDP", "NaiveDDP", "ZeRO1", "ZeRO2",
     "ZeRO3", "full_state_dict", "parallelize", "PAPER_TABLE1", "MemoryMeter", "format_bytes",
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
-    "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1",
+    "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
 ]  # fmt: skip

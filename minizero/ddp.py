@@ -23,12 +23,23 @@ class NaiveDDP(DataParallel):
     small messages as there are parameters. fp32 only; use :class:`DDP` for mixed precision.
     """
 
-    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
-        super().__init__(module, process_group=process_group)
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        find_unused_parameters: bool = False,
+    ):
+        super().__init__(
+            module, process_group=process_group, find_unused_parameters=find_unused_parameters
+        )
         self.params = trainable_parameters(module)
         for p in self.params:
             # The hook's argument is the *parameter*; its gradient is p.grad, already accumulated.
-            p.register_post_accumulate_grad_hook(lambda p: self._queue_backward_end())
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._queue_backward_end()
 
     def _backward_end(self) -> None:
         if not self._require_sync:
@@ -38,6 +49,13 @@ class NaiveDDP(DataParallel):
                 p.grad = torch.zeros_like(p)
             C.all_reduce(p.grad, group=self.group, tag="naive")
             p.grad.div_(self.world)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 class DDP(DataParallel):
@@ -59,21 +77,32 @@ class DDP(DataParallel):
         bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
     ):
-        super().__init__(module, precision=precision, process_group=process_group)
+        super().__init__(
+            module,
+            precision=precision,
+            process_group=process_group,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+        )
         self.params = trainable_parameters(module)
         self.buckets = make_buckets(self.params, bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        # (numel,) flat gradient buffer per bucket, in the working dtype; p.grad views into it
-        self.grad_buffers = [
-            torch.zeros(b.numel, dtype=self.precision.param_dtype, device=b.params[0].device)
-            for b in self.buckets
-        ]
         self.masters: list[torch.Tensor] = []  # mixed precision: (numel,) fp32 copy per bucket
-        if self.precision.master:
+        if self.precision.master:  # taken from the fp32 weights, before the cast to 16 bits
             self.masters = [
                 b.flatten([p.detach() for p in b.params], torch.float32) for b in self.buckets
             ]
+        self._cast_working()
+        # (numel,) flat gradient buffer per bucket, reduce dtype; p.grad views into it
+        self.grad_buffers = [
+            torch.zeros(b.numel, dtype=self.precision.reduce_dtype, device=b.params[0].device)
+            for b in self.buckets
+        ]
+        owned = [(0, b.numel) for b in self.buckets]  # DDP: every rank owns all of every bucket
+        self._build_fragments(owned, self.masters or [None] * len(self.buckets))
         self._pending = [len(b.params) for b in self.buckets]  # grads still to come, per bucket
         self._works: list = []
         for p in self.params:
@@ -87,8 +116,12 @@ class DDP(DataParallel):
         b = self._bucket_of[id(p)]
         if p.grad._base is not self.grad_buffers[b.index]:  # 1st backward / after zero_grad
             view = b.view(self.grad_buffers[b.index], p)
-            view.copy_(p.grad)
-            p.grad = view
+            view.add_(p.grad)  # the bucket is zero after zero_grad(): add == copy, and
+            # a 16-bit p.grad with fp32 reduction accumulates here over micro-batches
+            if view.dtype == p.dtype:
+                p.grad = view
+            else:  # fp32 reduction of 16-bit gradients: the bucket accumulates, p.grad goes
+                p.grad = None
         if not self._require_sync:
             return
         self._queue_backward_end()
@@ -97,7 +130,7 @@ class DDP(DataParallel):
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        buf = self.grad_buffers[b.index]  # (numel,) flat, every rank's local gradient sum
+        buf = self.grad_buffers[b.index]  # (numel,) flat, this rank's local gradient
         buf.div_(self.world)
         self._works.append(
             C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
@@ -110,10 +143,8 @@ class DDP(DataParallel):
         for b in self.buckets:  # buckets with parameters unused in this backward
             if self._pending[b.index] >= 0:
                 for p in b.params:
-                    if p.grad is None:
-                        view = self._grad_view(p)
-                        view.zero_()
-                        p.grad = view
+                    if p.grad is None:  # unused here: its slot is 0 and still averaged
+                        p.grad = self._visible_grad(p)
                 self._launch(b)
         for w in self._works:
             w.wait()
@@ -121,35 +152,27 @@ class DDP(DataParallel):
         self._pending = [len(b.params) for b in self.buckets]
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return self.masters or self.params
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return self.grad_buffers  # (numel,) per bucket, averaged, all of it this rank's
 
-    def before_step(self) -> bool:
-        if not self.masters:
-            return True
-        for b, m in zip(self.buckets, self.masters, strict=True):
-            m.grad = self.grad_buffers[b.index].float()  # (numel,) fp32, lives for this step only
-        return self.grads_finite([m.grad for m in self.masters])
+    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        view = self._grad_view(p)
+        return view if view.dtype == p.dtype else None
 
     def after_step(self) -> None:
         if not self.masters:
             return
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
-                m.grad = None
                 for p in b.params:
                     p.copy_(b.view(m, p))  # fp32 master -> 16-bit working copy
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def _zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:  # the next backward's hooks copy fresh gradients into the buckets
             for p in self.params:
                 p.grad = None
-        else:
-            for buf in self.grad_buffers:
-                buf.zero_()  # the grads stay views into the buckets and accumulate in place
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return self.clip_grads_(self.grad_buffers, max_norm, sharded=False)
+        for buf in self.grad_buffers:
+            buf.zero_()  # (a grad that stays a view into its bucket accumulates in place)
 
     def _full_params(self) -> dict[int, torch.Tensor]:
         if not self.masters:

@@ -1,12 +1,16 @@
 """The optimizer that ``parallelize`` returns: the user's own, with the stage around its step.
 
-Taught in lesson 02 (02_zero1). The user's ``optimizer_fn`` builds a normal torch optimizer on the
-tensors this rank updates (the whole model for DDP in fp32, flat fp32 master shards for ZeRO). We
-keep that object, so ``param_groups``, ``state_dict()`` and LR schedulers work as usual, and put a
-small class in front of its own, so that ``step()`` and ``zero_grad()`` also do the stage's part:
+Taught in lesson 02 (02_zero1). The user builds a normal torch optimizer over the model's own
+parameters, with any param groups and per-group settings (nanoGPT's weight decay on 2-D weights
+only, say). :func:`regroup` keeps that very object, its class, defaults and every group's settings,
+and swaps each group's parameters for the tensors this rank updates: the parameter's fragments in
+this rank's fp32 master shard (``DataParallel.fragments``), or the parameters themselves for fp32
+DDP. So ``param_groups``, LR schedulers (even one built before) and ``state_dict()`` work as usual.
+A small class is put in front of the optimizer's own, so that ``step()`` and ``zero_grad()`` also do
+the stage's part:
 
-    before_step()  reduce / unscale / copy gradients to the master tensors  (False: skip, fp16 inf)
-    <the user's optimizer step on this rank's tensors>
+    before_step()  reduce / unscale / hand gradients to the fragments  (False: skip, fp16 inf)
+    <the user's optimizer step on this rank's fragments; a fragment without gradient is skipped>
     after_step()   copy masters back to the working parameters, all-gather them (ZeRO)
 """
 
@@ -15,14 +19,18 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch import nn
 
 
 class Stage(Protocol):
+    fragments: list
+    frag_tensors: list[torch.Tensor]
+
     def before_step(self) -> bool: ...
     def after_step(self) -> None: ...
     def end_step(self) -> None: ...
     def zero_grad(self, set_to_none: bool = True) -> None: ...
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
 
 
 class StageStep:
@@ -31,35 +39,80 @@ class StageStep:
     _stage: Stage
 
     def step(self, closure=None):
-        if closure is not None:
-            raise ValueError(
-                "minizero optimizers take no closure: compute the loss, call "
-                "loss.backward(), then optimizer.step()"
-            )
+        loss = None
+        if closure is not None and getattr(self, "_minizero_closure_through", False):
+            # fp32 DDP: the optimizer holds the parameters themselves; a closure (LBFGS calls it
+            # many times) runs forward and backward, whose hooks all-reduce, as with torch DDP
+            return super().step(closure)
+        if closure is not None:  # elementwise optimizers call the closure once, first
+            with torch.enable_grad():
+                loss = closure()
         if self._stage.before_step():
             super().step()
         self._stage.after_step()
         self._stage.end_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stage.zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so that their global L2 norm is at most ``max_norm``; return the norm."""
-        return self._stage.clip_grad_norm_(max_norm)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
+        return self._stage.clip_grad_norm_(max_norm, norm_type)
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        tensors = [p for g in self.param_groups for p in g["params"]]  # masters (or the params)
+        tensors = [p for g in self.param_groups for p in g["params"]]  # fragments (or params)
         for st in self.state.values():
             tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
         return {"optimizer": tensors}
 
 
+def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -> None:
+    """Swap each param group's parameters of ``module`` for this rank's fragments of them."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"parallelize takes a torch.optim.Optimizer built over the model's parameters, or a "
+            f"function params -> optimizer; got {type(optimizer).__name__}. (A list of optimizers "
+            f"is not supported: put every parameter in one optimizer, with param groups.)"
+        )
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer has already stepped (its state is not empty): build it fresh, pass it "
+            "to parallelize, and load a checkpoint afterwards"
+        )
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in two param groups")
+            group_of[id(p)] = gi
+    known = {id(p) for p in module.parameters()}
+    strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+    if strangers:
+        raise ValueError(
+            f"the optimizer holds {len(strangers)} tensor(s) that are not parameters of the model "
+            f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
+            f"param groups of them, before parallelize"
+        )
+    if all(t is f.param for f, t in zip(stage.fragments, stage.frag_tensors, strict=True)):
+        return  # fp32 DDP: the optimizer steps the parameters themselves, as the user built it
+    new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for f, t in zip(stage.fragments, stage.frag_tensors, strict=True):
+        if id(f.param) in group_of:  # a parameter outside every group is not trained
+            new[group_of[id(f.param)]].append(t)
+    for group, params in zip(optimizer.param_groups, new, strict=True):
+        group["params"] = params
+
+
 def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` and ``zero_grad()`` run ``stage``'s part too; return it."""
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(optimizer)}")
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(optimizer)
-    optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
+    if not issubclass(cls, StageStep):
+        optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     optimizer._stage = stage
+    optimizer._minizero_closure_through = all(
+        t is f.param for f, t in zip(stage.fragments, stage.frag_tensors, strict=True)
+    )
     return optimizer

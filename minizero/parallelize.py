@@ -1,6 +1,7 @@
-"""One entry point for every stage: ``parallelize(model, stage, optimizer_fn)``. Every lesson.
+"""One entry point for every stage: ``parallelize(model, stage, optimizer)``. Every lesson.
 
-    model, optimizer = minizero.parallelize(model, stage=2, optimizer_fn=lambda p: AdamW(p, 1e-3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # any param groups
+    model, optimizer = minizero.parallelize(model, stage=2, optimizer=optimizer)
     for x, y in data:                      # a normal PyTorch loop, unchanged
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero.data_parallel import DataParallel
-from minizero.optimizer import attach
-from minizero.precision import check_elementwise, resolve
+from minizero.optimizer import attach, regroup
+from minizero.precision import Precision, check_elementwise, resolve
 
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -37,39 +38,66 @@ def _stage_class(stage: int):
 def parallelize(
     model: nn.Module,
     stage: int,
-    optimizer_fn: OptimizerFn,
+    optimizer: torch.optim.Optimizer | OptimizerFn,
     *,
-    precision: str = "fp32",
+    precision: str | Precision = "fp32",
     bucket_cap_mb: float = 25,
     process_group: dist.ProcessGroup | None = None,
+    broadcast_buffers: bool = True,
+    find_unused_parameters: bool = False,
+    **stage_options,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Wrap ``model`` for data-parallel training at ZeRO ``stage`` and build its optimizer.
+    """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
 
-    ``optimizer_fn(tensors)`` builds a torch optimizer on the tensors this rank updates: the model's
-    parameters for DDP in fp32, otherwise flat fp32 master shards (so the optimizer must be
-    elementwise: SGD, Adam, AdamW, ...). ``precision``: "fp32", "bf16" or "fp16" (fp16 adds dynamic
-    loss scaling; both keep fp32 master weights). ``bucket_cap_mb``: size of each gradient bucket
-    (stages 0-2); stage 3 communicates per module. Under NCCL the model is moved to this rank's GPU.
+    ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
+    per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are
+    kept; at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter,
+    so it must be elementwise (SGD, Adam, AdamW, ... or subclasses). ``precision``: "fp32", "bf16",
+    "fp16" (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
+    ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
+    ``bucket_cap_mb``: gradient bucket size (stages 0-2). ``broadcast_buffers`` and
+    ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3 also takes ``units``
+    (module classes or a predicate; default: the repeated blocks) and ``prefetch``.
+    Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
-    if not callable(optimizer_fn):
-        raise TypeError(
-            "optimizer_fn must be a function: tensors -> torch.optim.Optimizer, "
-            "e.g. lambda p: torch.optim.AdamW(p, lr=1e-3)"
-        )
     if isinstance(model, DataParallel):
         raise ValueError("model is already parallelized; pass the plain nn.Module")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if stage_options and stage != 3:
+        raise TypeError(f"{sorted(stage_options)}: only stage 3 takes these options")
     policy = resolve(precision)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        built = optimizer
+    elif callable(optimizer):
+        built = optimizer([p for p in model.parameters() if p.requires_grad])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer function returned {type(built).__name__}, not one "
+                f"torch.optim.Optimizer; e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+    else:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
+            f"params -> optimizer, got {type(optimizer).__name__}"
+        )
+    if stage > 0 or policy.master:
+        check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     wrapped = _stage_class(stage)(
-        model, bucket_cap_mb=bucket_cap_mb, precision=policy, process_group=process_group
+        model,
+        bucket_cap_mb=bucket_cap_mb,
+        precision=policy,
+        process_group=process_group,
+        broadcast_buffers=broadcast_buffers,
+        find_unused_parameters=find_unused_parameters,
+        **stage_options,
     )
-    optimizer = optimizer_fn(wrapped.optimizer_params())
-    if stage > 0 or policy.master:
-        check_elementwise(optimizer)
-    return wrapped, attach(optimizer, wrapped)
+    regroup(built, wrapped, model)
+    return wrapped, attach(built, wrapped)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +106,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective for ZeRO-1/2/3 (their masters are sharded): call it on every rank.
     """
     if isinstance(model, DataParallel):
-        return model.full_state_dict()
+        return model.state_dict()
     return {
         k: v.detach().float() if v.is_floating_point() else v.detach()
         for k, v in model.state_dict().items()

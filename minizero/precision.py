@@ -1,44 +1,74 @@
-"""Precision policies and the checks every stage shares. Taught in lesson 02 (02_zero1).
+"""Precision policies, loss scaling and the optimizer check every stage shares. Lessons 02, 03.
 
 Mixed precision (ZeRO §3.1): parameters and gradients in 16 bits (2Ψ + 2Ψ bytes), and the optimizer
 keeps an fp32 master copy of the parameters beside its states: K = 4 + 4 + 4 = 12 bytes per
 parameter for Adam. In fp32 the parameters are their own master copy.
+
+The policy's fields carry the names of FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``,
+``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), so a lesson can put the two side by side.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
-# states. Only those give the same result on a flat shard as on the whole tensor.
-ELEMENTWISE = (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop",
-    "ASGD",
+# states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
 )  # fmt: skip
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Precision:
     """How a stage stores parameters and gradients.
 
-    name: "fp32", "bf16" or "fp16".
-    param_dtype: dtype of the working parameters and of the gradients that are communicated.
+    name: "fp32", "bf16", "fp16", or "custom".
+    param_dtype: dtype of the working parameters (the forward and backward compute dtype).
+    reduce_dtype: dtype gradients are reduced and accumulated in (None: param_dtype). fp32 here
+        costs 4Ψ instead of 2Ψ of gradient memory, as production bf16 training does.
+    output_dtype: dtype the model's floating outputs are cast to (None: left as computed).
+    cast_forward_inputs: cast floating inputs to ``param_dtype`` before the forward.
     master: whether the optimizer keeps a separate fp32 master copy of (its shard of) the params.
-    loss_scale: whether gradients are scaled up in backward to keep fp16 from underflowing.
+    loss_scale: dynamic loss scaling, to keep fp16 gradients from underflowing.
     """
 
-    name: str
-    param_dtype: torch.dtype
-    master: bool
-    loss_scale: bool
+    name: str = "custom"
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+    master: bool | None = None  # None: whenever param_dtype is not fp32
+    loss_scale: bool | None = None  # None: whenever param_dtype or reduce_dtype is fp16
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and dtype not in _DTYPES:
+                raise ValueError(f"{field} must be one of {_DTYPES} or None, got {dtype}")
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)
+        if self.master is None:
+            object.__setattr__(self, "master", self.param_dtype != torch.float32)
+        if self.loss_scale is None:
+            fp16 = torch.float16 in (self.param_dtype, self.reduce_dtype)
+            object.__setattr__(self, "loss_scale", fp16)
+        if self.param_dtype != torch.float32 and not self.master:
+            raise ValueError("a 16-bit param_dtype needs fp32 master weights: leave master=None")
 
 
 POLICIES = {
-    "fp32": Precision(name="fp32", param_dtype=torch.float32, master=False, loss_scale=False),
-    "bf16": Precision(name="bf16", param_dtype=torch.bfloat16, master=True, loss_scale=False),
-    "fp16": Precision(name="fp16", param_dtype=torch.float16, master=True, loss_scale=True),
+    "fp32": Precision(name="fp32", param_dtype=torch.float32),
+    "bf16": Precision(name="bf16", param_dtype=torch.bfloat16),
+    # fp16: the output goes back to fp32, so the loss (and the scaled dL/dy) is computed in fp32
+    "fp16": Precision(name="fp16", param_dtype=torch.float16, output_dtype=torch.float32),
 }
 
 
@@ -46,35 +76,43 @@ def resolve(precision: str | Precision) -> Precision:
     if isinstance(precision, Precision):
         return precision
     if precision not in POLICIES:
-        raise ValueError(f"precision must be one of {sorted(POLICIES)}, got {precision!r}")
+        raise ValueError(
+            f"precision must be one of {sorted(POLICIES)} or a minizero.Precision(...), "
+            f"got {precision!r}"
+        )
     return POLICIES[precision]
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers that mix elements: they cannot run on a flat shard of the parameters."""
-    name = type(optimizer).__name__
-    if name not in ELEMENTWISE:
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise TypeError(
-            f"minizero runs the optimizer on a flat 1-D shard of the parameters, which gives the "
-            f"same result as the whole model only for elementwise optimizers "
-            f"({', '.join(ELEMENTWISE)}). "
-            f"{name} is not one of them; use one of those, or stage=0 with precision='fp32'."
+            f"minizero steps each rank's flat shard of the parameters, which gives the same result "
+            f"as the whole model only for elementwise optimizers ({names}, or subclasses). "
+            f"{type(optimizer).__name__} is not one of them; use one of those, or stage=0 with "
+            f"precision='fp32' (plain DDP: the optimizer sees whole parameters)."
         )
 
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (Micikevicius et al. 2018), applied without touching the loop.
 
-    The stage registers :meth:`scale_grad` as a hook on the model's output, so the gradient that
-    enters backward is multiplied by ``scale``; the step divides it out, and skips the update when
-    any rank saw an inf or a NaN (then halves the scale). After ``growth_interval`` good steps in a
-    row the scale doubles.
+    The stage casts the model's output to fp32 and registers :meth:`scale_grad` on it, so the
+    gradient that enters backward is ``scale`` times dL/dy, computed in fp32. The step divides it
+    out, and skips the update when any rank saw an inf or a NaN (then halves the scale, without a
+    floor, so any finite loss is eventually stepped). After ``growth_interval`` good steps in a row
+    the scale doubles. ``warn_after`` skipped steps in a row raise a warning.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000):
+    def __init__(
+        self, init_scale: float = 2.0**16, growth_interval: int = 1000, warn_after: int = 20
+    ):
         self.scale = init_scale
         self.growth_interval = growth_interval
+        self.warn_after = warn_after
         self._good_steps = 0
+        self.skipped_in_a_row = 0
 
     def scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scale
@@ -83,7 +121,23 @@ class LossScaler:
         if found_inf:
             self.scale /= 2
             self._good_steps = 0
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row == self.warn_after:
+                warnings.warn(
+                    f"fp16 loss scaling skipped {self.warn_after} steps in a row (scale now "
+                    f"{self.scale:g}): the gradients overflow or are NaN. Look for a NaN loss, or "
+                    f"train in bf16.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         else:
+            self.skipped_in_a_row = 0
             self._good_steps += 1
             if self._good_steps % self.growth_interval == 0:
                 self.scale *= 2
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])

@@ -35,6 +35,8 @@ class ZeRO1(DataParallel):
     updated chunks back into every rank's full parameters.
     """
 
+    stage = 1
+
     def __init__(
         self,
         module: nn.Module,
@@ -42,18 +44,29 @@ class ZeRO1(DataParallel):
         bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
     ):
-        super().__init__(module, precision=precision, process_group=process_group)
+        super().__init__(
+            module,
+            precision=precision,
+            process_group=process_group,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+        )
         self.params = trainable_parameters(module)
         self.buckets = self._make_buckets(bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        dtype = self.precision.param_dtype
-        # (padded,) flat per bucket, working dtype; p.data views into it; rank r owns chunk r
+        # (padded,) flat per bucket; p.data views into it; rank r owns chunk r. Built in fp32...
         self.flat_params = [self._flatten_params(b) for b in self.buckets]
         # masters: (shard,) per bucket. fp32: chunk r of flat_params itself, stepped in place.
-        # Mixed precision: a separate fp32 copy of that chunk (the K in KΨ/N includes it).
+        # Mixed precision: a separate fp32 copy of that chunk (the K in KΨ/N includes it),
+        # taken from the fp32 weights before the cast.
         self.masters = [self._own_chunk_master(b) for b in self.buckets]
-        self._init_grads(dtype)
+        self._cast_working()  # ...then cast to the working dtype
+        owned = [(self.rank * b.shard, (self.rank + 1) * b.shard) for b in self.buckets]
+        self._build_fragments(owned, self.masters)
+        self._init_grads(self.precision.reduce_dtype)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -66,6 +79,16 @@ class ZeRO1(DataParallel):
         for p in b.params:
             p.data = b.view(flat, p)
         return flat
+
+    def _cast_working(self) -> None:
+        dtype = self.precision.param_dtype
+        if dtype == torch.float32:
+            return
+        super()._cast_working()  # frozen parameters and buffers
+        for b in self.buckets:
+            self.flat_params[b.index] = flat = self.flat_params[b.index].to(dtype)
+            for p in b.params:
+                p.data = b.view(flat, p)
 
     def _own_chunk_master(self, b: Bucket) -> torch.Tensor:
         chunk = b.chunk(self.flat_params[b.index], self.rank)  # (shard,) view of flat_params
@@ -85,34 +108,39 @@ class ZeRO1(DataParallel):
         b = self._bucket_of[id(p)]
         view = b.view(self.grad_buffers[b.index], p)
         if p.grad._base is not self.grad_buffers[b.index]:  # after zero_grad(None)
-            view.copy_(p.grad)
-            p.grad = view
+            view.add_(p.grad)  # the bucket is zero then; with fp32 reduction it accumulates
+            p.grad = view if view.dtype == p.dtype else None
 
     def _backward_end(self) -> None:
         pass  # stage 1 communicates in optimizer.step()
+
+    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        b = self._bucket_of[id(p)]
+        view = b.view(self.grad_buffers[b.index], p)  # local, until the step reduces it
+        return view if view.dtype == p.dtype and not self._reduced else None
 
     def _reduce_grads(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average."""
         shards = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         if not self._reduced:
+            fp16 = self.grad_buffers[0].dtype == torch.float16 if self.grad_buffers else False
+            if fp16:  # divide before the sum, so that the sum cannot overflow fp16
+                for g in self.grad_buffers:
+                    g.div_(self.world)
             works = [
                 C.reduce_scatter(s, g, group=self.group, async_op=True, tag=f"zero1 grads {i}")
                 for i, (s, g) in enumerate(zip(shards, self.grad_buffers))
             ]
             for w, s in zip(works, shards):
                 w.wait()
-                s.div_(self.world)
+                if not fp16:
+                    s.div_(self.world)
             self._reduced = True
         return shards  # (shard,) per bucket, averaged over ranks
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return self.masters
-
-    def before_step(self) -> bool:
-        for m, g in zip(self.masters, self._reduce_grads()):
-            m.grad = g.float() if self.precision.master else g  # (shard,) fp32
-        return self.grads_finite([m.grad for m in self.masters])
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return self._reduce_grads()
 
     def after_step(self) -> None:
         works = []
@@ -121,7 +149,6 @@ class ZeRO1(DataParallel):
                 own = b.chunk(flat, self.rank)  # (shard,) view, this rank's updated chunk
                 if self.precision.master:
                     own.copy_(m)
-                    m.grad = None
                 works.append(
                     C.all_gather(
                         flat, own, group=self.group, async_op=True, tag=f"params {b.index}"
@@ -129,14 +156,14 @@ class ZeRO1(DataParallel):
                 )
         for w in works:
             w.wait()
+        self._reduced = False  # the buffers hold this step's reduced chunks until zero_grad()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.grad_buffers:
-            g.zero_()  # gradients stay views into the buckets, as with torch DDP's bucket views
+    def _zero_grad(self, set_to_none: bool) -> None:
         self._reduced = False
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return self.clip_grads_(self._reduce_grads(), max_norm, sharded=True)
+        for g in self.grad_buffers:
+            g.zero_()  # the next backward adds into zeros (or, in place, into the views)
+        for p in self.params:
+            p.grad = None if set_to_none else self._visible_grad(p)
 
     def _full_params(self) -> dict[int, torch.Tensor]:
         full = {}

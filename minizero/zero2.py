@@ -30,6 +30,8 @@ class ZeRO2(ZeRO1):
     After backward ``p.grad`` is None; the gradient is in ``grad_shards``.
     """
 
+    stage = 2
+
     def _init_grads(self, dtype: torch.dtype) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards
         self.grad_shards = [
@@ -55,7 +57,7 @@ class ZeRO2(ZeRO1):
         buf = self._filling.get(b.index)
         if buf is None:  # (padded,) zero-padded; parameters without gradients stay 0
             buf = self._filling[b.index] = torch.zeros(
-                b.padded, dtype=p.grad.dtype, device=p.grad.device
+                b.padded, dtype=self.precision.reduce_dtype, device=p.grad.device
             )
             self.max_live_buckets = max(
                 self.max_live_buckets, len(self._filling) + (self._in_flight is not None)
@@ -70,6 +72,8 @@ class ZeRO2(ZeRO1):
         self._finish_in_flight()  # at most one reduce-scatter in flight
         buf = self._filling.pop(b.index)
         out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
+        if buf.dtype == torch.float16:  # divide before the sum, so that it cannot overflow fp16
+            buf.div_(self.world)
         work = C.reduce_scatter(
             out, buf, group=self.group, async_op=True, tag=f"zero2 grads {b.index}"
         )
@@ -80,7 +84,9 @@ class ZeRO2(ZeRO1):
         if self._in_flight is not None:
             b, work, _buf, out = self._in_flight
             work.wait()
-            self.grad_shards[b.index].add_(out.div_(self.world))  # buffer freed here
+            if out.dtype != torch.float16:  # (fp16 was divided before the sum)
+                out.div_(self.world)
+            self.grad_shards[b.index].add_(out)  # buffer freed here
             self._in_flight = None
 
     def _backward_end(self) -> None:
@@ -88,7 +94,7 @@ class ZeRO2(ZeRO1):
             if self._pending[b.index] >= 0:
                 if b.index not in self._filling:
                     self._filling[b.index] = torch.zeros(
-                        b.padded, dtype=self.precision.param_dtype, device=b.params[0].device
+                        b.padded, dtype=self.precision.reduce_dtype, device=b.params[0].device
                     )
                 self._launch(b)
         self._finish_in_flight()
@@ -97,9 +103,14 @@ class ZeRO2(ZeRO1):
     def _reduce_grads(self) -> list[torch.Tensor]:
         return self.grad_shards  # already reduced during backward
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        return None  # the full gradient of p exists only while its bucket fills
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         for g in self.grad_shards:
             g.zero_()
+        for p in self.params:
+            p.grad = None
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = list(self._filling.values())

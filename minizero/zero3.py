@@ -39,6 +39,8 @@ class ZeRO3(ZeRO2):
     in forward, and the previous module's in backward. ``bucket_cap_mb`` is not used.
     """
 
+    stage = 3
+
     def __init__(
         self,
         module: nn.Module,
@@ -47,10 +49,15 @@ class ZeRO3(ZeRO2):
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
+        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
         self.param_shards: list[torch.Tensor] = []  # (shard,) per unit; filled by super().__init__
         super().__init__(
-            module, bucket_cap_mb=bucket_cap_mb, precision=precision, process_group=process_group
+            module,
+            bucket_cap_mb=bucket_cap_mb,
+            precision=precision,
+            process_group=process_group,
+            **options,
         )
         self.prefetch = prefetch
         self._gathers: list = [None] * len(self.buckets)  # in-flight all-gather per unit
@@ -85,6 +92,27 @@ class ZeRO3(ZeRO2):
         shard = b.chunk(self.flat_params[b.index], self.rank).clone()
         self.param_shards.append(shard)
         return shard.float().clone() if self.precision.master else shard
+
+    def _cast_working(self) -> None:
+        super()._cast_working()
+        dtype = self.precision.param_dtype
+        self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
+
+    def _load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
+        flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
+        for i in self._frag_index.get(id(p), []):
+            f, t = self.fragments[i], self.frag_tensors[i]
+            self.param_shards[f.bucket][f.offset : f.offset + f.numel].copy_(flat[f.start : f.end])
+            t.copy_(flat[f.start : f.end])
+        b = self._bucket_of[id(p)]
+        if self._gathered[b.index]:  # refresh the full copy too, should it be in use
+            b.view(self.flat_params[b.index], p).copy_(full)
+
+    def _params_written(self) -> None:
+        with torch.no_grad():
+            for shard, m in zip(self.param_shards, self.masters, strict=True):
+                if m is not shard:
+                    m.copy_(shard)
 
     # -- gather and free ---------------------------------------------------------------------
     def _gather(self, i: int, wait: bool = True) -> None:
