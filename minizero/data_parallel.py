@@ -284,8 +284,9 @@ class DataParallel(nn.Module):
             for i, q in enumerate(self.params):
                 for g in self._frags_of(q):
                     part[i] = torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            C.all_reduce(part, op=op, group=self.group, tag="grad norm")
+            if self.stage >= 1:  # disjoint ranges: sum (or max) over ranks; DDP owns it all
+                op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                C.all_reduce(part, op=op, group=self.group, tag="grad norm")
             norms = part if inf else part.sqrt()
             self._norms[ord_] = {id(q): norms[i] for i, q in enumerate(self.params)}
         return self._norms[ord_][id(p)]

@@ -116,11 +116,11 @@ class DDP(DataParallel):
         b = self._bucket_of[id(p)]
         if p.grad._base is not self.grad_buffers[b.index]:  # 1st backward / after zero_grad
             view = b.view(self.grad_buffers[b.index], p)
-            view.add_(p.grad)  # the bucket is zero after zero_grad(): add == copy, and
-            # a 16-bit p.grad with fp32 reduction accumulates here over micro-batches
-            if view.dtype == p.dtype:
+            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
+                view.copy_(p.grad)
                 p.grad = view
-            else:  # fp32 reduction of 16-bit gradients: the bucket accumulates, p.grad goes
+            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
+                view.add_(p.grad)
                 p.grad = None
         if not self._require_sync:
             return

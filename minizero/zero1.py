@@ -108,8 +108,12 @@ class ZeRO1(DataParallel):
         b = self._bucket_of[id(p)]
         view = b.view(self.grad_buffers[b.index], p)
         if p.grad._base is not self.grad_buffers[b.index]:  # after zero_grad(None)
-            view.add_(p.grad)  # the bucket is zero then; with fp32 reduction it accumulates
-            p.grad = view if view.dtype == p.dtype else None
+            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
+                view.copy_(p.grad)
+                p.grad = view
+            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
+                view.add_(p.grad)
+                p.grad = None
 
     def _backward_end(self) -> None:
         pass  # stage 1 communicates in optimizer.step()

@@ -1,0 +1,73 @@
+"""Every stage on models no one here wrote (tests/zoo.py): torch's nn.TransformerEncoderLayer LM
+with a tied head, torchvision's resnet18 (BatchNorm) and Hugging Face's GPT2LMHeadModel, trained
+with nanoGPT's param groups and torch.nn.utils.clip_grad_norm_ in the user's own loop. Each stage
+is compared, in the same launch, with torch DDP (same optimizer, same groups) and with one
+process; bf16 with FSDP2 under the same mixed-precision policy."""
+
+import pytest
+import torch
+import zoo
+from zoo import difference, train_rank, train_reference
+
+import minizero
+from minizero.launch import launch
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+CLIP = 0.5
+
+
+def run(fn, world, *args):
+    return launch(fn, world, *args, backend="gloo", timeout=300, verbose=False)
+
+
+def minizero_wrapper(stage, precision="fp32"):
+    def wrap(model, make_opt, entry):
+        return minizero.parallelize(model, stage, make_opt(model), precision=precision)
+
+    return wrap
+
+
+def zoo_rank(model, stage, opt, clip):
+    return {
+        "minizero": train_rank(model, minizero_wrapper(stage), opt, clip=clip),
+        "torch_ddp": train_rank(model, "torch_ddp", opt, clip=clip),
+    }
+
+
+CASES = [  # (model, world): every model at 2 ranks, the transformer at 3 too
+    ("encoder_lm", 2), ("encoder_lm", 3), ("encoder_lm_prenorm", 2), ("resnet18", 2), ("gpt2", 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("model,world", CASES)
+def test_zoo_stage_matches_torch_ddp_and_one_process(model, world, stage):
+    opt = "adamw_groups_lr" if model != "resnet18" else "sgd"
+    want = train_reference(model, opt, clip=CLIP, world=world)
+    for r, got in enumerate(run(zoo_rank, world, model, stage, opt, CLIP)):
+        d, where = difference(got["minizero"], got["torch_ddp"])
+        assert d <= 1e-5, f"stage {stage} rank {r} vs torch DDP: {d:.2e} at {where}"
+        d, where = difference(got["minizero"], want[r])
+        assert d <= 1e-5, f"stage {stage} rank {r} vs one process: {d:.2e} at {where}"
+
+
+def bf16_rank(model, stage):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = minizero.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {
+        "minizero": train_rank(model, minizero_wrapper(stage, policy), "adamw_groups"),
+        "fsdp2": train_rank(
+            model, lambda m, o, e: zoo.wrap_fsdp2(m, o, e, mp_policy=mp), "adamw_groups"
+        ),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_matches_fsdp2_with_the_same_policy(stage):
+    """bf16 compute, fp32 reduction and masters, as FSDP2's MixedPrecisionPolicy: the two runs
+    stay within bf16 rounding of each other (3 steps of AdamW, lr 1e-3)."""
+    for r, got in enumerate(run(bf16_rank, 2, "encoder_lm", stage)):
+        d, where = difference(got["minizero"], got["fsdp2"])
+        assert d <= 2e-3, f"stage {stage} rank {r} vs FSDP2 bf16: {d:.2e} at {where}"
