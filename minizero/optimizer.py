@@ -112,6 +112,15 @@ def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimi
     if not issubclass(cls, StageStep):
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     optimizer._stage = stage
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+        # an LR scheduler built before parallelize wrapped the *old* class's step on the instance;
+        # wrap the new one the same way, so that step() runs the stage and the scheduler sees it
+        def step(*args, **kwargs):
+            optimizer._opt_called = True
+            return type(optimizer).step(optimizer, *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
     optimizer._minizero_closure_through = all(
         t is f.param for f, t in zip(stage.fragments, stage.frag_tensors, strict=True)
     )
