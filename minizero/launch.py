@@ -16,7 +16,9 @@ How the ranks are started (``mechanism``):
 Either way each rank writes its stdout/stderr, its pid and its result (or its traceback) into a
 private temporary directory; the parent relays the output line by line, prefixed ``[rank r]``, into
 its own ``sys.stdout``/``sys.stderr`` (so prints show up in a notebook cell), and stops every rank
-when one fails, when ``timeout`` passes, or when the parent itself is interrupted.
+when one fails, when ``timeout`` passes, or when the parent itself is interrupted. If the parent is
+killed outright (SIGKILL: no chance to clean up), its ranks and torchrun stop by themselves within
+a second: each asks the kernel for a parent-death signal (Linux), or watches its parent (elsewhere).
 
 Already inside a torchrun worker (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set),
 ``launch`` starts nothing: it runs ``fn`` on this rank and all-gathers the results, so a script
@@ -30,6 +32,7 @@ import ctypes
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import pickle
 import re
@@ -37,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +53,7 @@ _POLL = 0.02  # seconds between looks at the ranks
 _STARTUP = 120.0  # seconds allowed for starting the ranks, on top of the timeout
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 _WORKER = "import sys; from minizero.launch import _torchrun_worker as w; sys.exit(w(sys.argv[1]))"
+_AGENT = "import sys; from minizero.launch import _torchrun_agent as a; sys.exit(a(sys.argv[1:]))"
 
 
 class LaunchError(RuntimeError):
@@ -102,7 +107,8 @@ def launch(
 
     backend: "auto" (NCCL when every rank can have its own GPU, else gloo), "nccl" or "gloo".
     timeout: seconds (or a timedelta) a rank may run, counted once all ranks have started; also
-        the process group's timeout.
+        the process group's timeout. Finite and positive: there is no "wait forever" (a hung
+        collective would never be reported); pass a large number to wait long.
     mechanism: "auto" (fork for gloo, torchrun for NCCL), "fork" or "torchrun". Forked ranks
         cannot use CUDA if this process has initialised it: use "torchrun" for that.
     verbose: print one line saying how the ranks run.
@@ -110,7 +116,7 @@ def launch(
     Return values must be picklable. ``backend``, ``timeout``, ``mechanism`` and ``verbose`` are
     taken by launch and never passed on to ``fn``.
     """
-    timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    timeout = _seconds(timeout)
     if all(k in os.environ for k in _ENV):
         return _launch_here(fn, nprocs, args, kwargs, backend, timeout, verbose)
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -160,6 +166,22 @@ def launch(
             finally:
                 ranks.stop()
     raise AssertionError("unreachable")
+
+
+def _seconds(timeout: Any) -> float:
+    """``timeout`` in seconds, finite and positive; else a one-line error saying what to do."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds or a timedelta, got {timeout!r}: "
+            "pass e.g. timeout=600 (there is no unlimited timeout)"
+        )
+    if not 0 < seconds < float("inf"):  # also refuses nan
+        raise ValueError(
+            f"timeout must be a finite number of seconds > 0, got {timeout!r}: pass a large "
+            "number (e.g. timeout=24 * 3600) to wait long; a hung rank is then still reported"
+        )
+    return float(seconds)
 
 
 # ---------------------------------------------------------------- the parent: watch, relay, stop
@@ -427,7 +449,9 @@ def _start_torchrun(tmp, fn, args, kwargs, n, backend, timeout) -> _Torchrun:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = str(Path(__file__).resolve().parent.parent)  # so that the workers import this minizero
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    # torchrun runs in a session of its own (so that stop() can signal its whole group), so it
+    # would outlive this process if this one were killed: it is told whom to die with.
+    cmd = [sys.executable, "-c", _AGENT, str(os.getpid()), "--standalone", "--nnodes=1",
            f"--nproc-per-node={n}", "--monitor-interval=0.05", "--no-python",
            sys.executable, "-c", _WORKER, str(tmp)]  # fmt: skip
     with open(tmp / "torchrun.log", "wb") as log:
@@ -507,14 +531,34 @@ def _put(path: Path, data: bytes) -> None:
     os.replace(tmp, path)  # the parent never sees half a file
 
 
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to SIGKILL this rank if its parent dies, so no rank is orphaned."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
+def _die_with_parent(parent: int | None = None) -> None:
+    """Be SIGKILLed when ``parent`` (default: this process's parent) dies, so that nothing is
+    orphaned: Linux's parent-death signal, or elsewhere a thread that watches the parent."""
+    parent = os.getppid() if parent is None else parent
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: sent when the parent dies
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before we asked: this process was re-parented already
         os._exit(1)
+
+
+def _watch_parent(parent: int, every: float = 0.2) -> None:
+    """Kill this process once it is no longer ``parent``'s child (the parent died)."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _torchrun_agent(argv: list[str]) -> int:
+    """What a launch's torchrun process runs (``_AGENT``): ``argv`` is the launching process's pid,
+    then torchrun's arguments. Torchrun, killed when the launching process dies; its workers die
+    with it (each calls ``_die_with_parent``)."""
+    _die_with_parent(int(argv[0]))
+    from torch.distributed.run import main
+
+    main(argv[1:])  # raises (exit code 1, traceback in torchrun.log) when a worker failed
+    return 0
 
 
 def _torchrun_worker(tmp: str) -> int:

@@ -7,6 +7,7 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,38 @@ def test_bad_arguments(nprocs, kw, message):
         launch(where, nprocs, 0, **kw)
 
 
+@pytest.mark.parametrize(
+    "timeout, error",
+    [
+        (None, TypeError),
+        ("300", TypeError),
+        (True, TypeError),
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        (0, ValueError),
+        (-5.0, ValueError),
+        (timedelta(0), ValueError),
+    ],
+)
+def test_timeout_must_be_finite_and_positive(timeout, error):
+    if error is TypeError:
+        message = f"timeout must be a number of seconds or a timedelta, got {timeout!r}: "
+        message += "pass e.g. timeout=600 (there is no unlimited timeout)"
+    else:
+        message = f"timeout must be a finite number of seconds > 0, got {timeout!r}: pass a large "
+        message += (
+            "number (e.g. timeout=24 * 3600) to wait long; a hung rank is then still reported"
+        )
+    with pytest.raises(error) as info:
+        launch(where, 2, 0, timeout=timeout, verbose=False)
+    assert str(info.value) == message
+
+
+def test_timeout_may_be_a_timedelta_or_an_int():
+    assert launch(where, 2, 0, timeout=timedelta(minutes=2), verbose=False)[1] == (1, 2, 0, 0)
+    assert launch(where, 1, 0, timeout=60, verbose=False) == [(0, 1, 0, 0)]
+
+
 # --- failures ----------------------------------------------------------------------------------
 
 
@@ -231,6 +264,87 @@ def test_keyboard_interrupt_leaves_no_rank_behind(tmp_path, mechanism):
     out = run_script(tmp_path, code, str(tmp_path / "pids"), mechanism)
     assert out.stdout.endswith("interrupted\n"), out.stderr
     assert len(pids(tmp_path / "pids")) == 2 and all(gone(p) for p in pids(tmp_path / "pids"))
+
+
+@pytest.mark.parametrize("mechanism", ["fork", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_sigkill_of_the_parent_leaves_no_process_behind(tmp_path, mechanism):
+    """A SIGKILLed parent cannot clean up: the ranks, and torchrun, must go by themselves."""
+    code = """
+        import os, sys, time
+        import torch.distributed as dist
+        import minizero
+
+        def sleeper(d):  # leaves "<pid> <parent pid>": the parent is torchrun under torchrun
+            f = f"{d}/{dist.get_rank()}.pid"
+            open(f + ".part", "w").write(f"{os.getpid()} {os.getppid()}")
+            os.replace(f + ".part", f)
+            time.sleep(60)
+
+        if __name__ == "__main__":
+            minizero.launch(sleeper, 2, sys.argv[1], mechanism=sys.argv[2])
+    """
+    (tmp_path / "script.py").write_text(textwrap.dedent(code))
+    (tmp_path / "pids").mkdir()
+    cmd = [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "pids"), mechanism]
+    parent = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    started: list[int] = []
+    try:
+        end = time.monotonic() + 90
+        while len(files := sorted((tmp_path / "pids").glob("*.pid"))) < 2:
+            assert parent.poll() is None, parent.stderr.read().decode()
+            assert time.monotonic() < end, "the ranks did not start"
+            time.sleep(0.05)
+        for f in files:
+            started += [int(pid) for pid in f.read_text().split()]
+        started = sorted(set(started) - {parent.pid})  # the ranks, and torchrun if it ran
+        assert len(started) == (2 if mechanism == "fork" else 3)
+        parent.kill()
+        parent.wait()
+        left = [pid for pid in started if not gone(pid, within=5.0)]
+        assert not left, f"still running 5 s after the parent was killed: {left}"
+    finally:
+        parent.kill()
+        for pid in started:  # whatever this test started, gone before the next test
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_watchdog_kills_the_process_when_its_parent_dies(tmp_path):
+    """Where there is no parent-death signal (not Linux), a thread watches the parent instead."""
+    child = """
+        import os, sys, time
+        from minizero.launch import _die_with_parent
+        sys.platform = "darwin"  # take the watchdog path here, on Linux too
+        _die_with_parent()
+        sys.platform = "linux"
+        open(sys.argv[1] + ".part", "w").write(str(os.getpid()))
+        os.replace(sys.argv[1] + ".part", sys.argv[1])
+        time.sleep(60)
+    """
+    parent = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)"
+    pid_file = tmp_path / "child.pid"
+    cmd = [sys.executable, "-c", parent, sys.executable, "-c", textwrap.dedent(child), pid_file]
+    proc = subprocess.Popen(cmd, env=ENV)
+    pid = None
+    try:
+        end = time.monotonic() + 90
+        while not pid_file.exists():
+            assert time.monotonic() < end and proc.poll() is None, "the child did not start"
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert not gone(pid, within=0.5)  # its parent lives: it stays
+        proc.kill()
+        proc.wait()
+        assert gone(pid, within=5.0)
+    finally:
+        proc.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 # --- where fn comes from: __main__, notebooks --------------------------------------------------
