@@ -232,8 +232,8 @@ class ZeRO3(ZeRO2):
         dist.all_gather(every, mine, group=self.group)  # not model states: not in the ledger
         codes = [int(t) for t in every]
         if len(set(codes)) > 1:
-            what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(
-                self._module_names[c // 2]
+            what = lambda c: (
+                ("backward, from " if c % 2 else "forward of ") + repr(self._module_names[c // 2])
             )
             ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
             raise RuntimeError(
@@ -258,12 +258,13 @@ class ZeRO3(ZeRO2):
             raise RuntimeError(
                 "summon_full_params() inside forward or backward: call it between steps"
             )
-        bufs = []
+        bufs, views = [], {}  # views: id(param) -> its view of flat_params, to put back
         for b, shard in zip(self.buckets, self.param_shards, strict=True):
             buf = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)  # (padded,)
             C.all_gather(buf, shard, group=self.group, tag=f"summon params {b.index}")
             set_guard(b.params, False)
             for p in b.params:
+                views[id(p)] = p.data
                 p.data = b.view(buf, p)
             bufs.append(buf)
         moved = []
@@ -273,11 +274,11 @@ class ZeRO3(ZeRO2):
             writeback = False
             raise
         finally:
-            for b, buf, flat in zip(self.buckets, bufs, self.flat_params, strict=True):
+            for b, buf in zip(self.buckets, bufs, strict=True):
                 for p in b.params:
                     if p.data_ptr() != b.view(buf, p).data_ptr():
                         moved.append(self._param_name[id(p)])
-                    p.data = b.view(flat, p)
+                    p.data = views[id(p)]
                 set_guard(b.params, not self._gathered[b.index])
         if moved:
             raise RuntimeError(
