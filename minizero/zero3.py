@@ -1,20 +1,22 @@
 """ZeRO-DP stage 3: optimizer states, gradients and parameters partitioned. Taught in lesson 04.
 
 Rajbhandari et al., arXiv 1910.02054, §5.3. What this file adds to zero2.py: parameters too live
-sharded between uses; each module's are all-gathered just before its forward and again before its
-backward, and freed right after.
+sharded between uses; each unit's are all-gathered just before its forward and again before its
+backward, and freed right after. Which modules are units: minizero/units.py.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from minizero import collectives as C
 from minizero.bucket import Bucket
 from minizero.precision import Precision
+from minizero.units import Hook, Units, assign_params, output_tensors, select_units, set_guard
 from minizero.zero2 import ZeRO2
 
 
@@ -25,18 +27,29 @@ class ZeRO3(ZeRO2):
     Communication per step: all-gather Ψ in forward + all-gather Ψ in backward + reduce-scatter Ψ
     of the gradients = 3Ψ, 1.5x DDP (§7.2.2).
 
-    Units: every module that owns trainable parameters directly (``parameters(recurse=False)``)
-    is one bucket; a tied parameter belongs to the first module that owns it, and every module that
-    uses it gathers that unit. Between uses a unit's flat buffer has its storage resized to 0 bytes:
-    only ``param_shards`` (rank r's chunk) stays. Tensors autograd saved in forward point at the
-    same storage, so the gather before backward makes them whole again.
+    Units (``units=``, see minizero/units.py): the root module and, by default, the repeated
+    blocks (children of ``nn.ModuleList``s, ...); or the modules of the given classes, or those a
+    predicate picks. Each unit's parameters, minus those of units nested in it, are one bucket:
+    gathered before the unit's forward, freed after it, gathered again when backward reaches the
+    unit's output, freed once the unit's gradients are reduce-scattered. A tied parameter belongs
+    to the first unit that registers it; every unit that registers it too gathers that unit, and
+    keeps it gathered while any module using it is still in its forward (from the second step on,
+    until the last module that uses it in the recorded order). Between uses a unit's flat buffer
+    has its storage resized to 0 bytes: only ``param_shards`` (rank r's chunk) stays, and its
+    parameters are guarded: reading them raises an error that points to ``summon_full_params``.
 
-    A unit that several modules use (tied weights) stays gathered from its first use in forward
-    to its last, so that after the first step each unit is gathered once in forward.
+    Prefetch: the first step records the order in which units start their forward and end it;
+    with ``prefetch=1`` the next unit's all-gather is issued (asynchronously) as soon as the
+    current one's is done, in forward, and in backward (which meets the units in the reverse order
+    of their forward's end) the previous one's. A unit first used later, or units run in another
+    order, are gathered on demand: prefetch may miss, results are the same. ``bucket_cap_mb`` is
+    not used. ``reshard_root=False`` keeps the root's units gathered from the end of forward to
+    the end of backward, as FSDP2 does for its root (one all-gather fewer, 3Ψ - Ψ_root per step).
 
-    Prefetch: the order in which modules ran in the first forward is recorded; with ``prefetch=1``
-    the next module's all-gather is issued (asynchronously) as soon as the current one's is done,
-    in forward, and the previous module's in backward. ``bucket_cap_mb`` is not used.
+    ``check_modules``: before each unit's forward and at the start of backward the ranks
+    all-gather one int64 naming the module, so that ranks that run different modules get a
+    ``RuntimeError`` naming them instead of a mismatched collective (a gloo abort or a hang). It
+    costs one small synchronous collective per unit per forward; it is not in the CommLedger.
     """
 
     stage = 3
@@ -45,13 +58,17 @@ class ZeRO3(ZeRO2):
         self,
         module: nn.Module,
         *,
+        units: Units = None,
         bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
+        reshard_root: bool = True,
+        check_modules: bool = True,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
         self.param_shards: list[torch.Tensor] = []  # (shard,) per unit; filled by super().__init__
+        self._units_arg = units
         super().__init__(
             module,
             bucket_cap_mb=bucket_cap_mb,
@@ -60,31 +77,41 @@ class ZeRO3(ZeRO2):
             **options,
         )
         self.prefetch = prefetch
-        self._gathers: list = [None] * len(self.buckets)  # in-flight all-gather per unit
-        self._gathered = [True] * len(self.buckets)  # flat_params[i] holds the full unit
+        self.reshard_root = reshard_root
+        n = len(self.buckets)
+        self._gathers: list = [None] * n  # in-flight all-gather per unit
+        self._gathered = [True] * n  # flat_params[i] holds the full unit
+        self._active = [0] * n  # modules using unit i whose forward is running
         self.max_gathered = 0  # most units gathered at once (a structure check)
-        self._order: list[nn.Module] = []  # modules with units, in the first forward's order
+        self._order: list[nn.Module] = []  # unit modules, in the order the first forward began them
+        self._ends: list[nn.Module] = []  # ... and ended them
         self._recording = True
-        self._last_use: dict[int, int] = {}  # unit -> position of its last user in _order
+        self._pos: dict[nn.Module, int] = {}  # module -> place in _order (after recording)
+        self._last_use: dict[int, int] = {}  # unit -> place in _order of its last user
+        self._checked_backward = False
+        names = {m: name or "(root)" for name, m in module.named_modules()}
+        self._module_names = [names[m] for m in self._units_of]
+        self._module_index = {m: k for k, m in enumerate(self._units_of)}
+        dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
+        self.check_modules = check_modules and self.world > 1 and dev.type != "meta"
+        self._check_device = dev
+        for b in self.buckets:  # for the guard's message: which parameter, which unit, 1/N
+            for p in b.params:
+                p._minizero_where = (self._param_name[id(p)], self._unit_names[b.index], self.world)
         for m in self._units_of:
-            m.register_forward_pre_hook(self._pre_forward)
-            m.register_forward_hook(self._post_forward)
-        for i in range(len(self.buckets)):
-            self._free(i)
+            m.register_forward_pre_hook(Hook(self._forward_pre_hook))
+            m.register_forward_hook(Hook(self._post_forward))
+        for i in range(n):
+            self._release(i)
 
-    # -- layout: one unit per module that owns parameters ----------------------------------------
+    # -- layout: one unit per selected module, the root holding the rest --------------------------
     def _make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
-        owner: dict[int, int] = {}  # id(param) -> unit index
-        groups: list[list[nn.Parameter]] = []
-        self._units_of: dict[nn.Module, list[int]] = {}  # module -> units its forward needs
-        for m in self.module.modules():
-            mine = [p for p in m.parameters(recurse=False) if p.requires_grad]
-            new = [p for p in mine if id(p) not in owner]
-            if new:
-                owner.update({id(p): len(groups) for p in new})
-                groups.append(new)
-            if mine:
-                self._units_of[m] = sorted({owner[id(p)] for p in mine})
+        unit_modules = select_units(self.module, self._units_arg)
+        # self._units_of: unit module -> the units its forward needs (its own, tied ones)
+        groups, owners, self._units_of = assign_params(self.module, unit_modules)
+        names = {m: name or "(root)" for name, m in self.module.named_modules()}
+        self._unit_names = [names[m] for m in owners]  # unit index -> its module's name
+        self._param_name = {id(p): n for n, p in self.module.named_parameters()}
         return [Bucket(g, i, self.world) for i, g in enumerate(groups)]
 
     def _own_chunk_master(self, b: Bucket) -> torch.Tensor:
@@ -135,13 +162,36 @@ class ZeRO3(ZeRO2):
         self.flat_params[i].untyped_storage().resize_(0)  # p.data views stay, with 0 bytes
         self._gathered[i] = False
 
+    def _release(self, i: int) -> None:
+        """Free unit i and guard its parameters (their storage is empty now)."""
+        self._free(i)
+        set_guard(self.buckets[i].params, True)
+
     def _neighbour(self, m: nn.Module, step: int) -> list[int]:
-        if self._recording or m not in self._order:
+        """The units of the module ``step`` places after ``m`` in forward (``step < 0``: in
+        backward) in the recorded order, skipping modules without units; [] while recording."""
+        seq = self._order if step > 0 else self._ends[::-1]
+        if self._recording or m not in seq:
             return []
-        j = self._order.index(m) + step
-        return self._units_of[self._order[j]] if 0 <= j < len(self._order) else []
+        left = abs(step)
+        for other in seq[seq.index(m) + 1 :]:
+            if self._units_of.get(other):
+                left -= 1
+                if left == 0:
+                    return self._units_of[other]
+        return []
 
     # -- hooks -------------------------------------------------------------------------------
+    def _forward_pre_hook(self, m: nn.Module, args) -> None:
+        if m is self.module:  # a new forward: nothing of an earlier one (an exception) is running
+            self._active = [0] * len(self.buckets)
+        if self.check_modules:
+            self._check_same_module(m, backward=False)
+        self._pre_forward(m, args)
+        for i in self._units_of[m]:
+            self._active[i] += 1
+            set_guard(self.buckets[i].params, False)
+
     def _pre_forward(self, m: nn.Module, args) -> None:
         if self._recording and m not in self._order:
             self._order.append(m)
@@ -151,13 +201,33 @@ class ZeRO3(ZeRO2):
             self._gather(i, wait=False)
 
     def _post_forward(self, m: nn.Module, args, out):
+        if self._recording and m not in self._ends:
+            self._ends.append(m)
         for i in self._units_of[m]:
-            if self._recording or self._last_use[i] <= self._order.index(m):
-                self._free(i)  # (a tied unit stays gathered until its last use in forward)
-        if torch.is_grad_enabled():
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, m=m: self._pre_backward(m))
+            self._active[i] -= 1
+        grad = torch.is_grad_enabled()
+        if m is self.module:  # forward is over: free every unit (the root's too, unless kept)
+            keep = set() if self.reshard_root or not grad else set(self._units_of[m])
+            for i, gathered in enumerate(self._gathered):
+                if gathered and i not in keep:
+                    self._release(i)
+        else:  # free the units no running module uses and no later module needs
+            pos = self._pos.get(m)
+            for i in self._units_of[m]:
+                if self._active[i] == 0 and (pos is None or self._last_use.get(i, -1) <= pos):
+                    self._release(i)
+        if grad:
+            for t in output_tensors(out):
+                if t.requires_grad:
+                    t.register_hook(Hook(lambda g, m=m: self._backward_hook(m)))
+
+    def _backward_hook(self, m: nn.Module) -> None:
+        if self.check_modules and not self._checked_backward:  # once, as backward starts
+            self._checked_backward = True
+            self._check_same_module(m, backward=True)
+        self._pre_backward(m)
+        for i in self._units_of[m]:
+            set_guard(self.buckets[i].params, False)
 
     def _pre_backward(self, m: nn.Module) -> None:
         self._queue_backward_end()
@@ -169,16 +239,92 @@ class ZeRO3(ZeRO2):
 
     def _launch(self, b: Bucket) -> None:
         super()._launch(b)  # every gradient of the unit is in: reduce-scatter it...
-        self._free(b.index)  # ...and drop the full parameters again
+        self._release(b.index)  # ...and drop the full parameters again
 
     def _backward_end(self) -> None:
         super()._backward_end()
         for i in range(len(self.buckets)):
             if self._gathered[i]:
-                self._free(i)
+                self._release(i)
+        self._checked_backward = False
         if self._recording:  # the forward order is known now: where each unit is last used
             self._recording = False
+            self._pos = {m: j for j, m in enumerate(self._order)}
             self._last_use = {i: j for j, m in enumerate(self._order) for i in self._units_of[m]}
+
+    # -- ranks must run the same modules ---------------------------------------------------------
+    def _check_same_module(self, m: nn.Module, backward: bool) -> None:
+        code = 2 * self._module_index[m] + backward
+        mine = torch.tensor([code], dtype=torch.int64, device=self._check_device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)  # not model states: not in the ledger
+        codes = [int(t) for t in every]
+        if len(set(codes)) > 1:
+            what = lambda c: (
+                ("backward, from " if c % 2 else "forward of ") + repr(self._module_names[c // 2])
+            )
+            ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
+            raise RuntimeError(
+                f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
+                "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
+                "must run the same modules with parameters in the same order: make the branch "
+                "the same on every rank (e.g. run both and select the output)."
+            )
+
+    # -- full parameters outside forward ----------------------------------------------------------
+    @contextmanager
+    def summon_full_params(self, writeback: bool = True):
+        """``with model.summon_full_params(): ...``: every parameter full on this rank, to read
+        or change in place (``p.copy_``, ``load_state_dict`` on ``model.module``, ``print``).
+
+        Collective: every rank enters it. The full tensors are new buffers (a copy kept from
+        inside stays valid after), in the working dtype. On leaving, with ``writeback``, this
+        rank's chunk of each parameter is copied back into its shard (so the edits must be the
+        same on every rank to stay consistent) and the optimizer's masters are refreshed.
+        """
+        if any(self._active) or self._callback_queued:
+            raise RuntimeError(
+                "summon_full_params() inside forward or backward: call it between steps"
+            )
+        bufs, views = [], {}  # views: id(param) -> its view of flat_params, to put back
+        for b, shard in zip(self.buckets, self.param_shards, strict=True):
+            buf = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)  # (padded,)
+            C.all_gather(buf, shard, group=self.group, tag=f"summon params {b.index}")
+            set_guard(b.params, False)
+            for p in b.params:
+                views[id(p)] = p.data
+                p.data = b.view(buf, p)
+            bufs.append(buf)
+        moved = []
+        try:
+            yield
+        except BaseException:
+            writeback = False
+            raise
+        finally:
+            for b, buf in zip(self.buckets, bufs, strict=True):
+                for p in b.params:
+                    if p.data_ptr() != b.view(buf, p).data_ptr():
+                        moved.append(self._param_name[id(p)])
+                    p.data = views[id(p)]
+                set_guard(b.params, not self._gathered[b.index])
+        if moved:
+            raise RuntimeError(
+                f"inside summon_full_params() {moved[0]} was given a new tensor (p.data = ...), "
+                "which the shards cannot see: change parameters in place (p.copy_(...))"
+            )
+        if writeback:
+            with torch.no_grad():
+                for b, buf, shard in zip(self.buckets, bufs, self.param_shards, strict=True):
+                    shard.copy_(b.chunk(buf, self.rank))
+            self._params_written()
+
+    def _params_written(self) -> None:
+        """After summon_full_params wrote ``param_shards``: refresh the fp32 masters (the base
+        class's job; in fp32 the masters are the shards themselves)."""
+        parent = getattr(super(), "_params_written", None)
+        if parent is not None:
+            parent()
 
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:

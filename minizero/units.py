@@ -1,0 +1,248 @@
+"""ZeRO-3 units: which modules' parameters are gathered together, and the guard on the rest.
+
+Taught in lesson 04 (04_zero3). A **unit** is a module whose whole subtree's parameters (minus
+those of units nested inside it) live in one flat buffer that stage 3 all-gathers before the
+module's forward and frees after it, as FSDP2's ``fully_shard(module)`` does. The root module is
+always a unit: it holds whatever no other unit holds.
+
+``select_units(model, units)`` picks them: module classes, a predicate ``module -> bool``, or
+``None``, the default: the *repeated blocks*, i.e. the children of every ``nn.ModuleList`` and the
+children of an ``nn.Sequential`` whose class appears there more than once (searched from the root
+down; the search does not enter a block it picked). So ``nn.TransformerEncoderLayer``, a nanoGPT
+``Block``, a torchvision ``BasicBlock`` or a Hugging Face ``GPT2Block`` is one unit each, and
+``nn.MultiheadAttention``, which reads ``out_proj.weight`` without calling ``out_proj``, sits whole
+inside one unit.
+
+Between uses a sharded parameter keeps its shape but its storage has 0 bytes. Reading it then
+would crash the process, so its class is switched to a guarded subclass whose
+``__torch_function__`` lets metadata through (shape, dtype, ``.grad``, hooks, ``detach()``) and
+raises :class:`ShardedParameterError` on anything that reads values. The switch costs a class
+assignment per parameter when a unit is gathered or freed, and nothing on the ops of forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+Units = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
+
+
+def _has_trainable(m: nn.Module) -> bool:
+    return any(p.requires_grad for p in m.parameters())
+
+
+def _repeated_blocks(root: nn.Module) -> set[nn.Module]:
+    picked: set[nn.Module] = set()
+
+    def visit(m: nn.Module) -> None:
+        kids = list(m.children())
+        if isinstance(m, nn.ModuleList):
+            chosen = {c for c in kids if _has_trainable(c)}
+        elif isinstance(m, nn.Sequential):
+            count = Counter(type(c) for c in kids)
+            chosen = {c for c in kids if count[type(c)] > 1 and _has_trainable(c)}
+        else:
+            chosen = set()
+        for c in kids:
+            if c in chosen:
+                picked.add(c)
+            else:
+                visit(c)
+
+    visit(root)
+    return picked
+
+
+def select_units(root: nn.Module, units: Units = None) -> list[nn.Module]:
+    """The unit modules of ``root``: the root first, then the picked ones in ``modules()`` order.
+
+    ``units``: a module class or a tuple of them (every module of those classes is a unit), a
+    function ``module -> bool``, or None for the repeated blocks (see the module docstring).
+    """
+    if units is None:
+        picked = _repeated_blocks(root)
+    elif isinstance(units, type) or (
+        isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)
+    ):
+        picked = {m for m in root.modules() if isinstance(m, units)}
+    elif callable(units):
+        picked = {m for m in root.modules() if units(m)}
+    else:
+        raise TypeError(
+            "units must be a module class, a tuple of module classes, a function "
+            f"module -> bool, or None (the repeated blocks), got {units!r}"
+        )
+    return [root] + [m for m in root.modules() if m in picked and m is not root]
+
+
+def assign_params(
+    root: nn.Module, unit_modules: list[nn.Module]
+) -> tuple[list[list[nn.Parameter]], list[nn.Module], dict[nn.Module, list[int]]]:
+    """Share the trainable parameters out among the units.
+
+    A parameter belongs to the nearest unit above the first module (in ``modules()`` order) that
+    registers it; a parameter registered again elsewhere (tied weights) stays there, and the unit
+    of that other module *uses* it too. Returns the parameter groups (one per unit that owns any),
+    the unit module of each group, and for each unit module the sorted group indices it needs.
+    """
+    is_unit = set(unit_modules)
+    enclosing: dict[nn.Module, nn.Module] = {}
+
+    def walk(m: nn.Module, unit: nn.Module) -> None:
+        if m in enclosing:  # a module registered twice: its first place counts
+            return
+        enclosing[m] = m if m in is_unit else unit
+        for c in m.children():
+            walk(c, enclosing[m])
+
+    walk(root, root)
+    owner: dict[int, nn.Module] = {}  # id(param) -> its unit module
+    own: dict[nn.Module, list[nn.Parameter]] = {u: [] for u in unit_modules}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in owner:
+                owner[id(p)] = enclosing[m]
+                own[enclosing[m]].append(p)
+    owning = [u for u in unit_modules if own[u]]
+    index = {u: i for i, u in enumerate(owning)}
+    uses: dict[nn.Module, set[int]] = {u: set() for u in unit_modules}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad:
+                uses[enclosing[m]].add(index[owner[id(p)]])
+    needs = {u: sorted(uses[u]) for u in unit_modules if uses[u] or u is root}
+    return [own[u] for u in owning], owning, needs
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor in a module's output: tensors, lists, tuples, dicts and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [t for o in out for t in output_tensors(o)]
+    if isinstance(out, dict):  # OrderedDict and Hugging Face's ModelOutput included
+        return [t for o in out.values() for t in output_tensors(o)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in output_tensors(getattr(out, f.name))]
+    return []
+
+
+class Hook:
+    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
+    the whole wrapper, process group included): the copy is a plain, unsharded model."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _no_op
+
+
+def _no_op(*args) -> None:
+    return None
+
+
+# -- the guard on sharded parameters -----------------------------------------------------------
+class ShardedParameterError(RuntimeError):
+    """A sharded ZeRO-3 parameter was read where only this rank's chunk of it exists."""
+
+
+# What never reads a parameter's values: properties, metadata methods, hooks. ``detach`` and
+# ``data`` give a tensor on the same (empty) storage, guarded too (``state_dict()`` uses detach).
+_GET = {"shape", "dtype", "device", "grad", "_grad", "requires_grad", "is_leaf", "grad_fn",
+        "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+        "is_mkldnn", "is_nested", "retains_grad", "output_nr", "_version", "itemsize", "nbytes",
+        "_backward_hooks", "_post_accumulate_grad_hooks", "name"}  # fmt: skip
+_SET = {"grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"}
+_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+            "is_contiguous", "stride", "storage_offset", "__len__", "requires_grad_",
+            "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+            "untyped_storage", "data_ptr", "get_device", "is_shared", "is_pinned", "is_inference",
+            "_is_view"}  # fmt: skip
+_VIEWS = {"detach", "data"}
+
+
+def _op_name(func) -> tuple[str, str]:
+    name = getattr(func, "__name__", repr(func))
+    if name in ("__get__", "__set__"):  # a property: func is the descriptor's bound __get__
+        return name, getattr(getattr(func, "__self__", None), "__name__", "?")
+    return "call", name
+
+
+class _Guarded:
+    """Mixin of the guarded classes. ``_minizero_where``: (name, unit, world) for the message."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kind, name = _op_name(func)
+        allowed = (
+            (kind == "__get__" and name in _GET | _VIEWS)
+            or (kind == "__set__" and name in _SET)
+            or (kind == "call" and name in _METHODS | _VIEWS)
+        )
+        if not allowed:
+            _raise(name, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if name in _VIEWS and kind != "__set__":
+            out.__class__ = GuardedTensor  # same 0-byte storage: reading it must fail the same way
+            out._minizero_where = args[0]._minizero_where
+        return out
+
+
+def _raise(op: str, args, kwargs) -> None:
+    stack, guarded = [args, kwargs], None
+    while stack and guarded is None:  # the first guarded tensor among the arguments
+        a = stack.pop(0)
+        if isinstance(a, _Guarded):
+            guarded = a
+        elif isinstance(a, list | tuple):
+            stack += list(a)
+        elif isinstance(a, dict):
+            stack += list(a.values())
+    name, unit, world = getattr(guarded, "_minizero_where", ("a parameter", "?", "N"))
+    raise ShardedParameterError(
+        f"minizero ZeRO-3: {op}() on {name}, which is sharded: between uses this rank holds only "
+        f"its 1/{world} chunk, and the full tensor exists only while its unit ({unit}) runs "
+        "forward or backward. To read or change it, wrap the code in `with "
+        "model.summon_full_params():` on every rank (minizero.full_state_dict(model) gives a "
+        "full copy); if a module reads it without calling its unit, pass units=... so that one "
+        "unit contains both."
+    )
+
+
+class GuardedTensor(_Guarded, torch.Tensor):
+    """``detach()`` or ``.data`` of a sharded parameter: the same empty storage, guarded."""
+
+    __slots__ = ()
+
+
+_guarded_classes: dict[type, type] = {}
+
+
+def guarded_class(cls: type) -> type:
+    """The guarded subclass of a parameter class (``nn.Parameter`` or the user's own)."""
+    if cls not in _guarded_classes:
+        _guarded_classes[cls] = type(f"Sharded{cls.__name__}", (_Guarded, cls), {"__slots__": ()})
+    return _guarded_classes[cls]
+
+
+def set_guard(params: list[nn.Parameter], on: bool) -> None:
+    """Switch ``params`` to their guarded class (``on``) or back to their own class."""
+    for p in params:
+        guarded = isinstance(p, _Guarded)
+        if on and not guarded:
+            p.__class__ = guarded_class(type(p))
+        elif not on and guarded:
+            p.__class__ = type(p).__mro__[2]  # (Sharded<cls>, _Guarded, <cls>, ...)
