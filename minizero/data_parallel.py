@@ -278,12 +278,16 @@ class DataParallel(nn.Module):
         ord_ = float(ord_)
         if ord_ not in self._norms:
             if ord_ not in (2.0, float("inf")):
-                raise RuntimeError(f"minizero's sharded gradients support norm 2 and inf, not {ord_}")
+                raise RuntimeError(
+                    f"minizero's sharded gradients support norm 2 and inf, not {ord_}"
+                )
             inf = ord_ == float("inf")
             part = torch.zeros(len(self.params), dtype=torch.float32, device=self.params[0].device)
             for i, q in enumerate(self.params):
                 for g in self._frags_of(q):
-                    part[i] = torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
+                    part[i] = (
+                        torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
+                    )
             if self.stage >= 1:  # disjoint ranges: sum (or max) over ranks; DDP owns it all
                 op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
                 C.all_reduce(part, op=op, group=self.group, tag="grad norm")

@@ -319,13 +319,6 @@ class ZeRO3(ZeRO2):
                     shard.copy_(b.chunk(buf, self.rank))
             self._params_written()
 
-    def _params_written(self) -> None:
-        """After summon_full_params wrote ``param_shards``: refresh the fp32 masters (the base
-        class's job; in fp32 the masters are the shards themselves)."""
-        parent = getattr(super(), "_params_written", None)
-        if parent is not None:
-            parent()
-
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:
         if self.precision.master:

@@ -9,8 +9,8 @@ without minizero) and, where there is one, with PyTorch's own DDP in the same la
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from harness import build, local_batch, snapshot
+from torch import nn
 
 import minizero
 from minizero.launch import LaunchError, launch
@@ -76,7 +76,9 @@ def groups_rank(stage, kind, clip, scheduled):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(kind)
     opt = nanogpt_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduled else None  # built before
+    sched = (
+        torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduled else None
+    )  # built before
     model, opt2 = minizero.parallelize(model, stage, opt)
     assert opt2 is opt and len(opt.param_groups) == 2  # the user's own optimizer object
     return train(model, opt, kind, rank, world, clip=clip, sched=sched)
@@ -164,7 +166,9 @@ def test_unused_parameters_are_not_stepped(stage):
 
 
 def test_unused_parameters_without_the_flag_get_a_clear_error():
-    with pytest.raises(LaunchError, match="'unused.weight' got no gradient.*find_unused_parameters"):
+    with pytest.raises(
+        LaunchError, match="'unused.weight' got no gradient.*find_unused_parameters"
+    ):
         run(unused_rank, 2, 2, False)
 
 
@@ -183,7 +187,9 @@ def bn_rank(stage):
             model = nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         else:
-            model, opt = minizero.parallelize(model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9))
+            model, opt = minizero.parallelize(
+                model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9)
+            )
         for step in range(3):
             torch.manual_seed(100 + step + rank)  # different data per rank: statistics differ
             x = torch.randn(6, 5) + rank

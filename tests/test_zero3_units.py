@@ -118,10 +118,12 @@ def sgd(params) -> torch.optim.Optimizer:
 def wrap(spec: str, model: nn.Module, **kw):
     """ "stage3": minizero (default units; ``kw`` goes to ZeRO3); "fsdp2": fully_shard on the same
     units, then the root; "one": the plain model."""
+    # a module first used in a later step is unused before it: torch DDP's flag, and minizero's
+    find = kw.pop("find_unused_parameters", False)
     if spec == "stage3" and not kw:
-        return minizero.parallelize(model, 3, sgd)
+        return minizero.parallelize(model, 3, sgd, find_unused_parameters=find)
     if spec == "stage3":
-        wrapped = ZeRO3(model, **kw)
+        wrapped = ZeRO3(model, find_unused_parameters=find, **kw)
         return wrapped, attach(sgd(wrapped.optimizer_params()), wrapped)
     if spec == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -139,7 +141,8 @@ def train(spec: str, kind: str, orders=None, edit=None) -> list[dict]:
     (``summon_full_params`` for stage 3). Returns the full parameters after every step."""
     one = spec == "one"
     rank, world = (0, 1) if one else (dist.get_rank(), dist.get_world_size())
-    model, optimizer = wrap(spec, build(kind))
+    kw = {"find_unused_parameters": True} if orders is not None and spec == "stage3" else {}
+    model, optimizer = wrap(spec, build(kind), **kw)
     inner = getattr(model, "module", model)
     states = []
     for step in range(STEPS):
