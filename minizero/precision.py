@@ -5,7 +5,8 @@ keeps an fp32 master copy of the parameters beside its states: K = 4 + 4 + 4 = 1
 parameter for Adam. In fp32 the parameters are their own master copy.
 
 The policy's fields carry the names of FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``,
-``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), so a lesson can put the two side by side.
+``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), so a lesson can set the two side
+by side.
 """
 
 from __future__ import annotations

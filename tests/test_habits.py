@@ -71,7 +71,7 @@ def assert_close_runs(got, want, atol, what):
     assert got["lrs"] == want["lrs"], what
 
 
-# -- optimizer instance with nanoGPT groups, LR scheduler, torch's clip_grad_norm_ -------------------
+# -- optimizer instance with nanoGPT groups, LR scheduler, torch's clip_grad_norm_ -----------------
 def groups_rank(stage, kind, clip, scheduled):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(kind)
@@ -104,7 +104,7 @@ def test_param_groups_matter():
         assert_close_runs(got, reference("gpt"), 1e-5, "one group")
 
 
-# -- zero_grad on the user's module; gradient accumulation ------------------------------------------
+# -- zero_grad on the user's module; gradient accumulation -----------------------------------------
 def module_zero_grad_rank(stage):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("mlp")
@@ -113,7 +113,7 @@ def module_zero_grad_rank(stage):
     states = []
     for step in range(STEPS):
         x, y = local_batch("mlp", step, rank, world)
-        inner.zero_grad()  # the PyTorch tutorials' habit: zero the model's grads, not the optimizer's
+        inner.zero_grad()  # the PyTorch tutorials' habit: the model's zero_grad, not the optimizer's
         model(x, y).backward()
         opt.step()
         states.append(snapshot(model))
@@ -127,7 +127,7 @@ def test_module_zero_grad_clears_the_stage_gradients(stage):
         assert_close_runs(got, want, 1e-5, f"stage {stage} rank {r}")
 
 
-# -- parameters unused on every rank ------------------------------------------------------------------
+# -- parameters unused on every rank ---------------------------------------------------------------
 class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()
@@ -172,7 +172,7 @@ def test_unused_parameters_without_the_flag_get_a_clear_error():
         run(unused_rank, 2, 2, False)
 
 
-# -- buffers: BatchNorm -------------------------------------------------------------------------------
+# -- buffers: BatchNorm ----------------------------------------------------------------------------
 def bn_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
@@ -210,7 +210,7 @@ def test_batchnorm_buffers_follow_torch_ddp(stage):
     assert not torch.equal(res[0]["torch"]["1.running_mean"], res[1]["torch"]["1.running_mean"])
 
 
-# -- state dicts ---------------------------------------------------------------------------------------
+# -- state dicts -----------------------------------------------------------------------------------
 def load_rank(stage, precision):
     rank, world = dist.get_rank(), dist.get_world_size()
     target = build("gpt")
@@ -294,7 +294,7 @@ def test_loss_scaler_warns_after_many_skips():
             scaler.update(found_inf=True)
 
 
-# -- what cannot work gets a clear error -------------------------------------------------------------
+# -- what cannot work gets a clear error -----------------------------------------------------------
 class MyAdam(torch.optim.Adam):
     pass
 
