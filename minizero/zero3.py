@@ -138,8 +138,9 @@ class ZeRO3(ZeRO2):
     def _params_written(self) -> None:
         with torch.no_grad():
             for shard, m in zip(self.param_shards, self.masters, strict=True):
-                if m is not shard:
-                    m.copy_(shard)
+                if m is not shard:  # only elements edited: a read-only summon must not round
+                    changed = shard != m.to(shard.dtype)  # (shard,) bool
+                    m[changed] = shard[changed].float()
 
     # -- gather and free ---------------------------------------------------------------------
     def _gather(self, i: int, wait: bool = True) -> None:
