@@ -364,7 +364,12 @@ MICRO = (1, 2, 1)  # step 1 accumulates two backwards into the gradient shards
 
 def _observe_stage2(model, module: nn.Module) -> dict:
     return {
-        "full_grads": [n for n, p in module.named_parameters() if p.grad is not None],
+        # a ShardedGrad (minizero/sharded_grad.py) owns no memory: it stands in for the shard
+        "full_grads": [
+            n
+            for n, p in module.named_parameters()
+            if p.grad is not None and type(p.grad).__name__ != "ShardedGrad"
+        ],
         "live": getattr(model, "_live_max", None),
     }
 
