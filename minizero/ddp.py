@@ -77,16 +77,9 @@ class DDP(DataParallel):
         bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
+        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
-        super().__init__(
-            module,
-            precision=precision,
-            process_group=process_group,
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
         self.buckets = make_buckets(self.params, bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

@@ -44,16 +44,9 @@ class ZeRO1(DataParallel):
         bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
+        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
-        super().__init__(
-            module,
-            precision=precision,
-            process_group=process_group,
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
         self.buckets = self._make_buckets(bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

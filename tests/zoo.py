@@ -301,6 +301,16 @@ def train_reference(
     buffers follow its own shards only. Parameters are the same either way (train-mode
     BatchNorm normalises with the batch's statistics, never the running ones).
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (minizero.launch): the same kernels, the same rounding
+    try:
+        args = (model, optimizer_builder, steps, clip, world, broadcast_buffers, seed)
+        return _train_reference(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(model, optimizer_builder, steps, clip, world, broadcast_buffers, seed):
     entry, make_opt = zoo(model), optimizer(optimizer_builder)
     net = entry.build(seed)
     opt = make_opt(net)
