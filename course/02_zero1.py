@@ -154,10 +154,14 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 # * `self.rank`, `self.world`, `self.group` (pass `group=self.group` to every collective),
 #   `self.precision.master` (True in mixed precision).
 #
-# `minizero.parallelize(model, 1, optimizer_fn)` builds `ZeRO1(model)` and calls
-# `optimizer_fn(zero1.optimizer_params())`, i.e. the optimizer on `self.masters`. The optimizer's
-# `step()` then runs `before_step()` (given: it calls `_reduce_grads()` and sets each master's
-# `.grad` to the returned chunk), the optimizer's own step on the masters, and `after_step()`.
+# `minizero.parallelize(model, 1, optimizer)` builds `ZeRO1(model)` and keeps *your* optimizer,
+# with its param groups, but gives each group this rank's *fragments* of its parameters: for every
+# parameter that falls (partly) in chunk r, a view of `self.masters[i]` over exactly its elements
+# (`zero1.fragments` says which parameter and which element range). So per-group settings, such as
+# nanoGPT's weight decay on 2-D weights only, still apply to the right elements. The optimizer's
+# `step()` runs `before_step()` (given: it calls `_reduce_grads()` and gives each fragment the
+# matching range of the returned chunk as `.grad`), the optimizer's own step on the fragments (which
+# writes into the masters, since they are views), and `after_step()`.
 #
 # ## Exercise — `MyZeRO1`: the two collectives of stage 1
 #
