@@ -12,6 +12,9 @@ Bucket                 minizero/bucket.py          01_ddp
 ZeRO1                  minizero/zero1.py           02_zero1
 ZeRO2                  minizero/zero2.py           03_zero2
 ZeRO3                  minizero/zero3.py           04_zero3
+select_units           minizero/units.py           04_zero3
+ShardedGrad            minizero/sharded_grad.py    03_zero2
+Precision              minizero/precision.py       02_zero1
 model_state_bytes      minizero/memory.py          02_zero1 .. 05_all_stages
 simulate               minizero/simulate.py        05_all_stages
 plots                  minizero/plots.py           05_all_stages, 06_myths
