@@ -51,14 +51,13 @@ class ShardedGrad(torch.Tensor):
         return t
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002
-        stage = self._owner.stage if self._owner is not None else "copied"
-        return f"ShardedGrad(shape={tuple(self.shape)}, stage={stage})"
+        return f"ShardedGrad(shape={tuple(self.shape)}, stage={self._owner.stage})"
 
     def __deepcopy__(self, memo) -> None:  # copy.deepcopy(model) after backward: the copy has
         return None  # no gradient (there is no full one to copy)
 
-    def __reduce_ex__(self, protocol):
-        return (_copied, (tuple(self.shape), self.dtype))
+    def __reduce_ex__(self, protocol):  # pickled (torch.save, a copy through pickle): None too
+        return (type(None), ())
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -70,13 +69,6 @@ class ShardedGrad(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         first = args[0] if args else None
-        owners = [g._owner for g in (first if isinstance(first, (list, tuple)) else [first])
-                  if isinstance(g, ShardedGrad)]  # fmt: skip
-        if any(o is None for o in owners):
-            raise RuntimeError(
-                f"{name or func}: this gradient was copied (deepcopy or pickle) from a ZeRO "
-                f"sharded gradient, which holds no values; copy the model before backward"
-            )
         if func in (torch._foreach_norm, torch.linalg.vector_norm, torch.norm, torch.Tensor.norm):
             grads = list(first) if isinstance(first, (list, tuple)) else [first]
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
@@ -104,7 +96,3 @@ def _mine(grads: list) -> list[ShardedGrad]:
                 "wrapped model's parameters (model.parameters())"
             )
     return grads
-
-
-def _copied(shape: tuple, dtype: torch.dtype) -> ShardedGrad:
-    return ShardedGrad(nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")), None)
