@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
 SHOTS = ROOT / "runs" / "browser"
 CHROMIUM = (
-    os.environ.get("MINIZERO_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    os.environ.get("MINIZERO_CHROMIUM")
+    or shutil.which("chromium")
+    or shutil.which("chromium-browser")
 )
 HOW = (
     "to run the browser tests: `apt-get install chromium` (or set MINIZERO_CHROMIUM to a "

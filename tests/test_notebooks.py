@@ -146,13 +146,13 @@ def test_jupytext_round_trip_leaves_sources_and_notebooks_identical(tmp_path):
     jupytext configuration): the source comes back byte for byte, the notebooks are the same."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)  # its [tool.jupytext] section
     shutil.copytree(ROOT / "course", tmp_path / "course")
-    for stem in STEMS:
-        _jupytext("--to", "ipynb", f"course/{stem}.py", "-o", f"{stem}.ipynb", cwd=tmp_path)
-        (tmp_path / "course" / f"{stem}.py").unlink()
-        _jupytext("--to", "py:percent", f"{stem}.ipynb", "-o", f"course/{stem}.py", cwd=tmp_path)
-        assert (tmp_path / "course" / f"{stem}.py").read_text() == (
-            ROOT / "course" / f"{stem}.py"
-        ).read_text(), stem
+    sources = [f"course/{stem}.py" for stem in STEMS]
+    _jupytext("--to", "ipynb", *sources, cwd=tmp_path)
+    for src in sources:
+        (tmp_path / src).unlink()
+    _jupytext("--to", "py:percent", *[s.replace(".py", ".ipynb") for s in sources], cwd=tmp_path)
+    for src in sources:
+        assert (tmp_path / src).read_text() == (ROOT / src).read_text(), src
     assert course.generate(tmp_path) == course.generate(ROOT)
 
 
