@@ -11,6 +11,7 @@ PASS_THROUGH = {
     "compare": ("plots:main", "instructor demo: every stage measured, one figure"),
     "simulate": ("simulate:main", "ZeRO's Table 1 from the real stage code on meta tensors"),
     "run": ("launch:torchrun_main", "run a script under torchrun (multi-node, one rank per GPU)"),
+    "start": ("course:start_main", "copy the lessons into a folder of your own (my-lessons/)"),
     "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
     "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
 }

@@ -25,7 +25,10 @@ STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
 
 # -- generation ------------------------------------------------------------------------------------
 def test_committed_notebooks_match_their_sources():
-    assert course.stale(ROOT) == [], "run `python -m minizero lessons` and commit the notebooks"
+    assert course.stale(ROOT) == [], (
+        "run `python -m minizero lessons` and commit the notebooks (it refuses to overwrite a "
+        "notebook edited by hand: move that one out of lessons/ or solutions/ first)"
+    )
 
 
 def test_every_lesson_has_both_notebooks_and_a_check_per_exercise():
@@ -118,6 +121,10 @@ def test_a_small_source_renders_to_both_variants():
             "x.py:1: exercise cell has no check cell after it",
         ),
         ('# %% tags=["x"]\n', "x.py:1: cannot read cell header"),
+        ("# %% [raw]\n# x\n", "x.py:1: cannot read cell header"),
+        ('# %% [markdown] check="x"\n# x\n', "x.py:1: a check cell must be a code cell"),
+        ('# %%\ns = """\n# %% not a header\n"""\n', "x.py: jupytext reads 1 cells but 2 lines"),
+        ("# ---\n# jupyter:\n# %%\n", "x.py:1: jupytext header '# ---' is not closed"),
         ("x = 1\n", "x.py:1: text before the first"),
         ("# %% [markdown]\nnot a comment\n", "x.py:2: a markdown line must start with '# '"),
     ],
@@ -125,6 +132,74 @@ def test_a_small_source_renders_to_both_variants():
 def test_source_errors_name_file_and_line(text, message):
     with pytest.raises(course.SourceError, match="^" + re.escape(message)):
         course.parse(text, "x.py")
+
+
+# -- jupytext: an instructor edits a lesson as a notebook -------------------------------------
+def _jupytext(*args: str, cwd: Path) -> None:
+    cmd = [sys.executable, "-m", "jupytext", "--quiet", *args]
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_jupytext_round_trip_leaves_sources_and_notebooks_identical(tmp_path):
+    """Every source -> notebook -> source with jupytext's own command line (and the repository's
+    jupytext configuration): the source comes back byte for byte, the notebooks are the same."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)  # its [tool.jupytext] section
+    shutil.copytree(ROOT / "course", tmp_path / "course")
+    sources = [f"course/{stem}.py" for stem in STEMS]
+    _jupytext("--to", "ipynb", *sources, cwd=tmp_path)
+    for src in sources:
+        (tmp_path / src).unlink()
+    _jupytext("--to", "py:percent", *[s.replace(".py", ".ipynb") for s in sources], cwd=tmp_path)
+    for src in sources:
+        assert (tmp_path / src).read_text() == (ROOT / src).read_text(), src
+    assert course.generate(tmp_path) == course.generate(ROOT)
+
+
+def test_a_lesson_edited_as_a_notebook_regenerates_with_the_edit_only(tmp_path):
+    """What JupyterLab does to a lesson opened as a Jupytext Notebook: it runs cells (outputs),
+    adds kernel metadata and tags; the instructor adds a markdown cell and edits a check cell.
+    Written back, the source regenerates notebooks that differ by exactly those two cells."""
+    import jupytext
+
+    stem = STEMS[0]
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    shutil.copytree(ROOT / "course", tmp_path / "course")
+    _jupytext("--to", "ipynb", f"course/{stem}.py", "-o", "nb.ipynb", cwd=tmp_path)
+    nb = nbformat.read(tmp_path / "nb.ipynb", as_version=4)
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata.language_info = {"name": "python", "version": "3.11.2"}
+    k = next(i for i, c in enumerate(nb.cells) if c.metadata.get("check"))
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.execution_count, c.outputs = 1, [nbformat.v4.new_output("stream", text="out\n")]
+            c.metadata["tags"] = ["ran"]
+    nb.cells[k].source += "\nprint('checked')"
+    nb.cells.insert(k, nbformat.v4.new_markdown_cell("A **new** paragraph."))
+    nbformat.write(nb, tmp_path / "nb.ipynb")
+    _jupytext("--to", "py:percent", "nb.ipynb", "-o", f"course/{stem}.py", cwd=tmp_path)
+    text = (tmp_path / "course" / f"{stem}.py").read_text()
+    assert "tags" not in text and "kernelspec" not in text and "\nout\n" not in text
+    assert jupytext.reads(text, fmt="py:percent").cells[k + 1].metadata["check"]
+
+    new, old = course.generate(tmp_path), course.generate(ROOT)
+    for variant in course.VARIANTS:
+        a = json.loads(new[Path(variant) / f"{stem}.ipynb"])["cells"]
+        b = json.loads(old[Path(variant) / f"{stem}.ipynb"])["cells"]
+        assert "".join(a[k]["source"]) == "A **new** paragraph."
+        assert "".join(a[k + 1]["source"]) == "".join(b[k]["source"]) + "\nprint('checked')"
+        assert a[k + 1]["metadata"] == b[k]["metadata"]  # still the check cell
+        strip = lambda cells: [(c["cell_type"], c["source"], c["metadata"]) for c in cells]
+        assert strip(a[:k] + a[k + 2 :]) == strip(b[:k] + b[k + 1 :])
+
+
+def test_a_jupytext_header_before_the_first_cell_is_read():
+    header = "# ---\n# jupyter:\n#   jupytext:\n#     formats: py:percent\n# ---\n\n"
+    with_header, plain = course.parse(header + SOURCE, "x.py"), course.parse(SOURCE, "x.py")
+    assert [c.line - 6 for c in with_header] == [c.line for c in plain] == [1, 6, 19]
+    for c in with_header + plain:
+        c.line = c.body = 0
+    assert with_header == plain
 
 
 def test_lessons_check_names_the_stale_file(tmp_path, capsys):

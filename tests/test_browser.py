@@ -1,0 +1,362 @@
+"""Every lesson in JupyterLab, in a real browser, as a student meets it.
+
+A real JupyterLab server (free loopback port, token) serves copies of the notebooks; Playwright
+drives the system's chromium. For each solution notebook: Run All through the Run menu, then every
+code cell has run, no cell has an error output, every figure is an image in the page, every
+progress bar is drawn and full, and every widget that holds a slider or a dropdown and a figure
+redraws the figure when the control moves (lesson 05's calculator: one is required there). For the
+first unsolved lesson: its first check cell shows the exercise's failure message. A screenshot of
+each whole notebook is saved to ``runs/browser/``.
+
+Needs chromium (``apt-get install chromium``; another binary: ``MINIZERO_CHROMIUM=/path``) and
+``pip install playwright`` (its own browser download is not used); skipped without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
+SHOTS = ROOT / "runs" / "browser"
+CHROMIUM = (
+    os.environ.get("MINIZERO_CHROMIUM")
+    or shutil.which("chromium")
+    or shutil.which("chromium-browser")
+)
+HOW = (
+    "to run the browser tests: `apt-get install chromium` (or set MINIZERO_CHROMIUM to a "
+    "chromium binary) and `pip install playwright`"
+)
+try:
+    from playwright.sync_api import Browser, Page, sync_playwright
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # pragma: no cover - depends on the machine
+    pytest.skip(f"playwright is not installed; {HOW}", allow_module_level=True)
+if not CHROMIUM:
+    pytest.skip(f"no chromium found; {HOW}", allow_module_level=True)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+RUN_TIMEOUT = 540  # seconds for one notebook's Run All (about 70 s each on 2 busy cores)
+
+# JupyterLab user settings: no news or update pop-ups (there is no network), every cell in the
+# page (no virtual scrolling, so the whole notebook can be read and photographed).
+SETTINGS = {
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "scrollPastEnd": False},
+}
+
+
+# -- the server and the browser ------------------------------------------------------------------
+class Lab:
+    """A JupyterLab server on 127.0.0.1 serving ``root`` (copies: runs never touch the repo)."""
+
+    def __init__(self, root: Path, tmp: Path):
+        self.root, self.token = root, secrets.token_hex(16)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        for name, values in SETTINGS.items():
+            path = tmp / "settings" / f"{name}.jupyterlab-settings"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+            JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+            JUPYTER_CONFIG_DIR=str(tmp / "config"),
+            JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+            JUPYTER_DATA_DIR=str(tmp / "data"),  # no user kernelspec named python3 can interfere
+        )
+        env.pop("MINIZERO_WIDGETS", None)
+        self.log = (tmp / "server.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+             "--ServerApp.allow_root=True", "--LabApp.news_url=None"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.logpath = tmp / "server.log"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.api("GET", "status")
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    pytest.fail("JupyterLab did not start:\n" + self.logpath.read_text()[-3000:])
+                time.sleep(0.5)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(
+            self.url(f"api/{path}"),
+            method=method,
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        for session in self.api("GET", "sessions"):
+            self.api("DELETE", f"sessions/{session['id']}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "notebooks"
+    for variant in ("solutions", "lessons"):
+        shutil.copytree(ROOT / variant, root / variant)
+    server = Lab(root, tmp)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield b
+        b.close()
+
+
+# -- driving JupyterLab -----------------------------------------------------------------------
+_CELLS = """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')]
+.map(c => {
+  const outs = [...c.querySelectorAll(
+    ':scope .jp-Cell-outputArea > .jp-OutputArea-child > .jp-OutputArea-output')];
+  return {
+    code: c.classList.contains('jp-CodeCell'),
+    prompt: (c.querySelector('.jp-InputPrompt') || {}).textContent || '',
+    images: outs.filter(o => o.classList.contains('jp-RenderedImage')).map(o => {
+      const i = o.querySelector('img'); return i ? i.complete && i.naturalWidth > 0 : false; }),
+    widgets: outs.filter(o => o.querySelector('.jupyter-widgets')).length,
+    bars: [...c.querySelectorAll('.widget-hprogress .progress-bar')].map(b => b.className),
+    text: outs.map(o => o.innerText).join('\\n'),
+  };
+})"""
+_PROMPTS = """[...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')]
+    .map(e => e.textContent.trim())"""
+_STARTED = f"() => {_PROMPTS}.some(t => t === '[*]:' || /^\\[\\d+\\]:$/.test(t))"
+_DONE = f"""() => {{ const p = {_PROMPTS};
+  return p.length > 0 && !p.includes('[*]:') && p.some(t => /^\\[\\d+\\]:$/.test(t)); }}"""
+
+
+def open_notebook(browser: Browser, lab: Lab, rel: str) -> Page:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(lab.url(f"lab/tree/{rel}?token={lab.token}&reset"))
+    page.wait_for_selector(
+        ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000
+    )
+    # the file browser closed, as a student reading a lesson would have it
+    page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
+    page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # the notebook is the active widget
+    return page
+
+
+def menu(page: Page, title: str, command: str) -> None:
+    """Click ``title`` in the menu bar, then the item for ``command`` once it is enabled (it is
+    not until the notebook is the active widget with its kernel connected)."""
+    item = page.locator(f".lm-Menu-item[data-command='{command}']")
+    deadline = time.monotonic() + 60
+    while True:
+        page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=title).first.click()
+        item.wait_for(timeout=10_000)
+        if "lm-mod-disabled" not in (item.get_attribute("class") or ""):
+            item.click()
+            return
+        page.keyboard.press("Escape")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{title} > {command} stayed disabled for 60 s")
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+        page.wait_for_timeout(1000)
+
+
+def run_all(page: Page) -> list[dict]:
+    """Run > Run All Cells; wait until no cell is queued or running; the cells as the page shows
+    them (code cells' prompts, images, widgets, progress bars, output text)."""
+    menu(page, "Run", "runmenu:run-all")
+    try:
+        page.wait_for_function(_STARTED, timeout=60_000, polling=500)
+    except PlaywrightTimeout:
+        pytest.fail("Run > Run All Cells did not start any cell within 60 s")
+    page.wait_for_function(_DONE, timeout=RUN_TIMEOUT * 1000, polling=500)
+    page.wait_for_timeout(1000)  # outputs that follow the last reply, images decoding
+    return page.evaluate(_CELLS)
+
+
+def save(page: Page, path: Path, ran: int) -> dict:
+    """File > Save Notebook; the notebook as written to disk (``ran`` code cells run)."""
+    menu(page, "File", "docmanager:save")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            nb = json.loads(path.read_text())
+        except ValueError:  # caught mid-write
+            nb = {"cells": []}
+        if sum(c.get("execution_count") is not None for c in nb["cells"]) >= ran:
+            return nb
+        time.sleep(0.5)
+    pytest.fail(f"{path.name} was not saved with its outputs within 60 s")
+
+
+def screenshot(page: Page, name: str) -> Path:
+    """The whole notebook in one image: the page made as tall as the notebook's content."""
+    for _ in range(3):  # a taller page can lay out a little differently: measure again
+        tall = page.evaluate(
+            """() => {
+              const o = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+              o.scrollTo(0, 0);
+              return o.scrollHeight - o.clientHeight; }"""
+        )
+        height = page.viewport_size["height"]
+        if tall <= 0 or height >= 30_000:
+            break
+        page.set_viewport_size({"width": 1400, "height": min(height + int(tall) + 40, 30_000)})
+        page.wait_for_timeout(1000)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def interact(page: Page) -> tuple[int, list[str]]:
+    """Move the control of every widget that shows a figure (a slider: three steps right; a
+    dropdown: the next option); return how many there were and which did not redraw."""
+    boxes = page.locator(
+        ".jp-OutputArea-output .widget-box:has(> .widget-output img):has(.widget-slider, "
+        ".widget-dropdown)"
+    )
+    stuck = []
+    for k in range(boxes.count()):
+        box = boxes.nth(k)
+        img = box.locator(".widget-output img").first
+        before = img.get_attribute("src")
+        handle = box.locator(".widget-slider .noUi-handle")
+        if handle.count():
+            handle.first.focus()
+            for _ in range(3):
+                handle.first.press("ArrowRight")
+            what = "slider " + box.locator(".widget-slider .widget-label").first.inner_text()
+        else:
+            select = box.locator(".widget-dropdown select").first
+            select.select_option(index=1)
+            what = "dropdown " + box.locator(".widget-dropdown .widget-label").first.inner_text()
+        try:
+            page.wait_for_function(
+                "([el, src]) => { const i = el.querySelector('.widget-output img');"
+                " return i && i.src !== src && i.complete && i.naturalWidth > 0; }",
+                arg=[box.element_handle(), before],
+                timeout=60_000,
+            )
+        except PlaywrightTimeout:
+            stuck.append(what)
+    return boxes.count(), stuck
+
+
+# -- the tests ----------------------------------------------------------------------------------
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
+@pytest.mark.parametrize("stem", STEMS)
+def test_solution_runs_in_jupyterlab(lab: Lab, browser: Browser, stem: str):
+    page = open_notebook(browser, lab, f"solutions/{stem}.ipynb")
+    try:
+        cells = run_all(page)
+        code = [c for c in cells if c["code"]]
+        unfinished = [i for i, c in enumerate(code) if not re.fullmatch(r"\[\d+\]:", c["prompt"])]
+        assert not unfinished, f"code cells that did not finish: {unfinished}"
+        nb = save(page, lab.root / "solutions" / f"{stem}.ipynb", len(code))
+        saved = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        assert len(saved) == len(code)
+        for i, (shown, cell) in enumerate(zip(code, saved)):
+            where = f"{stem}, code cell {i}:\n{''.join(cell['source'])[:300]}"
+            errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+            assert not errors, f"{where}\nerror output: {errors[0]['ename']}: {errors[0]['evalue']}"
+            pngs = sum("image/png" in o.get("data", {}) for o in cell["outputs"])
+            assert len(shown["images"]) == pngs and all(shown["images"]), (
+                f"{where}\nimages saved: {pngs}, drawn in the page: {shown['images']}"
+            )
+            if re.search(r"^plt\.show\(\)", "".join(cell["source"]), re.M):
+                assert pngs, f"{where}\nplt.show() drew no image: {shown['text'][:300]!r}"
+            assert not re.search(r"<Figure size \d+x\d+", shown["text"]), f"{where}\nfigure as text"
+            views = sum(
+                "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                for o in cell["outputs"]
+            )
+            assert shown["widgets"] == views, f"{where}\n{views} widgets, drawn: {shown['widgets']}"
+            assert "Error displaying widget" not in shown["text"], where
+            for bar in shown["bars"]:
+                assert "progress-bar-success" in bar, f"{where}\nprogress bar not full: {bar}"
+        if "launch_with_progress(" in "".join("".join(c["source"]) for c in saved):
+            assert any(c["bars"] for c in code), f"{stem}: no progress bar drawn"
+        boxes, stuck = interact(page)
+        assert not stuck, f"{stem}: these widgets did not redraw their figure: {stuck}"
+        if stem.startswith("05_"):
+            assert boxes >= 1, f"{stem}: the calculator (sliders and a figure) is not drawn"
+        screenshot(page, stem)
+    except BaseException:
+        with contextlib.suppress(Exception):  # what the page showed, for the report
+            screenshot(page, f"{stem}-FAILED")
+        raise
+    finally:
+        page.close()
+        lab.shutdown_kernels()
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
+def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, browser):
+    stem = STEMS[0]
+    nb = json.loads((ROOT / "lessons" / f"{stem}.ipynb").read_text())
+    k = next(i for i, c in enumerate(nb["cells"]) if c["metadata"].get("minizero", {}).get("check"))
+    name = nb["cells"][k]["metadata"]["minizero"]["check"]
+    stub = re.search(
+        r'raise NotImplementedError\("(TODO: write [^"]+)"\)',
+        "".join("".join(c["source"]) for c in nb["cells"][:k]),
+    )[1]
+    page = open_notebook(browser, lab, f"lessons/{stem}.ipynb")
+    try:
+        cells = run_all(page)
+        check = cells[k]["text"]
+        assert f"CheckFailed: {name} raised" in check and f"NotImplementedError: {stub}" in check, (
+            f"{stem}: check cell {name!r} shows:\n{check[-2000:]}"
+        )
+        before = [c for c in cells[:k] if c["code"]]
+        assert all(re.fullmatch(r"\[\d+\]:", c["prompt"]) for c in before), "cells before it ran"
+        assert all("Traceback" not in c["text"] for c in before), "an error before the check cell"
+        page.locator(".jp-NotebookPanel .jp-Cell").nth(k).scroll_into_view_if_needed()
+        screenshot(page, f"{stem}-unsolved")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            screenshot(page, f"{stem}-unsolved-FAILED")
+        raise
+    finally:
+        page.close()
+        lab.shutdown_kernels()
