@@ -86,6 +86,8 @@ def _rank(stage: int, global_batch: int, progress=None) -> dict:
     return dict(where=measured_on(), psi=count_params(base), losses=losses, ref_losses=ref_losses,
                 states=states, by_op=ledger.by_op(), volume=ledger.volume_elements,
                 seconds=seconds, diff_ref=diff(ref), diff_torch=diff(tddp.module),
+                torch_ref=max((a - b).abs().max().item() for a, b in
+                              zip(tddp.module.state_dict().values(), ref.state_dict().values())),
                 norm_rel_diff=abs(norms[0] - norms[1]) / norms[1])  # fmt: skip
 
 
@@ -132,19 +134,23 @@ def demo(nprocs: int | None = None, stage: int = 0, batch: int | None = None) ->
 
     print(f"\n(a) equivalence, max over ranks{'difference':>40}{'tolerance':>11}")
     ok = True
+    # torch DDP itself differs from one process by rounding (a mean over 3 ranks is inexact),
+    # which AdamW magnifies for parameters whose gradients are near 0: minizero may too, twice.
+    torch_ref = max(r["torch_ref"] for r in res)
     checks = (
-        (f"params after {STEPS} steps vs one process on the global batch", "diff_ref"),
-        (f"params after {STEPS} steps vs torch DistributedDataParallel", "diff_torch"),
-        ("gradient norm at step 0 vs one process (relative)", "norm_rel_diff"),
-    )
-    for label, key in checks:
+        (f"params after {STEPS} steps vs one process on the global batch", "diff_ref",
+         max(TOLERANCE, 2 * torch_ref)),
+        (f"params after {STEPS} steps vs torch DistributedDataParallel", "diff_torch", TOLERANCE),
+        ("gradient norm at step 0 vs one process (relative)", "norm_rel_diff", TOLERANCE),
+    )  # fmt: skip
+    for label, key, tol in checks:
         d = max(r[key] for r in res)
-        ok &= d <= TOLERANCE
-        verdict = "PASS" if d <= TOLERANCE else "FAIL"
-        print(f"    {label:<59}{d:>8.1e}{TOLERANCE:>11.0e}   {verdict}")
-    print(
-        "    (AdamW all but ignores a constant factor on gradients; the norm shows a missing 1/N)"
-    )
+        ok &= d <= tol
+        verdict = "PASS" if d <= tol else "FAIL"
+        print(f"    {label:<59}{d:>8.1e}{tol:>11.1e}   {verdict}")
+    print(f"    (torch DDP vs one process: {torch_ref:.1e}; the first tolerance is the larger of "
+          f"{TOLERANCE:.0e} and twice that)\n    (AdamW all but ignores a constant factor on "
+          "gradients; the norm shows a missing 1/N)")  # fmt: skip
 
     vol = res[0]["volume"] / psi
     print("\n(b) communication in one step, rank 0 (CommLedger; all-reduce of S counts 2S)")
