@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -502,6 +503,9 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
     """
     backend, rank, world, local_rank, store_path, timeout = init
     if store_path is not None:
+        # Forked: the parent's objects (a notebook kernel's sockets, threads' locks) are never
+        # collected here, so their finalisers cannot block this rank.
+        gc.freeze()
         import torch
 
         torch.set_num_threads(1)  # before anything else: libgomp deadlocks after fork otherwise
