@@ -647,7 +647,6 @@ def torchrun_main(argv: list[str]) -> int:
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv or argv[0] in ("-h", "--help"):
         if not argv:
-            print(RUN_HELP.splitlines()[0], file=sys.stderr)
             print("minizero run: error: give the script to run, e.g. python -m minizero run "
                   "train.py (--help: every option)", file=sys.stderr)  # fmt: skip
             return 2

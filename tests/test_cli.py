@@ -107,8 +107,7 @@ def test_bad_values_end_in_one_line(argv, message, capsys):
 
 def test_run_without_a_script_says_what_to_give(capsys):
     assert main(["run"]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1] == (
+    assert capsys.readouterr().err == (
         "minizero run: error: give the script to run, e.g. python -m minizero run train.py "
-        "(--help: every option)"
+        "(--help: every option)\n"
     )
