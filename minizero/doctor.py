@@ -70,7 +70,7 @@ def _version(package: str) -> str | None:
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """ "2.13.0+cpu" -> (2, 13, 0)."""
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``."""
     parts = version.split("+")[0].split(".")
     return tuple(int(p) for p in parts[:3] if p.isdigit())
 
