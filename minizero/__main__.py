@@ -2,50 +2,46 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from importlib import import_module
 
-# Commands that hand their arguments to a function of their own: name -> (module:function, help)
+from minizero.cli import Parser
+
+# Every command hands its arguments to a function of its own, which parses them (and --help):
+# name -> ("module:function", one line for the command list)
 PASS_THROUGH = {
-    "compare": ("plots:main", "instructor demo: every stage measured, one figure"),
-    "simulate": ("simulate:main", "ZeRO's Table 1 from the real stage code on meta tensors"),
-    "run": ("launch:torchrun_main", "run a script under torchrun (multi-node, one rank per GPU)"),
+    "demo": ("demo:main", "DDP or a ZeRO stage on 2 CPU ranks (or one per GPU), checked against "
+             "PyTorch and one process; volume and memory against the paper"),
+    "doctor": ("doctor:main", "is this machine ready? torch, CUDA/NCCL, GPUs and links, how the "
+               "ranks will run, a 2-second all-reduce probe, Jupyter"),
+    "compare": ("plots:main", "every stage measured side by side: a table and one figure"),
+    "simulate": ("simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real stage code "
+                 "on meta tensors"),
+    "bench": ("bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's own)"),
+    "run": ("launch:torchrun_main", "run a script under torchrun (one rank per GPU, multi-node)"),
     "start": ("course:start_main", "copy the lessons into a folder of your own (my-lessons/)"),
     "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
     "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
-}
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="minizero", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="DDP on 2 ranks (gloo) or one rank per GPU (NCCL)")
-    d.add_argument("--nprocs", type=int, default=None)
-    d.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
-    b = sub.add_parser("bench", help="benchmarks: collectives, ddp, stages")
-    b.add_argument("what", choices=["collectives", "ddp", "stages"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    p = Parser(
+        prog="minizero",
+        description="minizero: data parallelism and ZeRO stages 1-3, built from scratch and "
+        "measured. python -m minizero COMMAND --help describes a command's options.",
+    )
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
     for name, (_, text) in PASS_THROUGH.items():
-        sub.add_parser(name, add_help=False, help=text).add_argument(
-            "rest", nargs=argparse.REMAINDER
+        sub.add_parser(name, add_help=False, help=text)
+    args = p.parse_args(argv[:1])  # the command's own parser reads the rest, --help included
+    if args.cmd is None:
+        p.error(
+            f"say which command to run: {', '.join(PASS_THROUGH)} (e.g. python -m minizero demo)"
         )
-    # REMAINDER does not take a leading --flag (`lessons --check`): pass unknown flags on too.
-    args, extra = p.parse_known_args(argv)
-    if extra and not hasattr(args, "rest"):
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    rest = [*extra, *getattr(args, "rest", [])]
-    if args.cmd == "demo":
-        from minizero.demo import demo
-
-        return demo(nprocs=args.nprocs, stage=args.stage)
-    if args.cmd == "bench":
-        from minizero import bench
-
-        return getattr(bench, f"bench_{args.what}")(rest)
     module, function = PASS_THROUGH[args.cmd][0].split(":")
-    return getattr(import_module(f"minizero.{module}"), function)(rest)
+    return getattr(import_module(f"minizero.{module}"), function)(argv[1:])
 
 
 if __name__ == "__main__":

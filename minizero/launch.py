@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import numbers
@@ -51,6 +52,8 @@ from typing import Any
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping ranks
 _POLL = 0.02  # seconds between looks at the ranks
 _STARTUP = 120.0  # seconds allowed for starting the ranks, on top of the timeout
+_JOIN = 60.0  # seconds the started ranks have to join the process group, before fn runs
+_NOTICE = 10.0  # after this many seconds without every rank joined, say so (stderr)
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 _WORKER = "import sys; from minizero.launch import _torchrun_worker as w; sys.exit(w(sys.argv[1]))"
 _AGENT = "import sys; from minizero.launch import _torchrun_agent as a; sys.exit(a(sys.argv[1:]))"
@@ -64,6 +67,10 @@ class LaunchError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
+
+
+class _NotJoined(LaunchError):
+    """The ranks did not all join the process group within ``_JOIN`` seconds (fn never ran)."""
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -128,21 +135,9 @@ def launch(
     # Import here, in full, all that the ranks import: a fork taken while another thread is half
     # way through importing a module leaves the child waiting forever on that module's lock.
     import cloudpickle  # noqa: F401
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: F401
 
-    gpus = gpu_count()
-    nccl_ok = dist.is_nccl_available()
-    if backend == "nccl" and (gpus < nprocs or not nccl_ok):
-        have = f"{gpus} GPU{'s' * (gpus != 1)} found" + ("" if nccl_ok else ", NCCL not available")
-        raise ValueError(
-            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {have}. "
-            f"Use backend='gloo' (CPU) or nprocs <= {gpus}."
-        )
-    if backend == "auto":
-        backend = "nccl" if nccl_ok and 0 < nprocs <= gpus else "gloo"
-    if mechanism == "auto":
-        fork_ok = "fork" in multiprocessing.get_all_start_methods()
-        mechanism = "fork" if backend == "gloo" and fork_ok else "torchrun"
+    backend, mechanism, _ = plan(nprocs, backend, mechanism)
     if verbose:
         where = "one GPU per rank" if backend == "nccl" else "CPU"
         ranks = f"{nprocs} rank{'s' * (nprocs != 1)}"
@@ -156,11 +151,12 @@ def launch(
             except LaunchError as e:
                 # A connection refused while the ranks meet (seen under heavy load) is retried
                 # once, but only when no rank has started fn: fn never runs twice.
-                if attempt == 2 or type(e) is not LaunchError or not e.traceback:
-                    raise
-                if any(Path(tmp).glob("*.started")):
+                setup = type(e) is _NotJoined or (type(e) is LaunchError and e.traceback)
+                if attempt == 2 or not setup or any(Path(tmp).glob("*.started")):
                     raise
                 why = e.traceback.strip().splitlines()[-1]
+                if type(e) is _NotJoined:
+                    why = str(e).partition(":")[0]
                 print(f"minizero.launch: the ranks could not connect ({why}); trying again",
                       file=sys.stderr)  # fmt: skip
             finally:
@@ -184,6 +180,35 @@ def _seconds(timeout: Any) -> float:
     return float(seconds)
 
 
+def plan(nprocs: int, backend: str = "auto", mechanism: str = "auto") -> tuple[str, str, str]:
+    """``(backend, mechanism, why)``: what ``launch(fn, nprocs, backend=..., mechanism=...)`` uses
+    on this machine, and one line saying why. ValueError where the choice cannot run here."""
+    import torch.distributed as dist
+
+    gpus = gpu_count()
+    nccl_ok = dist.is_nccl_available()
+    have = f"{gpus} GPU{'s' * (gpus != 1)} found" + ("" if nccl_ok else ", NCCL not available")
+    if backend == "nccl" and (gpus < nprocs or not nccl_ok):
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {have}. "
+            f"Use backend='gloo' (CPU) or nprocs <= {gpus}."
+        )
+    if backend == "auto":
+        backend = "nccl" if nccl_ok and 0 < nprocs <= gpus else "gloo"
+        why = f"{have}; NCCL needs one GPU per rank, nprocs={nprocs}"
+    else:
+        why = f"backend={backend!r} asked for ({have})"
+    fork_ok = "fork" in multiprocessing.get_all_start_methods()
+    if mechanism == "auto":
+        mechanism = "fork" if backend == "gloo" and fork_ok else "torchrun"
+        why += "; " + (
+            "gloo ranks are forked from this process" if mechanism == "fork"
+            else "NCCL ranks start fresh under torchrun (CUDA cannot be forked)" if fork_ok
+            else "this platform cannot fork"
+        )  # fmt: skip
+    return backend, mechanism, why
+
+
 # ---------------------------------------------------------------- the parent: watch, relay, stop
 
 
@@ -193,11 +218,22 @@ def _supervise(ranks: _Ranks, tmp: Path, n: int, timeout: float) -> list[Any]:
 
     relay = _Relay(tmp, n)
     # The clock starts once every rank is up (torchrun takes seconds to start its workers).
-    deadline, started = time.monotonic() + timeout + _STARTUP, False
+    t0 = time.monotonic()
+    deadline, started = t0 + timeout + _STARTUP, False
+    # Joining (rendezvous and a barrier) takes a second: a rank stuck before it (a lock inherited
+    # through fork, a worker that never starts) is reported within seconds, not after `timeout`.
+    join_by, joined, noticed = deadline, False, False
     results: dict[int, Any] = {}
     while True:
         if not started and len(ranks.pids()) == n:
             deadline, started = time.monotonic() + timeout, True
+            join_by = min(deadline, time.monotonic() + _JOIN)
+        if not joined:
+            joined = all((tmp / f"{r}.started").exists() for r in range(n))
+            if not joined and not noticed and time.monotonic() - t0 > _NOTICE:
+                noticed = True
+                print(f"minizero.launch: {_unjoined(tmp, n)} after {_NOTICE:g} s; waiting "
+                      f"{join_by - time.monotonic():.0f} s more", file=sys.stderr)  # fmt: skip
         exited = ranks.exited()  # look before reading results: a result may land just before exit
         relay.pump()
         for r in range(n):
@@ -209,6 +245,18 @@ def _supervise(ranks: _Ranks, tmp: Path, n: int, timeout: float) -> list[Any]:
             ranks.stop(wait=_GRACE)  # let them leave on their own first
             relay.pump(final=True)
             return [results[r] for r in range(n)]
+        if not joined and time.monotonic() > join_by and time.monotonic() <= deadline:
+            waiting = _unjoined(tmp, n)
+            late = [r for r in range(n) if not (tmp / f"{r}.started").exists()]
+            stacks = ranks.dump_stacks(late)
+            ranks.stop()
+            relay.pump(final=True)
+            raise _NotJoined(
+                f"{waiting} after {time.monotonic() - t0:.0f} s: the ranks never met, so fn "
+                f"never ran. Where they were:\n{stacks}",
+                late[0] if late else None,
+                stacks,
+            )
         if time.monotonic() > deadline:
             late = [r for r in range(n) if r not in results]
             stacks = ranks.dump_stacks(late)
@@ -221,6 +269,14 @@ def _supervise(ranks: _Ranks, tmp: Path, n: int, timeout: float) -> list[Any]:
                 stacks,
             )
         ranks.wait(_POLL)
+
+
+def _unjoined(tmp: Path, n: int) -> str:
+    """Which ranks have not joined the process group yet, and whether they have started at all."""
+    late = [r for r in range(n) if not (tmp / f"{r}.started").exists()]
+    dead = [r for r in late if not (tmp / f"{r}.pid").exists()]
+    text = f"ranks {late} had not joined the process group"
+    return text + (f" (ranks {dead} had not started)" if dead else "")
 
 
 def _blame(ranks: _Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> LaunchError:
@@ -471,6 +527,9 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
     """
     backend, rank, world, local_rank, store_path, timeout = init
     if store_path is not None:
+        # Forked: the parent's objects (a notebook kernel's sockets, threads' locks) are never
+        # collected here, so their finalisers cannot block this rank.
+        gc.freeze()
         import torch
 
         torch.set_num_threads(1)  # before anything else: libgomp deadlocks after fork otherwise
@@ -609,14 +668,38 @@ def _launch_here(fn, nprocs, args, kwargs, backend, timeout, verbose) -> list[An
     return [value for _, value in every]
 
 
+RUN_HELP = """usage: python -m minizero run [torchrun options] SCRIPT [script args]
+
+Run SCRIPT on every rank under torchrun (PyTorch's launcher): one rank per GPU over NCCL, on one
+machine or many. Inside SCRIPT, minizero.launch(fn, nprocs) sees that it already runs under
+torchrun and calls fn on this rank. minizero adds two defaults to torchrun:
+
+  --standalone             unless --nnodes, --standalone, --rdzv-* or --master-* is given
+                           (one machine, a free port chosen for you)
+  --nproc-per-node N       unless given: the number of GPUs here, or 2 without GPUs
+
+Every other option is torchrun's, passed on unchanged. For example, 2 machines with 8 GPUs each
+(run on both):
+  python -m minizero run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29500 train.py
+"""
+
+
 def torchrun_main(argv: list[str]) -> int:
-    """``python -m minizero run [torchrun options] script.py [args]``: torchrun, plus
-    ``--standalone`` unless a rendezvous or --nnodes was given, and ``--nproc-per-node <GPUs, or
-    2>`` unless it was given. Returns torchrun's exit code."""
+    """``python -m minizero run``: torchrun with ``--standalone`` and ``--nproc-per-node`` defaults
+    (see ``RUN_HELP``). Returns torchrun's exit code."""
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(torchrun_main.__doc__)
-        return 0 if argv else 2
+        if not argv:
+            print("minizero run: error: give the script to run, e.g. python -m minizero run "
+                  "train.py (--help: every option)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(RUN_HELP + "\ntorchrun's own options:")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--help"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+        options = out[out.find("options:") + len("options:") :] if "options:" in out else out
+        print(options.lstrip("\n"), end="")
+        return 0
     given = lambda pattern: any(re.match(rf"--({pattern})\b", a) for a in argv)
     extra = [] if given(r"nnodes|standalone|rdzv[-_]\w+|master[-_]\w+") else ["--standalone"]
     if not given(r"nproc[-_]per[-_]node"):

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -267,23 +266,48 @@ def volume_axes(ax, by_model: dict[str, list[dict]]) -> None:
     ax.legend(fontsize=8, loc="upper left")
 
 
+def _median_bytes(p: dict, op: str) -> float | None:
+    sizes = [r["nbytes"] for r in p["records"] if r["op"] == op and r["seconds"]]
+    return statistics.median(sizes) if sizes else None
+
+
 def bandwidth_axes(ax, profiles: list[dict], info: dict) -> None:
-    """Median busbw of each op in one step, per stage (asynchronous ops: issue to wait)."""
+    """Median busbw of each op in one step, per stage (asynchronous ops: issue to wait), with the
+    median message size on each bar. Bars of messages under ``LATENCY_BOUND`` are hatched and the
+    title says that they measure per-call latency, not the link's bandwidth."""
+    from minizero.bench import LATENCY_BOUND
+
     width = 0.8 / len(OPS)
+    small, top = [], 0.0  # median message sizes under LATENCY_BOUND; the highest bar
     for k, op in enumerate(OPS):
-        xs, ys = [], []
+        xs, ys, sizes = [], [], []
         for i, p in enumerate(profiles):
             bw = [r["busbw"] for r in p["records"] if r["op"] == op and r["seconds"]]
             if bw:
                 xs.append(i - 0.4 + width * (k + 0.5))
                 ys.append(statistics.median(bw) / 1e9)
-        ax.bar(xs, ys, width * 0.9, color=STYLE[op][1], label=op)
+                sizes.append(_median_bytes(p, op))
+        hatch = ["//" if n < LATENCY_BOUND else None for n in sizes]
+        ax.bar(xs, ys, width * 0.9, color=STYLE[op][1], label=op, hatch=hatch, edgecolor="white")
+        for x, y, n in zip(xs, ys, sizes):
+            ax.text(x, y, format_bytes(n).replace(".00", ""), ha="center", va="bottom",
+                    fontsize=6, rotation=90)  # fmt: skip
+        small += [n for n in sizes if n < LATENCY_BOUND]
+        top = max([top, *ys])
     _stage_ticks(ax, [p["stage"] for p in profiles])
     _log_y(ax)
+    if top:
+        ax.set_ylim(top=top * 3)  # room for the size labels above the bars
     ax.set_ylabel("median busbw per collective (GB/s)")
-    note = f"\n{GLOO_NOTE}" if info["backend"] == "gloo" else ""
     name = MODELS.get(profiles[0]["model"], profiles[0]["model"])
-    ax.set_title(f"bus bandwidth, {name}, one step, rank 0{note}", fontsize=10)
+    lines = [f"bus bandwidth, {name}, one step, rank 0 (label: median message size)"]
+    if small:
+        lines.append(f"hatched: messages of {format_bytes(min(small))} to "
+                     f"{format_bytes(max(small))}, LATENCY-BOUND: per-call cost, not the link's "
+                     "bandwidth")  # fmt: skip
+    if info["backend"] == "gloo":
+        lines.append(GLOO_NOTE)
+    ax.set_title("\n".join(lines), fontsize=9)
     ax.legend(fontsize=8)
 
 
@@ -446,6 +470,43 @@ def calculator(psi: float = 7.5e9, world: int = 64, stage: int = 3, precision: s
 
 
 # -- the instructor's demo -------------------------------------------------------------------------
+def stage_table(by_model: dict[str, list[dict]], info: dict) -> str:
+    """The numbers behind :func:`compare_stages`'s figure, one block per model, one row per stage:
+    model states against the paper's formula, the step's peak, volume moved, collectives, median
+    busbw and message size (marked ~ when latency-bound), and the median step time."""
+    from minizero.bench import LATENCY_BOUND
+
+    out = [
+        f"measured on {_where(info)} (memory: {_meter(info)}), rank 0",
+        "states: params + grads + optimizer at the end of backward; paper: its formula for the "
+        "same Ψ, N, precision",
+        f"~: median message under {format_bytes(LATENCY_BOUND)}: its busbw is latency-bound, "
+        "per-call cost, not the link's bandwidth",
+        "   (python -m minizero bench collectives measures bandwidth up to 64 MiB)",
+    ]
+    for model, profiles in by_model.items():
+        p0 = profiles[0]
+        out.append(f"\n{MODELS.get(model, model)}, Ψ = {p0['psi']:,}, {p0['precision']}, AdamW, "
+                   f"{p0['world']} ranks")  # fmt: skip
+        out.append(f"{'stage':<13}{'states':>12}{'paper':>12}{'peak':>12}{'moved':>9}"
+                   f"{'calls':>6}{'busbw GB/s':>12}{'message':>11}{'step ms':>9}")  # fmt: skip
+        for p in profiles:
+            paper = sum(paper_model_state_bytes(p["psi"], p["world"], p["stage"],
+                                                p["precision"]).values())  # fmt: skip
+            timed = [r for r in p["records"] if r["seconds"]]
+            bw = statistics.median(r["busbw"] for r in timed) / 1e9 if timed else float("nan")
+            size = statistics.median(r["nbytes"] for r in timed) if timed else 0
+            mark = "~" if size < LATENCY_BOUND else " "
+            states = format_bytes(sum(p["states"].values()))
+            out.append(
+                f"{p['stage']}: {STAGES[p['stage']]:<10}{states:>12}"
+                f"{format_bytes(paper):>12}{format_bytes(p['peak']):>12}"
+                f"{p['volume'] / p['psi']:>8.3f}Ψ{len(p['records']):>6}{mark:>3}{bw:>9.4f}"
+                f"{format_bytes(size):>11}{statistics.median(p['step_s']) * 1e3:>9.1f}"
+            )
+    return "\n".join(out)
+
+
 def compare_stages(
     nprocs: int | None = None,
     *,
@@ -453,20 +514,24 @@ def compare_stages(
     steps: int = 10,
     path: str | Path = "runs/stages.png",
 ):
-    """Run every stage on ``nprocs`` ranks (TinyGPT and an MLP) and save one figure:
-    memory per rank against the paper, volume per step, bandwidth, step time. Returns it."""
+    """Run every stage on ``nprocs`` ranks (TinyGPT and an MLP), print the numbers
+    (:func:`stage_table`) and save one figure: memory per rank against the paper, volume per step,
+    bandwidth, step time. Returns the figure."""
     import matplotlib.pyplot as plt
     import torch._dynamo  # noqa: F401  (torch.optim imports it; once here, not once per rank)
 
     from minizero import checks
 
     nprocs = nprocs or checks.default_nprocs()
+    print(f"minizero compare: stages 0-3 on {nprocs} ranks, {precision}, TinyGPT tiny and an MLP, "
+          f"{steps} timed steps each ...", flush=True)  # fmt: skip
     res = checks.launch_with_progress(
         profile_stages, nprocs, models=("gpt", "mlp"), precision=precision, steps=steps,
-        total=8, desc="stages",
+        total=8, desc="stages", verbose=False,
     )[0]  # fmt: skip
     info, profiles = res["info"], res["profiles"]
     by_model = {m: [p for p in profiles if p["model"] == m] for m in ("mlp", "gpt")}
+    print(stage_table({"gpt": by_model["gpt"], "mlp": by_model["mlp"]}, info))
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     memory_axes(axes[0, 0], by_model["gpt"], info)
     volume_axes(axes[0, 1], by_model)
@@ -476,18 +541,38 @@ def compare_stages(
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    print(f"saved {path}")
+    print(f"\nsaved the figure to {path}")
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero compare [--nprocs N] [--precision bf16] [--out runs/stages.png]``."""
-    p = argparse.ArgumentParser(prog="minizero compare", description=compare_stages.__doc__)
-    p.add_argument("--nprocs", type=int, default=None, help="default: GPUs if >= 2, else 2")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--steps", type=int, default=10, help="timed steps per stage")
-    p.add_argument("--out", default="runs/stages.png")
-    a = p.parse_args(argv)
+    from minizero.cli import Parser, positive_int
+
+    p = Parser(
+        prog="minizero compare",
+        description="Run every stage (0: DDP, 1-3: ZeRO) for a few steps on the same ranks, with "
+        "TinyGPT and a small MLP; print per stage the model states against the paper's formula, "
+        "the step's peak memory, the volume moved, the collectives' bandwidth and the step time; "
+        "save the same as one figure.",
+    )
+    p.add_argument(
+        "--nprocs",
+        type=positive_int,
+        default=None,
+        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp16", "fp32"],
+        help="precision policy of every stage (default bf16)",
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=10, help="timed steps per stage (default 10)"
+    )
+    p.add_argument("--out", default="runs/stages.png", help="where to save the figure (PNG)")
+    a = p.parse_args(argv)  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,7 +21,6 @@ Any model with exactly Ψ trainable parameters has the same model states, so Tab
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import subprocess
@@ -165,15 +164,16 @@ def table1(
 ) -> list[dict]:
     """One row per (Ψ, N_d, stage): measured GB (1e9 bytes) per rank next to the paper's value.
 
-    Row keys: model ("7.5B" or the Ψ), psi, world, stage, bytes (the measured dict), gb, paper_gb
-    (Table 1 as printed; DDP is its N_d = 1 row; None where the paper has no such cell), match.
+    Row keys: model ("7.5B", or Ψ in short: "1.3B"), psi, world, stage, bytes (the measured
+    dict), gb, paper_gb (Table 1 as printed; DDP is its N_d = 1 row; None where the paper has no
+    such cell, and in fp32), match, precision.
     """
     if dist.is_initialized():
         return _in_subprocess(table1, stages, worlds, psis, precision)
     names = {v: k for k, v in TABLE1_PSI.items()}
     rows = []
     for psi in map(int, psis):
-        name = names.get(psi, f"{psi:,}")
+        name = names.get(psi, short_psi(psi))
         for world in worlds:
             for stage in stages:
                 got = simulate(lambda psi=psi: FlatModel(psi), stage, world, precision)
@@ -182,7 +182,7 @@ def table1(
                 match = paper is not None and printed_as(gb, paper)
                 rows.append(
                     dict(model=name, psi=psi, world=world, stage=stage, bytes=got, gb=gb,
-                         paper_gb=paper, match=match)
+                         paper_gb=paper, match=match, precision=precision)
                 )  # fmt: skip
     return rows
 
@@ -199,26 +199,58 @@ def _fmt(gb: float) -> str:
     return f"{gb:.3f}".rstrip("0").rstrip(".")
 
 
+def short_psi(psi: float) -> str:
+    """7.5e9 -> '7.5B', 1e12 -> '1T', 123456789 -> '123.5M': the model column's name for Ψ."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if psi >= div:
+            return f"{psi / div:.4g}{suffix}"
+    return f"{psi:.0f}"
+
+
+def _heading(precision: str) -> str:
+    if precision == "fp32":
+        return "fp32 Adam: 4 + 4 + 8 bytes per parameter (params, grads, m and v; K = 8)."
+    return f"Mixed-precision Adam ({precision}): 2 + 2 + K bytes per parameter, K = 12."
+
+
 def format_table1(rows: list[dict]) -> str:
-    """``table1()`` rows laid out as the paper's Table 1: measured [paper], a column per stage."""
+    """``table1()`` rows laid out as the paper's Table 1: measured [paper], a column per stage.
+
+    ``!`` marks a cell whose paper value prints differently; cells the paper does not have (other
+    Ψ or N_d, fp32) show no paper value and no mark.
+    """
     stages = sorted({r["stage"] for r in rows})
-    lines = [
-        "Per-rank model states in GB (1e9 bytes), mixed-precision Adam (K = 12), measured by",
-        "running minizero's stage code on meta tensors under a fake process group; [the paper's "
-        "Table 1]",
-        f"{'model':>6} {'N_d':>5}" + "".join(f"{STAGE_NAMES[s]:>22}" for s in stages),
-    ]
+    precision = {r.get("precision", "bf16") for r in rows}
     cell = {(r["model"], r["world"], r["stage"]): r for r in rows}
-    for model, world in dict.fromkeys((r["model"], r["world"]) for r in rows):
-        line = f"{model:>6} {world:>5}"
-        for s in stages:
-            r = cell[(model, world, s)]
-            paper = "" if r["paper_gb"] is None else f" [{r['paper_gb']:g}]"
-            line += f"{_fmt(r['gb']) + paper + ('' if r['match'] else ' !'):>22}"
-        lines.append(line)
+    text = {}
+    for key, r in cell.items():
+        paper = "" if r["paper_gb"] is None else f" [{r['paper_gb']:g}]"
+        mark = " !" if r["paper_gb"] is not None and not r["match"] else ""
+        text[key] = _fmt(r["gb"]) + paper + mark
+    keys = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
+    wm = max(len("model"), *(len(m) for m, _ in keys))
+    ww = max(len("N_d"), *(len(str(w)) for _, w in keys))
+    wc = max(len(STAGE_NAMES[s]) for s in stages)
+    wc = 2 + max(wc, *(len(t) for t in text.values()))
     known = [r for r in rows if r["paper_gb"] is not None]
-    lines.append(f"{sum(r['match'] for r in known)}/{len(known)} cells print as the paper's "
-                 "(rounded or truncated to its digits; ! marks the others)")  # fmt: skip
+    lines = [
+        "Model states per rank in GB (1e9 bytes), measured: minizero's stage code on meta tensors,",
+        "under a fake process group. " + ", ".join(_heading(p) for p in sorted(precision)),
+        *(["[in brackets: the paper's Table 1]"] if known else []),
+        f"{'model':>{wm}} {'N_d':>{ww}}" + "".join(f"{STAGE_NAMES[s]:>{wc}}" for s in stages),
+    ]
+    for model, world in keys:
+        line = f"{model:>{wm}} {world:>{ww}}"
+        lines.append(line + "".join(f"{text[(model, world, s)]:>{wc}}" for s in stages))
+    if known:
+        lines.append(f"{sum(r['match'] for r in known)}/{len(known)} cells with a paper value "
+                     "print as the paper's (rounded or truncated; ! marks the others)")  # fmt: skip
+    elif precision == {"fp32"}:
+        lines.append("the paper's Table 1 is for mixed precision: no fp32 cell has a paper value")
+    else:
+        grid = ", ".join(map(str, TABLE1_DP))
+        lines.append(f"no cell here is in the paper's Table 1 (Ψ = {', '.join(TABLE1_PSI)} at "
+                     f"N_d = {grid}): nothing to compare")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -231,13 +263,50 @@ def print_table1(**kwargs) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero simulate [--stages 0 1 2 3] [--worlds 1 4 ...] [--psis 7.5e9 ...]``."""
-    p = argparse.ArgumentParser(prog="minizero simulate", description=print_table1.__doc__)
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    p.add_argument("--worlds", type=int, nargs="+", default=list(TABLE1_DP))
-    p.add_argument("--psis", type=float, nargs="+", default=[7.5e9, 128e9, 1e12])
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    from minizero.cli import Parser
+
+    p = Parser(
+        prog="minizero simulate",
+        description="Per-rank model states (parameters, gradients, optimizer states) of a model "
+        "with PSI parameters trained on N_d ranks, measured by running minizero's real stage "
+        "code on meta tensors (no memory) under a fake process group: the ZeRO paper's Table 1 "
+        "by default, with the paper's printed value beside each cell it has.",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        choices=[0, 1, 2, 3],
+        help="stages to show: 0 DDP, 1 P_os, 2 P_os+g, 3 P_os+g+p (default: all)",
+    )
+    p.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=list(TABLE1_DP),
+        metavar="N_D",
+        help="data-parallel ranks N_d (default: the paper's 1 4 16 64 256 1024)",
+    )
+    p.add_argument(
+        "--psis",
+        type=float,
+        nargs="+",
+        default=[7.5e9, 128e9, 1e12],
+        metavar="PSI",
+        help="parameter counts, e.g. 1.3e9 (default: the paper's 7.5e9 128e9 1e12)",
+    )
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="bf16/fp16: mixed-precision Adam, K = 12 (the paper's); fp32: K = 8 "
+                   "(default bf16)")  # fmt: skip
     a = p.parse_args(argv)
-    print_table1(stages=a.stages, worlds=a.worlds, psis=a.psis, precision=a.precision)
+    if bad := [w for w in a.worlds if w < 1]:
+        p.error(f"--worlds must be >= 1, got {bad[0]}")
+    if bad := [x for x in a.psis if not 4 <= x < 1e16]:
+        p.error(f"--psis must be between 4 and 1e16 parameters, got {bad[0]:g}")
+    stages = sorted(set(a.stages))
+    worlds, psis = list(dict.fromkeys(a.worlds)), list(dict.fromkeys(a.psis))
+    print_table1(stages=stages, worlds=worlds, psis=psis, precision=a.precision)
     return 0
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from minizero.__main__ import main
-from minizero.bench import bench_ddp, bench_stages
+from minizero.bench_steps import bench_ddp, bench_stages
 from minizero.collectives import BUSBW_FACTOR
 from minizero.demo import demo
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -23,8 +23,15 @@ def test_bench_collectives_json(tmp_path, capsys):
     argv = ["bench", "collectives", "--nprocs", "2", "--min-bytes", "1024", "--max-bytes", "4096",
             "--iters", "2", "--warmup", "1", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert text.startswith(
+        "minizero bench collectives: 4 ops x 2 sizes (1024 B .. 4,096 B) on 2 "
+        "ranks, 2 timed calls each\n"
+    )  # printed before the ranks start
+    assert "collectives: 100%" in err and "8/8" in err  # the progress bar reached every row
     assert "2 ranks, gloo on" in text and "gloo: reduce-scatter is built on all-reduce" in text
+    assert "rows marked ~ are under 1 MiB" in text
+    assert "        1024         256   float32" in text
     data = json.loads(out.read_text())
     assert set(data["where"]) == {"backend", "device", "world", "torch"}
     rows = data["rows"]
@@ -42,7 +49,13 @@ def test_bench_collectives_json(tmp_path, capsys):
 def test_bench_ddp_json(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert bench_ddp([*TINY, "--json", str(out)]) == 0
-    assert "minizero DDP / torch DDP:" in capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert text.startswith(
+        "minizero bench ddp: 1 pair on 2 ranks, TinyGPT tiny; each contender: "
+        "memory alone, 1 warmup + 2 timed steps, taking turns\n"
+    )
+    assert "ddp: 100%" in err and "8/8" in err  # 2 contenders x (memory, warmup, 2 rounds)
+    assert "minizero DDP / torch DDP:" in text
     data = json.loads(out.read_text())
     assert data["psi"] == PSI_TINY and data["where"]["world"] == 2
     (group,) = data["groups"]
@@ -61,7 +74,8 @@ def test_bench_ddp_json(tmp_path, capsys):
 def test_bench_stages_json(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert bench_stages([*TINY, "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert "stages: 100%" in err and "32/32" in err
     for peer in ("ZeroRedundancyOptimizer(AdamW)", "fully_shard(reshard_after_forward=False)",
                  "fully_shard(reshard_after_forward=True)"):  # fmt: skip
         assert peer in text
@@ -86,6 +100,17 @@ def test_demo(stage, volume, capsys):
     assert f"moved {volume}" in text and f"paper: {2 if stage < 3 else 3}Ψ" in text
 
 
-def test_demo_rejects_bad_stage():
+def test_demo_rejects_bad_stage_ranks_and_batch():
     with pytest.raises(ValueError, match="stage must be 0 "):
         demo(2, 4)
+    with pytest.raises(ValueError, match="nprocs must be a whole number >= 1, got 0"):
+        demo(0)
+    with pytest.raises(ValueError, match="--batch 16 does not split evenly over 3 ranks: use"):
+        demo(3, batch=16)
+
+
+def test_demo_on_3_ranks_rounds_the_batch_up(capsys):
+    assert demo(3, 1) == 0  # the global batch becomes 18: 6 sequences per rank
+    text, err = capsys.readouterr()
+    assert "global batch 18 sequences (6 per rank)" in text and text.count("PASS") == 4
+    assert "steps: 100%" in err and "5/5" in err

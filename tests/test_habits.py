@@ -113,7 +113,7 @@ def module_zero_grad_rank(stage):
     states = []
     for step in range(STEPS):
         x, y = local_batch("mlp", step, rank, world)
-        inner.zero_grad()  # the PyTorch tutorials' habit: the model's zero_grad, not the optimizer's
+        inner.zero_grad()  # the tutorials: model.zero_grad()
         model(x, y).backward()
         opt.step()
         states.append(snapshot(model))
@@ -179,7 +179,7 @@ def bn_model():
 
 
 def bn_rank(stage):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {}
     for spec in ("minizero", "torch"):
         model = bn_model()
@@ -272,7 +272,7 @@ def fp16_big_loss_rank(stage):
     model = build("mlp")
     model, opt = minizero.parallelize(model, stage, nanogpt_optimizer(model), precision="fp16")
     start = snapshot(model)
-    for step in range(40):
+    for _ in range(40):
         x, y = local_batch("mlp", 0, rank, world)
         (model(x, y) * 1e5).backward()  # dL/dy * 65536 overflows fp16 at first
         opt.step()

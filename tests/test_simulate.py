@@ -67,7 +67,7 @@ def test_reproduces_the_papers_table_1():
     assert rows[0]["bytes"] == {"params": 15e9, "grads": 15e9, "optimizer": 90e9}  # 7.5B, DDP
     one_t = {(r["world"], r["stage"]): r["bytes"] for r in rows if r["model"] == "1T"}
     assert one_t[1024, 3] == {"params": 1953125000, "grads": 1953125000, "optimizer": 11718750000}
-    assert "72/72 cells print as the paper's" in format_table1(rows)
+    assert "72/72 cells with a paper value print as the paper's" in format_table1(rows)
 
 
 def test_printed_as_follows_the_papers_rounding():
@@ -78,9 +78,60 @@ def test_printed_as_follows_the_papers_rounding():
 def test_cli_and_cells_outside_the_paper(capsys):
     assert main(["--stages", "3", "--worlds", "4", "--psis", "7.5e9"]) == 0
     out = capsys.readouterr().out
-    assert "30 [30]" in out and "1/1 cells print as the paper's" in out
+    assert "30 [30]" in out and "1/1 cells with a paper value print as the paper's" in out
     (row,) = table1(stages=(2,), worlds=(8,), psis=(1e9,))
     assert row["paper_gb"] is None and not row["match"] and row["gb"] == 2 + 14 / 8
+
+
+def test_off_the_papers_grid_nothing_is_flagged_and_the_footer_says_so(capsys):
+    assert main(["--psis", "1e9", "--worlds", "8"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "Model states per rank in GB (1e9 bytes), measured: minizero's stage code on meta tensors,",
+        "under a fake process group. Mixed-precision Adam (bf16): 2 + 2 + K bytes per parameter, "
+        "K = 12.",
+        "model N_d       DDP      P_os    P_os+g  P_os+g+p",
+        "   1B   8        16       5.5      3.75         2",  # 2+2+12/8, 2+14/8, 16/8 GB
+        "no cell here is in the paper's Table 1 (Ψ = 7.5B, 128B, 1T at N_d = 1, 4, 16, 64, 256, "
+        "1024): nothing to compare",
+    ]
+
+
+def test_fp32_table_is_headed_fp32_with_k_8(capsys):
+    assert main(["--precision", "fp32", "--psis", "7.5e9", "--worlds", "1", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 Adam: 4 + 4 + 8 bytes per parameter (params, grads, m and v; K = 8)." in out
+    assert "K = 12" not in out and "[" not in out and "!" not in out
+    assert " 7.5B   4       120        75      52.5        30" in out  # 16Ψ, 4Ψ+4Ψ+8Ψ/4, ...
+    assert out.rstrip().endswith("no fp32 cell has a paper value")
+
+
+def test_custom_psi_keeps_the_columns_aligned_and_marks_only_paper_mismatches(capsys):
+    assert main(["--psis", "123456789", "7.5e9", "--worlds", "1", "64"]) == 0
+    table = capsys.readouterr().out.splitlines()[3:-1]  # header and rows
+    assert len({len(line) for line in table}) == 1, table
+    assert table[1].startswith("123.5M   1") and table[3].startswith("  7.5B   1")
+    rows = table1(stages=(3,), worlds=(64,), psis=(7.5e9,))
+    rows[0]["gb"], rows[0]["match"] = 2.0, False  # as if the code held 2 GB, not 1.875
+    assert format_table1(rows).splitlines()[-2:] == [
+        " 7.5B  64  2 [1.88] !",
+        "0/1 cells with a paper value print as the paper's (rounded or truncated; ! marks the "
+        "others)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--worlds", "0"], "minizero simulate: error: --worlds must be >= 1, got 0"),
+        (["--psis", "2"], "minizero simulate: error: --psis must be between 4 and 1e16"),
+        (["--stages", "4"], "minizero simulate: error: argument --stages: invalid choice: 4"),
+    ],
+)
+def test_bad_values_get_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1
 
 
 def test_leaves_no_process_group_and_allocates_nothing():
