@@ -4,6 +4,7 @@ values end in one line that says what is wrong (exit code 2), never a traceback.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,15 @@ def test_run_without_a_script_says_what_to_give(capsys):
         "minizero run: error: give the script to run, e.g. python -m minizero run train.py "
         "(--help: every option)\n"
     )
+
+
+def test_readme_first_two_commands_and_ci():
+    """The README's first two commands set up and run the demo, then set up and pass the tests;
+    CI runs the second verbatim."""
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    demo, tests = (b.strip() for b in blocks[:2])
+    assert demo.startswith("python3 -m venv .venv") and demo.endswith("python -m minizero demo")
+    assert tests.startswith("python3 -m venv .venv") and tests.endswith("python -m pytest")
+    assert "-r requirements-dev.txt" in tests
+    assert tests in (root / ".ci" / "run").read_text().splitlines()
