@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo  # noqa: F401  imported once here: forked ranks inherit it (else seconds each)
@@ -61,19 +59,6 @@ def run_info() -> dict:
 def describe(info: dict) -> str:
     """``"gloo · cpu (CPU) · world 2"``: what every figure's title names."""
     return f"{info['backend']} · {info['device']} · world {info['world']}"
-
-
-@dataclass
-class TimedLedger(C.CommLedger):
-    """A :class:`~minizero.collectives.CommLedger` whose marks also note the time: ``mark_times[k]``
-    is ``time.perf_counter()`` when ``marks[k]`` was made (a record has its own, ``record.start``).
-    Lesson 01 draws timelines with it."""
-
-    mark_times: list[float] = field(default_factory=list)
-
-    def mark(self, label: str) -> None:
-        super().mark(label)
-        self.mark_times.append(time.perf_counter())
 
 
 class Progress:
