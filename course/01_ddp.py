@@ -332,7 +332,7 @@ for cap, ax in zip(CAPS, axes, strict=True):
     draw(cap, ax)
 axes[-1].set_xlabel("ms since forward start (dotted: issued, waiting to run; bar: running; "
                     "dashed line: backward's last gradient)")  # fmt: skip
-axes[0].legend(loc="lower right", fontsize=7)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=7)
 fig.suptitle(f"minizero DDP on TinyGPT, one step seen by the profiler on rank 0: "
              f"{checks.describe(INFO)}")  # fmt: skip
 fig.tight_layout()
@@ -354,9 +354,9 @@ for cap in CAPS:
 # all-reduce can only start once the last gradient exists: at most the last moments of backward
 # hide it, and the step waits for nearly all of it, as in naive DDP. With small buckets the
 # first all-reduces start early in backward and most of the communication is hidden behind it;
-# how much depends on the machine. Here gloo's threads share the CPU cores with backward itself, so a hidden
-# all-reduce still slows the computation down; NCCL on GPUs has its own links and stream. On
-# GPUs the marks are the host's (it issues backward's kernels ahead of the device), so the
+# how much depends on the machine. Here gloo's threads share the CPU cores with backward itself, so
+# a hidden all-reduce still slows the computation down; NCCL on GPUs has its own links and stream.
+# On GPUs the marks are the host's (it issues backward's kernels ahead of the device), so the
 # fraction printed there is a lower bound. Rerun the cell: on a shared machine these numbers move.
 #
 # To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is

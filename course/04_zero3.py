@@ -435,8 +435,9 @@ ax.set_xticks(ns)
 ax.set_xlabel("N: data-parallel ranks")
 ax.set_ylabel("peak bytes on rank 0 / Ψ")
 ax.legend(fontsize=8)
-ax.set_title(f"TinyGPT, stage 3, bf16 Adam, peak of one step: measured on "
-             f"{checks.describe(FLOOR['info'])}", fontsize=9)  # fmt: skip
+where = FLOOR["info"]
+ax.set_title(f"TinyGPT, stage 3, bf16 Adam, peak of one step: measured on {where['backend']} · "
+             f"{where['device']} · N = 1..{where['world']}", fontsize=9)  # fmt: skip
 plt.show()
 units = FLOOR["rows"][0][4]
 for n, peak, st, c, _ in FLOOR["rows"]:
