@@ -9,7 +9,7 @@ order in which buckets were issued, not when their all-reduce ran. The backend k
 * NCCL runs each collective as a kernel on the GPU (``nccl...Kernel...``), on the device's clock,
   which the profiler aligns with the host's.
 
-:func:`profile_step` runs a step under ``torch.profiler`` and returns its timeline: the ledger's
+:func:`profile_step` runs a step under PyTorch's profiler and returns its timeline: the ledger's
 marks (``"forward start"``, ``"backward start"``, ``"backward end"``, ...), and for each collective
 when it was issued, when the backend started it and when it completed, in milliseconds since the
 first mark. :func:`hidden_fraction` says how much of the communication ran while backward was
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.autograd.profiler import profile, record_function
 
 from minizero import collectives as C
 
@@ -76,10 +76,11 @@ def profile_step(step: Callable[[], object]) -> dict:
     """
     backend = dist.get_backend()
     cuda = backend == "nccl"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities)
+    # autograd's profiler is what torch.profiler.profile runs underneath; called directly it does
+    # not import torch._inductor on its first start (seconds in every rank)
+    prof = profile(use_cpu=True, use_device="cuda" if cuda else None, use_kineto=True)
     with _quiet_stderr():
-        prof.start()
+        prof.__enter__()
     try:
         with _MarkingLedger() as ledger:
             step()
@@ -87,8 +88,8 @@ def profile_step(step: Callable[[], object]) -> dict:
             torch.cuda.synchronize()
     finally:
         with _quiet_stderr():
-            prof.stop()
-    events = list(prof.events())
+            prof.__exit__(None, None, None)
+    events = list(prof.function_events)
     marks = sorted(
         (e.time_range.start, e.name[len(_MARK) :]) for e in events if e.name.startswith(_MARK)
     )
