@@ -353,19 +353,19 @@ for cap in CAPS:
 # %% [markdown]
 # Each orange bar is an all-reduce running in the backend; the dotted line before it is the time it
 # waited after being issued (gloo runs a process group's collectives on a small pool of threads, in
-# issue order). A bar also holds the time this rank waited for the other ranks to join that all-
-# reduce, as an NCCL kernel in a GPU trace does: when a rank falls behind (on a shared machine one
-# is often descheduled for a while) the other rank's bars stretch. The printed fractions are the
-# measurement of overlap: the share of the time during which some all-reduce was running that falls
-# before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default, larger
-# than TinyGPT) the all-reduce can only start once the last gradient exists: at most the last
-# moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With small
-# buckets the first all-reduces start early in backward and most of the communication is hidden
-# behind it; how much depends on the machine. Here gloo's threads share the CPU cores with backward
-# itself, so a hidden all-reduce still slows the computation down; NCCL on GPUs has its own links
-# and stream. On GPUs the marks are the host's (it issues backward's kernels ahead of the device),
-# so the fraction printed there is a lower bound. Rerun the cell: on a shared machine these numbers
-# move.
+# issue order). A bar also holds the time this rank waited for the other ranks to join that
+# all-reduce, as an NCCL kernel in a GPU trace does: when a rank falls behind (on a shared machine
+# one is often descheduled for a while) the other rank's bars stretch. The printed fractions are
+# the measurement of overlap: the share of the time during which some all-reduce was running that
+# falls before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default,
+# larger than TinyGPT) the all-reduce can only start once the last gradient exists: at most the
+# last moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With
+# small buckets the first all-reduces start early in backward and most of the communication is
+# hidden behind it; how much depends on the machine. Here gloo's threads share the CPU cores with
+# backward itself, so a hidden all-reduce still slows the computation down; NCCL on GPUs has its
+# own links and stream. On GPUs the marks are the host's (it issues backward's kernels ahead of the
+# device), so the fraction printed there is a lower bound. Rerun the cell: on a shared machine
+# these numbers move.
 #
 # To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is
 # the same data):
