@@ -224,8 +224,10 @@ print(
 # PyTorch's `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of the whole
 # input** and copies out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce
 # costs, and its busbw (computed with the smaller factor (N−1)/N) comes out at about half of the
-# all-reduce's. NCCL implements reduce-scatter natively; run this notebook on GPUs and the same
-# cells measure it there. The last cell of this section prints the ratio measured here.
+# all-reduce's. It costs memory too: the all-reduce runs on a copy of the input, which lives
+# until the reduce-scatter completes (lesson 03 measures it). NCCL implements reduce-scatter
+# natively; run this notebook on GPUs and the same cells measure it there. The last cell of this
+# section prints the ratio measured here.
 
 
 # %%

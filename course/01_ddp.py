@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks
+from minizero import checks, timeline
 from minizero import collectives as C
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
@@ -152,9 +152,12 @@ print(
 # To start communicating during backward we need to know when each gradient is ready. PyTorch
 # calls `p.register_post_accumulate_grad_hook(hook)` **after** the gradient has been accumulated
 # into `p.grad`, with **the parameter `p` as the argument**, not the gradient (unlike a tensor's
-# `register_hook(hook)`, whose argument is the gradient flowing through). A well-known teaching
-# repository switched to this hook, kept treating the argument as the gradient, and all-reduced
-# the *weights*: training ran, and was silently wrong. The cell shows what each hook receives:
+# `register_hook(hook)`, whose argument is the gradient flowing through). The mix-up is easy and
+# silent: pytorch/pytorch issue #187268 reports a training run whose loss stalled for thousands of
+# steps because the argument was taken for the gradient, and huggingface/picotron issue #39 asks
+# the same question of that teaching repository's data-parallel hook. All-reducing the argument
+# averages the *weights* (identical on every rank, so nothing changes) and leaves each rank's
+# local gradient in `p.grad`. The cell shows what each hook receives:
 
 # %%
 lin = torch.nn.Linear(3, 2)
@@ -266,17 +269,26 @@ checks.check_bucketed_ddp(BucketedDDP, NPROCS)
 #
 # minizero's `DDP` works like your class, except that its gradients *are* views into the buckets
 # (as with torch DDP's `gradient_as_bucket_view=True`), so it holds one copy of the gradients
-# where your class holds two (section 6 measures minizero's at exactly one copy). The cell
-# trains `TinyGPT` for 3 steps at three bucket sizes and keeps the last step's timeline: when each
-# all-reduce was issued and completed (its `wait()` returned), from the ledger's records (`start`
-# and `seconds`), and when each mark was made (`checks.TimedLedger`: a `CommLedger` whose marks
-# also note the time).
+# where your class holds two (section 6 measures minizero's at exactly one copy).
+#
+# A `CommLedger` cannot say when a bucket's all-reduce ran: it times an asynchronous collective
+# from its issue to the end of its `wait()`, and DDP waits for every bucket at the end of
+# backward, so every such bar would end there. That shows the order in which buckets were
+# *issued*, not overlap. The backend knows when it ran each one: gloo runs a collective on a
+# worker thread, which `torch.profiler` records as `gloo:all_reduce`, from the moment the thread
+# starts it to the moment it completes; NCCL runs a kernel on the GPU, which the profiler records
+# on the device's clock. `minizero.timeline.profile_step(step)` runs one step under the profiler
+# and returns, for every all-reduce, when it was issued, started and completed, beside the marks
+# `"forward start"`, `"backward start"` and `"backward end"` (the last made when autograd has
+# computed every gradient, before DDP waits). The cell trains `TinyGPT` for 6 steps at three
+# bucket sizes; after a warm-up step, it keeps, for each size, the step whose overlap is the
+# median of the five (one step on a shared machine can be an outlier).
 
 # %%
 CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT
 
 
-def timelines(progress, steps=3):
+def timelines(progress, steps=6):
     dev = checks.rank_device()
     out = {}
     for cap in CAPS:
@@ -284,15 +296,14 @@ def timelines(progress, steps=3):
         model, opt = minizero.parallelize(
             TinyGPT(GPT).to(dev), 0, lambda p: torch.optim.SGD(p, lr=0.1), bucket_cap_mb=cap
         )
-        for step in range(steps):  # the first steps warm up; keep the last one
-            with checks.TimedLedger() as ledger:
-                gpt_step(model, step)
+        seen = []
+        for step in range(steps):
+            seen.append(timeline.profile_step(lambda m=model, s=step: gpt_step(m, s)))
             opt.step()
             opt.zero_grad()
-        t0 = ledger.mark_times[0]  # "forward start"
-        marks = {label: t - t0 for (_, label), t in zip(ledger.marks, ledger.mark_times)}
-        comm = [(r.tag, r.start - t0, r.start - t0 + r.seconds, r.numel) for r in ledger.records]
-        out[cap] = {"marks": marks, "comm": comm}
+        seen = sorted(seen[1:], key=lambda tl: timeline.hidden_fraction(tl)[0]
+                      / max(timeline.hidden_fraction(tl)[1], 1e-9))  # fmt: skip
+        out[cap] = seen[len(seen) // 2]  # the step with the median overlap (step 0 warms up)
         progress.tick()
     return out
 
@@ -302,14 +313,15 @@ TIMELINES = checks.launch_with_progress(timelines, NPROCS, total=len(CAPS), desc
 
 
 def draw(cap, ax):
-    tl, ms = TIMELINES[cap], 1e3
-    m = {label: t * ms for label, t in tl["marks"].items()}  # ms since forward start
+    tl = TIMELINES[cap]
+    m = tl["marks"]  # ms since forward start
     ax.barh(0, m["backward start"], color="tab:gray", label="forward")
     ax.barh(0, m["backward end"] - m["backward start"], left=m["backward start"],
             color="tab:blue", label="backward")  # fmt: skip
-    for k, (_, start, end, numel) in enumerate(tl["comm"], start=1):
-        ax.barh(k, (end - start) * ms, left=start * ms, color="tab:orange")
-        ax.text(end * ms, k, f" {numel:,} elements", va="center", fontsize=7)
+    for k, c in enumerate(tl["comm"], start=1):
+        ax.plot([c["issued"], c["start"]], [k, k], color="tab:orange", lw=1, ls=":")
+        ax.barh(k, c["end"] - c["start"], left=c["start"], color="tab:orange")
+        ax.text(c["end"], k, f" {c['numel']:,} elements", va="center", fontsize=7)
     ax.axvline(m["backward end"], color="k", ls="--", lw=1)
     ax.set_yticks(range(len(tl["comm"]) + 1),
                   ["compute"] + [f"bucket {k}" for k in range(len(tl["comm"]))])  # fmt: skip
@@ -323,28 +335,37 @@ fig, axes = plt.subplots(len(CAPS), 1, figsize=(10, 1.5 + 0.3 * sum(rows)), shar
                          gridspec_kw={"height_ratios": rows})  # fmt: skip
 for cap, ax in zip(CAPS, axes, strict=True):
     draw(cap, ax)
-axes[-1].set_xlabel("ms since forward start (dashed line: end of backward)")
-axes[0].legend(loc="lower right", fontsize=7)
-fig.suptitle(f"minizero DDP on TinyGPT, one step seen from rank 0: {checks.describe(INFO)}")
+axes[-1].set_xlabel("ms since forward start (dotted: issued, waiting to run; bar: running; "
+                    "dashed line: backward's last gradient)")  # fmt: skip
+fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=7)
+fig.suptitle(f"minizero DDP on TinyGPT, one step seen by the profiler on rank 0: "
+             f"{checks.describe(INFO)}")  # fmt: skip
 fig.tight_layout()
 plt.show()
 for cap in CAPS:
-    tl = TIMELINES[cap]
-    start, end = tl["marks"]["backward start"], tl["marks"]["backward end"]
-    first = min(s for _, s, _, _ in tl["comm"])
+    hidden, total, exposed = timeline.hidden_fraction(TIMELINES[cap])
     print(
-        f"bucket_cap_mb={cap:>5}: {len(tl['comm']):2d} all-reduces; the first was issued "
-        f"{(first - start) / (end - start):4.0%} of the way through backward"
+        f"bucket_cap_mb={cap:>5}: {len(TIMELINES[cap]['comm']):2d} all-reduces ran for "
+        f"{total:6.1f} ms, {hidden / total:4.0%} of it while backward computed; the step then "
+        f"waited {exposed:5.1f} ms for the rest"
     )
 
 # %% [markdown]
-# Each orange bar runs from the moment a bucket's all-reduce was issued to the moment its
-# `wait()` returned at the end of backward. With small buckets the first all-reduce is issued
-# early in backward (printed above) and communication proceeds while earlier layers are still
-# being differentiated; with one big bucket (25 MiB, torch DDP's default, larger than TinyGPT)
-# the all-reduce can only be issued once the last gradient exists: naive DDP in one message.
-# On GPUs the host issues work ahead of the device, so these host-side times show order more
-# than duration.
+# Each orange bar is an all-reduce running in the backend; the dotted line before it is the time it
+# waited after being issued (gloo runs a process group's collectives on a small pool of threads, in
+# issue order). A bar also holds the time this rank waited for the other ranks to join that
+# all-reduce, as an NCCL kernel in a GPU trace does: when a rank falls behind (on a shared machine
+# one is often descheduled for a while) the other rank's bars stretch. The printed fractions are
+# the measurement of overlap: the share of the time during which some all-reduce was running that
+# falls before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default,
+# larger than TinyGPT) the all-reduce can only start once the last gradient exists: at most the
+# last moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With
+# small buckets the first all-reduces start early in backward and most of the communication is
+# hidden behind it; how much depends on the machine. Here gloo's threads share the CPU cores with
+# backward itself, so a hidden all-reduce still slows the computation down; NCCL on GPUs has its
+# own links and stream. On GPUs the marks are the host's (it issues backward's kernels ahead of the
+# device), so the fraction printed there is a lower bound. Rerun the cell: on a shared machine
+# these numbers move.
 #
 # To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is
 # the same data):

@@ -25,9 +25,10 @@
 # | 3 (P_os+g+p) | + parameters | (2 + 2 + K)Ψ/N | 3Ψ |
 #
 # This lesson builds **stage 1** and measures it: memory per rank against DDP and against the
-# formula, and communication against 2Ψ. You will write the two methods that *are* stage 1: the
-# reduce-scatter of the gradients before the optimizer steps, and the all-gather of the updated
-# parameters after it.
+# formula, and communication against 2Ψ. You will write the flat layout stage 1 runs on; the two
+# methods that *are* stage 1: the reduce-scatter of the gradients before the optimizer steps, and
+# the all-gather of the updated parameters after it; and the fp16 step that every rank skips
+# together when one of them sees an overflow.
 #
 #     python -m minizero grade lessons/02_zero1.ipynb
 
@@ -37,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks, checks_zero
+from minizero import checks, checks_grads, checks_zero1
 from minizero.bucket import make_buckets, trainable_parameters
-from minizero.collectives import all_gather, reduce_scatter
+from minizero.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.data import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
@@ -91,7 +92,8 @@ print(
 # Identical, and each half's optimizer holds states for its half only. That is all stage 1
 # needs: rank r keeps the optimizer states of **its** 1/N of the elements, steps those, and the
 # ranks exchange the results. (An optimizer that mixes elements, such as LAMB's per-tensor trust
-# ratio or Shampoo, does not split this way; `minizero.parallelize` refuses those for ZeRO.)
+# ratio or Shampoo, does not split this way across a tensor; `minizero.parallelize` refuses
+# those for ZeRO, because minizero's shards cut through tensors: section 9.)
 #
 # ## 2. The layout: flatten, pad, shard
 #
@@ -102,7 +104,79 @@ print(
 # N and cut into N equal chunks, and **rank r owns chunk r of every bucket**
 # (`minizero/bucket.py`). A parameter may straddle two chunks; then two ranks each own a part of it.
 #
-# The cell lays out the MLP (Ψ = 1,837, an odd number on purpose) in 2 KiB buckets for N ranks:
+# ## Exercise 1 — `MyBucket`: the flat layout
+#
+# Write the layout of one bucket, as minizero's `Bucket` has it. `MyBucket(params, index, world)`
+# lays `params` end to end:
+#
+# * `offsets[i]`: where `params[i]` starts in the flat buffer (the first at 0); `numel`: the
+#   total number of elements;
+# * `shard`: the chunk every rank owns, `numel / world` **rounded up** (every rank must own the
+#   same number of elements, or the collectives cannot cut the buffer); `padded = shard * world`:
+#   the buffer's length, the last `padded - numel` elements zeros that no parameter owns;
+# * `view(flat, p)`: the elements of `flat` (padded,) that belong to `p`, **as a view** shaped like
+#   `p` (so that `p.data` and `p.grad` can live inside the flat buffer);
+# * `chunk(flat, rank)`: rank `rank`'s (shard,) chunk of `flat`, also a view (a reduce-scatter
+#   writes into it, an all-gather reads from it);
+# * `flatten(tensors, dtype=None)`: a new zero-padded (padded,) buffer holding `tensors[i]` in
+#   `params[i]`'s place (dtype: the tensors' unless given).
+
+
+# %%
+class MyBucket:
+    """``params`` end to end in a flat buffer of ``padded`` elements, ``world`` chunks."""
+
+    def __init__(self, params: list[torch.nn.Parameter], index: int, world: int = 1):
+        self.params, self.index, self.world = params, index, world
+        self._slot = {id(p): i for i, p in enumerate(params)}  # id(param) -> its position
+        # BEGIN SOLUTION
+        # TODO: self.offsets: params[i] lives at [offsets[i], offsets[i] + params[i].numel())
+        # TODO: self.numel: the total; self.shard: numel / world rounded UP; self.padded
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.shard = -(-n // world)  # ceil: rank r owns [r * shard, (r + 1) * shard)
+        self.padded = self.shard * world  # numel rounded up to a multiple of world
+        # END SOLUTION
+
+    def view(self, flat: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+        """The view of ``flat`` (padded,) that belongs to ``p``, shaped like ``p``."""
+        # BEGIN SOLUTION
+        # TODO: i = self._slot[id(p)]; slice flat at p's offset, then .view(p.shape)
+        i = self._slot[id(p)]
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+        # END SOLUTION
+
+    def chunk(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Chunk ``rank`` of ``flat`` (padded,): a (shard,) view."""
+        # BEGIN SOLUTION
+        # TODO: the slice [rank * shard, (rank + 1) * shard) of flat
+        return flat[rank * self.shard : (rank + 1) * self.shard]
+        # END SOLUTION
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None):
+        """Copy one tensor per parameter into a new zero-padded flat buffer (padded,)."""
+        # BEGIN SOLUTION
+        # TODO: flat = torch.zeros(padded) (dtype: given, or the tensors'; their device);
+        # TODO: copy tensors[i] into self.view(flat, params[i]); return flat
+        flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
+        for p, t in zip(self.params, tensors, strict=True):
+            self.view(flat, p).copy_(t)
+        return flat
+        # END SOLUTION
+
+
+# %% check="MyBucket"
+# Your layout against minizero's Bucket on five sets of shapes and world sizes 1, 2, 3, 4, 8 (the
+# MLP's 1,837 elements over 3 ranks; 5 elements over 8 ranks): offsets, shard, padded, the
+# views and chunks (values, shapes, and that they share the flat buffer's memory), and flatten.
+checks_zero1.check_bucket(MyBucket)
+
+# %% [markdown]
+# minizero's `Bucket` is the same code. The cell lays out the MLP (Ψ = 1,837, an odd number on
+# purpose) in 2 KiB buckets for N ranks, with it:
 
 # %%
 mlp = MLP()
@@ -163,7 +237,7 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 # matching range of the returned chunk as `.grad`), the optimizer's own step on the fragments (which
 # writes into the masters, since they are views), and `after_step()`.
 #
-# ## Exercise — `MyZeRO1`: the two collectives of stage 1
+# ## Exercise 2 — `MyZeRO1`: the two collectives of stage 1
 #
 # * `_reduce_grads()`: reduce-scatter every bucket's gradient buffer into this rank's chunk and
 #   average; return the chunks. Use `reduce_scatter(output, input, group=self.group)` from
@@ -214,7 +288,7 @@ class MyZeRO1(ZeRO1):
 # your optimizer steps with against minizero's ZeRO1, the parameters against one process on the
 # whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
 # bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
-checks_zero.check_zero1(MyZeRO1, NPROCS)
+checks_zero1.check_zero1(MyZeRO1, NPROCS)
 
 # %% [markdown]
 # ## 4. Memory per rank: measured against the formula
@@ -261,6 +335,15 @@ print_states_per_rank(STATES, PSI, NPROCS)
 # Every rank measures the formula: the optimizer states (fp32 masters included) drop from
 # KΨ to KΨ/N, parameters and gradients stay whole. When Ψ does not divide by N the measured
 # figure is a few bytes above the formula: the padding of section 2.
+#
+# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero
+# keeps them so (the bf16 rows above). Production bf16 training mostly keeps its gradients in
+# fp32, because bf16's 8-bit mantissa loses small contributions when gradients are accumulated:
+# Megatron-LM forces it (`megatron/training/arguments.py`: "bfloat16 requires gradient
+# accumulation and all-reduce to be done in fp32"), and DeepSpeed's bf16 optimizer without ZeRO
+# defaults to an fp32 `grad_accum_dtype` (`deepspeed/runtime/engine.py`). That is 2 + 4 + 12 =
+# 18 bytes per parameter under DDP, not 16: the paper's 16Ψ is a lower bound, and the stages
+# divide the 4-byte gradients as they divide the 2-byte ones.
 #
 # ## 5. How it scales with N
 #
@@ -391,7 +474,98 @@ for stage, marks in RUNS.items():
 # ever reads its own chunk of them. Stage 2 (lesson 03) stops keeping the rest. The activations
 # are not model states: ZeRO-DP leaves them alone (the paper's ZeRO-R handles them).
 #
-# ## 7. Communication: still 2Ψ
+# ## 7. fp16: loss scaling, and a step that every rank skips
+#
+# bf16 has fp32's exponent range; **fp16** does not. Its largest value is 65504, its smallest
+# normal number 2^-14 ≈ 6.1e-5 (below it, down to 2^-24 ≈ 6e-8, subnormal numbers keep fewer
+# significant bits), and anything smaller is 0. Gradients are small, so in fp16 many of them
+# lose bits or vanish. **Loss scaling** (Micikevicius et al., *Mixed Precision Training*, ICLR
+# 2018) multiplies the loss by a scale s before backward, so every gradient is s times larger
+# while it is computed in fp16, and divides s out of the gradients, in fp32, before the step.
+# Too large a scale overflows to inf instead. The cell measures both on one process: TinyGPT's
+# gradients computed in fp16 for several scales, against the same model in fp32.
+
+# %%
+torch.manual_seed(0)
+ref = TinyGPT(GPT)  # fp32
+x, y = synthetic_batch("gpt", 8, 0)
+ref(x, y).backward()
+g32 = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # (Ψ,) the fp32 gradient
+half = TinyGPT(GPT)
+half.load_state_dict(ref.state_dict())
+half.half()  # fp16 parameters, activations and gradients
+print("TinyGPT, one batch of 8 rows, backward in fp16 on one process (this notebook, CPU):")
+print(f"{'scale':>7}{'flushed to 0':>14}{'subnormal':>11}{'inf or NaN':>12}{'|g - g32|/|g32|':>17}")
+for log2 in (0, 8, 12, 15, 16):
+    half.zero_grad()
+    (half(x, y).float() * 2**log2).backward()  # backward in fp16 from loss * scale
+    g16 = torch.cat([p.grad.reshape(-1) for p in half.parameters()])  # (Ψ,) fp16, scaled
+    g = g16.float() / 2**log2  # unscaled, in fp32, as the optimizer's step sees it
+    flushed = ((g16 == 0) & (g32 != 0)).float().mean()
+    subnormal = ((g16 != 0) & (g16.abs() < 2**-14)).float().mean()
+    bad = (~torch.isfinite(g)).float().mean()
+    err = ((g - g32).norm() / g32.norm()).item() if bad == 0 else float("nan")
+    print(f"{'2^' + str(log2):>7}{flushed:14.3%}{subnormal:11.2%}{bad:12.1%}{err:17.2e}")
+
+# %% [markdown]
+# At scale 1 some gradient elements are flushed to 0 and many more are subnormal; a larger scale
+# lifts them into fp16's normal range. At 2^16 = 65536 everything is inf: the gradient of the
+# loss with respect to itself is already the scale, more than 65504. The largest useful scale
+# depends on the model and changes during training, so the scale is **dynamic**: start high
+# (torch's `GradScaler` and minizero's `LossScaler`, `minizero/precision.py`, start at 2^16);
+# whenever a step's gradients hold an inf or a NaN, **skip the step** and halve the scale; after
+# a long run of good steps, double it again. A skipped step costs one batch; a step taken with
+# an inf destroys the parameters.
+#
+# With sharded gradients the skip is a collective decision. Rank r holds only its chunks: if
+# rank 1 finds an inf and rank 0 does not, rank 0 cannot know, and if it stepped while rank 1
+# skipped, the ranks would all-gather chunks from different steps and their models would
+# diverge. So every rank unscales its shards, checks them, and one all-reduce of a found-inf
+# flag tells every rank whether any rank found one.
+#
+# ## Exercise 3 — `fp16_step`: skip on every rank, or on none
+#
+# Write `fp16_step(optimizer, masters, scale, group=None)`. `masters` are the (shard,) fp32
+# tensors the optimizer steps, this rank's; each `m.grad` is its gradient shard, still multiplied
+# by `scale`. Divide every gradient by `scale` (in place); count the elements that are not
+# finite (`torch.isfinite`: an inf *or* a NaN) over all shards into one small tensor; sum it
+# over the ranks with **one** `all_reduce(flag, group=group)` (`minizero.collectives`); if the
+# sum is 0, `optimizer.step()` and return `scale`; else skip the step and return `scale / 2`.
+
+
+# %%
+def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], scale: float,
+              group=None) -> float:  # fmt: skip
+    """Unscale this rank's gradient shards; step unless some rank saw an inf or a NaN."""
+    # BEGIN SOLUTION
+    # TODO: found = zeros(1) on the masters' device; for each m: m.grad.div_(scale), then add the
+    # TODO: number of non-finite elements of m.grad (~torch.isfinite) to found
+    # TODO: all_reduce(found, group=group); if found is 0: optimizer.step(), return scale;
+    # TODO: else return scale / 2 (and do not step)
+    found = torch.zeros(1, device=masters[0].device)  # (1,) non-finite elements on this rank
+    for m in masters:
+        m.grad.div_(scale)  # unscale in fp32, before anything reads the gradient
+        found += (~torch.isfinite(m.grad)).sum()
+    all_reduce(found, group=group, tag="fp16 inf check")  # one collective for every shard
+    if found.item():  # some rank saw an inf or a NaN: every rank skips
+        return scale / 2
+    optimizer.step()
+    return scale
+    # END SOLUTION
+
+
+# %% check="fp16_step"
+# On NPROCS ranks, three calls with SGD on three master shards per rank, scale 1024: every
+# gradient finite (the step must use the unscaled gradient); an inf in the last rank's shard only;
+# a NaN in rank 0's shard only (no rank may step, every rank must halve the scale); one
+# all-reduce per call.
+checks_grads.check_fp16_step(fp16_step, NPROCS)
+
+# %% [markdown]
+# minizero's stages do the same in `before_step()` when `precision="fp16"`, before the
+# optimizer's step. Clipping by the global gradient norm also needs every rank: lesson 03.
+#
+# ## 8. Communication: still 2Ψ
 #
 # Same TinyGPT step, with a `CommLedger` open: what each stage sent, in the paper's volume
 # (an all-reduce of S elements counts 2S, a reduce-scatter or an all-gather of S counts S).
@@ -420,7 +594,7 @@ for stage in (0, 1):
 # carries out a reduce-scatter as an all-reduce of its whole input (lesson 00 measured it),
 # NCCL has a native one.
 #
-# ## 8. PyTorch's stage 1: `ZeroRedundancyOptimizer`
+# ## 9. PyTorch's stage 1, and the layouts of real systems
 #
 # `torch.distributed.optim.ZeroRedundancyOptimizer` (the check compared your class with it)
 # partitions the optimizer states too, with a different layout: it gives **whole parameter
@@ -463,9 +637,28 @@ for r, (theirs, ours, owned) in enumerate(SHARES):
     print(f"        minizero ZeRO1          {ours:6.1%} (chunk {r} of one flat bucket)")
 
 # %% [markdown]
-# Flat chunks split every bucket evenly (to within the padding); whole tensors cannot, and the
-# MLP's `layers.1.weight` alone is 58% of its parameters. DeepSpeed's ZeRO stages flatten
-# and pad too.
+# Flat chunks split every bucket evenly (to within the padding); whole tensors cannot: the MLP's
+# `layers.1.weight` alone is 1,073 of its 1,837 parameters.
+#
+# **How the systems you will read next lay it out.** minizero cuts *every bucket* into N chunks,
+# so rank r owns a slice of each bucket and each bucket is one reduce-scatter. The real systems
+# differ:
+#
+# * **DeepSpeed** ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`) flatten each
+#   parameter group into one padded buffer and give rank r **one contiguous 1/N of the whole
+#   group** (`get_data_parallel_partitions`). A gradient bucket then covers the partitions of a
+#   few ranks, and `average_tensor` sends each slice of it to its owner with **`dist.reduce`**
+#   (one reduce per owning rank), not one reduce-scatter per bucket. After the step an
+#   all-gather of the partitions rebuilds the 16-bit parameters.
+# * **`ZeroRedundancyOptimizer`** gives each rank whole tensors (above), all-reduces the
+#   gradients as DDP does, and broadcasts every updated parameter from its owner (lesson 06
+#   measures that volume beside stage 1's 2Ψ).
+# * **FSDP2** (`fully_shard`, lesson 04) shards each parameter on its first dimension, as a
+#   `DTensor`.
+#
+# The elementwise-optimizer restriction of section 1 comes from minizero's flat 1-D shards, not
+# from ZeRO: a layout that hands each rank whole tensors, as `ZeroRedundancyOptimizer` does, can
+# run any optimizer that updates one tensor at a time.
 #
 # **Summary.** Stage 1 keeps DDP's algorithm and DDP's 2Ψ of communication; it only moves the
 # optimizer step between the reduce-scatter and the all-gather that make up the all-reduce, so

@@ -16,7 +16,7 @@
 # buffer, and the full buffer is freed. The paper reduces the gradients bucket by bucket,
 # overlapped with backward, each rank receiving the reduced gradients of its partition (§5.2),
 # and counts Ψ for this reduce-scatter plus Ψ for the all-gather of the parameters (§7.2.1).
-# You will write the hook that does it.
+# You will write the hook that does it, and the gradient clipping that sharded gradients need.
 #
 #     python -m minizero grade lessons/03_zero2.ipynb
 
@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks, checks_zero
+from minizero import checks, checks_grads, checks_zero2
+from minizero import collectives as C
+from minizero.collectives import all_reduce
 from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -95,12 +97,13 @@ print(
 #    step (gradient accumulation) sum up in the chunk.
 #
 # `_launch` (given) first calls `_finish_in_flight()`, so at most one reduce-scatter is in flight
-# and at most two full buffers are alive: one in flight, one filling (DeepSpeed's stage 2
-# with `overlap_comm` also alternates two bucket buffers). At the end of backward, `_backward_end()`
-# (given) finishes the last one. After that, `before_step()` hands `grad_shards` to the
-# optimizer, and the rest is stage 1: step the chunk, all-gather the parameters.
+# and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
+# stage 2 with `overlap_comm` also alternates two bucket buffers). The backend may add its own:
+# section 3 measures a third on gloo. At the end of backward, `_backward_end()` (given) finishes
+# the last one. After that, `before_step()` hands `grad_shards` to the optimizer, and the rest is
+# stage 1: step the chunk, all-gather the parameters.
 #
-# ## Exercise — `MyZeRO2`: the gradient hook of stage 2
+# ## Exercise 1 — `MyZeRO2`: the gradient hook of stage 2
 #
 # Write `_on_grad_ready(p)` (steps 1–3 above; autograd calls it with the **parameter** once
 # `p.grad` holds this backward's gradient) and `_finish_in_flight()` (step 4).
@@ -146,15 +149,19 @@ class MyZeRO2(ZeRO2):
 # %% check="MyZeRO2"
 # 3 Adam steps of the MLP (3 buckets), the second over 2 micro-batches: gradient chunks against
 # minizero's ZeRO2, parameters against one process, FSDP2 (reshard_after_forward=False) and
-# ZeRO2; no p.grad after backward, every reduce-scatter started during backward, at most two
-# full bucket buffers alive, one reduce-scatter per bucket per backward and one all-gather.
-checks_zero.check_zero2(MyZeRO2, NPROCS)
+# ZeRO2, then again in bf16 against ZeRO2 in bf16; no p.grad after backward, every
+# reduce-scatter started during backward, no more full bucket buffers (two), nor bytes of them,
+# alive at once than ZeRO2; one reduce-scatter per bucket per backward and one all-gather.
+checks_zero2.check_zero2(MyZeRO2, NPROCS)
 
 # %% [markdown]
 # FSDP2 with `reshard_after_forward=False` is PyTorch's closest relative of stage 2: it
 # reduce-scatters gradients during backward and keeps only its shard of them, and keeps the
 # gathered parameters from forward to backward (it also shards the parameters between steps,
-# which stage 3 does; lesson 04).
+# which stage 3 does; lesson 04). It shards each parameter on its first dimension rather than
+# flat buckets, so its reduce-scatter runs per group of parameters. DeepSpeed's stage 2 also
+# reduces during backward, bucket by bucket, but sends each slice of a bucket to the rank whose
+# contiguous 1/N of the parameter group holds it, with `dist.reduce` (lesson 02, section 9).
 #
 # ## 3. Memory per rank: measured against the formula
 #
@@ -229,12 +236,50 @@ plt.show()
 # %% [markdown]
 # With one bucket (25 MiB) the whole gradient is alive at the end of backward, as in stage 1,
 # and then some: the kept chunks (`grad_shards`, 2Ψ/N) come on top, so at its peak stage 2
-# holds *more* than stage 1. (The reduce-scatter adds nothing: it writes rank r's chunk of the
-# sum into chunk r of the bucket itself.) With small buckets the temporaries stay small (about
-# two buckets: one filling, one in flight) and the peak approaches the 2Ψ/N of the formula.
-# Smaller buckets mean more, smaller reduce-scatters, each paying a latency (lesson 00):
-# `bucket_cap_mb` trades peak memory for message count, which is why DeepSpeed exposes
-# `reduce_bucket_size`.
+# holds *more* than stage 1. With small buckets the temporaries stay small (about two buckets:
+# one filling, one in flight) and the peak approaches the 2Ψ/N of the formula. Smaller buckets
+# mean more, smaller reduce-scatters, each paying a latency (lesson 00): `bucket_cap_mb` trades
+# peak memory for message count, which is why DeepSpeed exposes `reduce_bucket_size`.
+#
+# **What the backend adds.** The figure counts the buffers the stage holds. Does the
+# reduce-scatter itself need memory? minizero's is in place: the output is chunk r of the
+# bucket, so the stage allocates nothing for it. The backend may still copy. The cell measures
+# one in-place reduce-scatter of a 4 MiB buffer with `MemoryMeter` (on CPUs it sees every
+# storage an operation touches; on GPUs it reads the caching allocator): the memory held
+# before it, at its peak, and after `wait()`.
+
+
+# %%
+def reduce_scatter_memory(mib=4):
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
+    n = mib * 2**20 // 4 // world * world  # float32 elements, a multiple of N
+    with MemoryMeter(device=dev) as meter:  # on CPUs it sees the storages ops create or touch
+        buf = torch.ones(n, device=dev)  # (N * shard,) the bucket
+        out = buf[rank * (n // world) : (rank + 1) * (n // world)]  # (shard,) chunk r, in place
+        meter.mark("before")
+        work = C.reduce_scatter(out, buf, async_op=True)
+        work.wait()
+        del work
+        meter.mark("after wait")
+    return {"info": checks.run_info(), "marks": [(m["label"], m["total"], m["peak"])
+                                                 for m in meter.marks]}  # fmt: skip
+
+
+RS = minizero.launch(reduce_scatter_memory, NPROCS, verbose=False)[0]
+(_, before, _), (_, after, peak) = RS["marks"]
+print(
+    f"in-place reduce-scatter of {before / 2**20:.0f} MiB on {checks.describe(RS['info'])}: "
+    f"held {before / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB, {after / 2**20:.0f} MiB "
+    f"after wait(): the backend held {(peak - before) / before:.1f}x the buffer on top of it"
+)
+
+# %% [markdown]
+# On **gloo** the extra is a whole copy of the input: gloo has no reduce-scatter of its own, and
+# PyTorch's emulation all-reduces a copy of the input (lesson 00) and keeps it until the
+# collective completes. So on gloo stage 2 holds **three** full bucket buffers at its worst: the
+# one filling, the one in flight, and the backend's copy of it. **NCCL** reduce-scatters in place
+# in its own kernels; run this notebook on GPUs and the same cell measures the caching
+# allocator there. Either way the extra is per bucket in flight, so small buckets keep it small.
 #
 # ## 4. One step, mark by mark
 #
@@ -352,6 +397,82 @@ for stage in (1, 2):
 # Stage 2: one reduce-scatter per backward, (micro-batches + 1)Ψ. Stage 2 saves memory and pays
 # for it in communication when gradients are accumulated; with one backward per step the two
 # stages move the same 2Ψ.
+#
+# ## 7. Clipping: a norm no rank can compute alone
+#
+# Clipping by the global norm (`torch.nn.utils.clip_grad_norm_(params, max_norm)`) scales the
+# whole gradient by min(1, max_norm / ‖g‖), where ‖g‖ is the L2 norm of *every* gradient element.
+# After stage 2's backward each rank holds only its chunks. The cell measures, on every rank, the
+# norm of the chunks it holds, and beside it the norm one process computes on the whole batch.
+
+
+# %%
+def shard_squares():
+    torch.manual_seed(0)
+    model, opt = minizero.parallelize(TinyGPT(GPT), 2, adam)  # fp32
+    model(*gpt_batch()).backward()
+    return sum(float(g.float().pow(2).sum()) for g in model.grad_shards)  # this rank's squares
+
+
+SQ = minizero.launch(shard_squares, NPROCS, verbose=False)  # one sum of squares per rank
+torch.manual_seed(0)
+one = TinyGPT(GPT)
+one(*synthetic_batch("gpt", 8 * NPROCS, 0)).backward()  # one process, the whole batch
+whole = torch.cat([p.grad.reshape(-1) for p in one.parameters()]).norm().item()
+for r, sq in enumerate(SQ):
+    print(f"rank {r}: norm of its own gradient chunks {sq**0.5:.6f}")
+print(f"sqrt(sum over ranks of their squares) {sum(SQ) ** 0.5:.6f}; one process: {whole:.6f} "
+      f"({checks.describe(INFO)})")  # fmt: skip
+
+# %% [markdown]
+# No rank's own norm is the norm; the squares add up across ranks. So each rank sums the squares
+# of its chunks, **one** all-reduce adds the ranks' sums, and every rank takes the square root
+# and scales its own chunks by the same coefficient. One subtlety: only the elements that belong
+# to parameters count. minizero's padding is zeros, which add nothing, but nothing guarantees
+# that in general: a buffer allocated with `torch.empty` for speed holds whatever was there
+# before, and a scheme that reuses buffers may leave old values in the padding.
+#
+# ## Exercise 2 — `clip_grad_norm_` on shards
+#
+# Write `clip_grad_norm_(shards, valid, max_norm, group=None)`: `shards[i]` is this rank's
+# (shard,) chunk of bucket i's averaged gradient; its first `valid[i]` elements are gradient, the
+# rest padding (any value). Sum the squares of the real elements of every shard (in fp32) into
+# one tensor; `all_reduce` it over `group` (`minizero.collectives`), once; the norm is its square
+# root. Multiply every shard in place by `min(1, max_norm / (norm + 1e-6))` (what
+# `torch.nn.utils.clip_grad_norm_` uses), and return the norm, the same on every rank.
+
+
+# %%
+def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: float,
+                    group=None) -> torch.Tensor:  # fmt: skip
+    """Scale this rank's gradient shards so the global L2 norm is at most ``max_norm``."""
+    # BEGIN SOLUTION
+    # TODO: sq = fp32 zero; for each shard s and its count n: add s[:n]'s sum of squares to sq
+    # TODO: all_reduce(sq, group=group) once; norm = sq.sqrt()
+    # TODO: coef = clamp(max_norm / (norm + 1e-6), max=1.0); every shard *= coef (in place)
+    sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)  # () this rank's part
+    for s, n in zip(shards, valid, strict=True):
+        sq += s[:n].float().pow(2).sum()  # the padding s[n:] is no parameter's: left out
+    all_reduce(sq, group=group, tag="grad norm")  # every rank's squares: the global sum
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for s in shards:
+        s.mul_(coef.to(s.dtype))
+    return norm
+    # END SOLUTION
+
+
+# %% check="clip_grad_norm_"
+# On NPROCS ranks, the MLP's 1,837-element gradient in 2 KiB buckets, each rank's chunks with
+# their padding filled with 3.0: your norm and clipped shards against torch.nn.utils
+# .clip_grad_norm_ on the whole gradient, for a max_norm that clips and one that does not; one
+# all-reduce per call.
+checks_grads.check_clip_grad_norm(clip_grad_norm_, NPROCS)
+
+# %% [markdown]
+# minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`; DDP and stage 1
+# hold the whole gradient and need no collective for it. In fp16 the gradients must be unscaled
+# first (lesson 02's exercise), or the norm is the scale times too large.
 #
 # **Summary.** Stage 2 keeps each bucket's full gradient only from its first gradient to the
 # end of its reduce-scatter, started from the gradient hook during backward, and keeps just

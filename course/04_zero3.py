@@ -12,8 +12,10 @@
 # | stage 2 (P_os+g) | 2Ψ + (2 + K)Ψ/N | 2Ψ |
 # | **stage 3 (P_os+g+p)** | **(2 + 2 + K)Ψ/N** | **3Ψ** |
 #
-# Every model state is divided by N, so memory per rank shrinks without bound as ranks are
-# added. The price is communication (§7.2.2): the parameters are all-gathered once for forward
+# Every model state is divided by N. Memory per rank does not shrink without bound, though:
+# what a rank needs *while it computes* (the units it has gathered, the gradient buckets in
+# flight, its activations) is not a model state and does not shrink with N; section 6 measures
+# that floor. The price is communication (§7.2.2): the parameters are all-gathered once for forward
 # (Ψ) and once more for backward (Ψ, they were freed in between), and the gradients are
 # reduce-scattered as in stage 2 (Ψ): **3Ψ, 1.5x DDP**. The all-gather after the optimizer step
 # of stages 1 and 2 disappears: the next forward gathers what it needs.
@@ -33,10 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 import minizero
-from minizero import checks, checks_zero
+from minizero import checks, checks_zero3
 from minizero.collectives import all_gather, mark
 from minizero.data import synthetic_batch
-from minizero.memory import model_state_bytes, paper_model_state_bytes
+from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 from minizero.zero3 import ZeRO3
 
@@ -123,8 +125,10 @@ print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.g
 # Write `_gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
 # and start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait
 # for the all-gather in flight (prefetch calls it with `wait=False`, and the module that needs
-# the unit calls it again with `wait=True`). And `_free(i)`: wait for an all-gather still in
-# flight (never free memory a collective is writing into), then resize the storage to 0.
+# the unit calls it again with `wait=True`: then the unit is already marked gathered, and the
+# gather a prefetch started must still be waited for). And `_free(i)`: wait for an all-gather
+# still in flight (never free memory a collective is writing into), then resize the storage
+# to 0. The check also hands each method an all-gather that has not completed, unit by unit.
 
 
 # %%
@@ -167,8 +171,9 @@ class MyZeRO3(ZeRO3):
 # 3 Adam steps of the MLP (one unit per Linear, one for the output gain) on NPROCS ranks, step by
 # step: losses against minizero's ZeRO3 and FSDP2's fully_shard, gradient chunks against ZeRO3,
 # parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward; the
-# same all-gathers as ZeRO3 and one reduce-scatter per unit.
-checks_zero.check_zero3_gather(MyZeRO3, NPROCS)
+# same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, _free and
+# _gather(wait=True) handed an all-gather still in flight must wait for it.
+checks_zero3.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]
 # FSDP2's `fully_shard` is PyTorch's implementation of the same idea (with its default
@@ -249,7 +254,7 @@ class PrefetchZeRO3(ZeRO3):
 # units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
 # yours too, in forward and in backward; no more units gathered at once than ZeRO3, and no more
 # elements all-gathered (no unit gathered after its reduce-scatter).
-checks_zero.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
+checks_zero3.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %% [markdown]
 # ## 4. Parameters held during one step
@@ -376,10 +381,145 @@ for n, stage, b in SWEPT[0]["rows"]:
         print(f"N = {n}, stage {stage}: measured {b / PSI:.3f}Ψ, paper {paper / PSI:.3f}Ψ")
 
 # %% [markdown]
-# Stages 1 and 2 flatten out at 4Ψ and 2Ψ (what they do not partition); stage 3 keeps falling
-# as 16Ψ/N.
+# Stages 1 and 2 flatten out at 4Ψ and 2Ψ (what they do not partition); stage 3's model states
+# keep falling as 16Ψ/N.
 #
-# ## 6. Communication: 1.5x
+# ## 6. The floor: what stage 3 does not divide
+#
+# Model states are what a rank *keeps*. While it computes, a rank also holds the units it has
+# gathered (the running module's, the next one's if prefetched, and the tied `wte` unit through
+# forward), the gradient buckets being reduce-scattered (and, on gloo, the backend's copy of the
+# one in flight: lesson 03), and the activations of its own micro-batch, which ZeRO-DP does not
+# partition at all (the paper's ZeRO-R handles them). None of these shrinks with N. The cell
+# measures the peak of one bf16 training step (the second: the first records the module order)
+# with `MemoryMeter`, for N = 1 to `SWEEP`, each rank on its own micro-batch of 8 rows, and
+# splits it into the model states held at that moment and the rest.
+
+
+# %%
+def floor():
+    rank, rows = dist.get_rank(), []
+    for n in range(1, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
+        if rank < n:
+            torch.manual_seed(0)
+            model, opt = minizero.parallelize(TinyGPT(GPT), 3, adam, precision="bf16",
+                                              process_group=group)  # fmt: skip
+            for step in range(2):  # step 0 records the module order; step 1 is measured
+                x, y = gpt_batch(step, group)
+                with MemoryMeter(model, opt) as meter:
+                    model(x, y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    end = meter.mark("end of step")
+            at = end["at_peak"]  # CPU: the split at the peak; CUDA: None (the allocator's peak)
+            states = sum(model_state_bytes(model, opt).values()) if at is None else sum(
+                at[c] for c in ("params", "grads", "optimizer"))  # fmt: skip
+            units = sorted((b.padded * 2 for b in model.buckets), reverse=True)  # bf16 bytes
+            rows.append((n, end["peak"], states, at and at["comm"], units))
+    return {"info": checks.run_info(), "rows": rows}
+
+
+FLOOR = minizero.launch(floor, SWEEP, verbose=False)[0]  # rank 0: every N from 1 to SWEEP
+ns = [n for n, *_ in FLOOR["rows"]]
+fig, ax = plt.subplots(figsize=(7, 4))
+states = [st / PSI for _, _, st, _, _ in FLOOR["rows"]]
+comm = [(c or 0) / PSI for *_, c, _ in FLOOR["rows"]]
+rest = [(pk - st) / PSI - c for (_, pk, st, _, _), c in zip(FLOOR["rows"], comm, strict=True)]
+ax.bar(ns, states, label="model states held (16Ψ/N)")
+if FLOOR["rows"][0][3] is not None:
+    ax.bar(ns, comm, bottom=states, label="gathered units and gradient buckets")
+ax.bar(ns, rest, bottom=[a + b for a, b in zip(states, comm, strict=True)],
+       label="activations and other temporaries")  # fmt: skip
+ax.set_xticks(ns)
+ax.set_xlabel("N: data-parallel ranks")
+ax.set_ylabel("peak bytes on rank 0 / Ψ")
+ax.legend(fontsize=8)
+where = FLOOR["info"]
+ax.set_title(f"TinyGPT, stage 3, bf16 Adam, peak of one step: measured on {where['backend']} · "
+             f"{where['device']} · N = 1..{where['world']}", fontsize=9)  # fmt: skip
+plt.show()
+units = FLOOR["rows"][0][4]
+for n, peak, st, c, _ in FLOOR["rows"]:
+    split = f" (units and buckets {c / PSI:.2f}Ψ)" if c is not None else ""
+    print(f"N = {n}: peak {peak / PSI:.2f}Ψ = model states {st / PSI:.2f}Ψ + the rest "
+          f"{(peak - st) / PSI:.2f}Ψ{split}")  # fmt: skip
+print(f"largest units: {units[0]:,} and {units[1]:,} bytes (bf16), together "
+      f"{(units[0] + units[1]) / PSI:.2f}Ψ")  # fmt: skip
+
+# %% [markdown]
+# The model states fall as 16Ψ/N; the rest does not fall at all. That rest is the floor: at
+# large N the peak per rank tends to it, not to 0. Its parts scale with different things:
+#
+# * **gathered units**: the largest unit, plus the one prefetched beside it, plus any unit kept
+#   gathered (the tied embedding): set by how the model is cut into units, not by N. A model
+#   whose embedding is a large share of Ψ keeps that share gathered through the whole forward.
+# * **gradient buckets**: one filling and one in flight (three on gloo), set by the unit sizes;
+# * **activations**: set by the micro-batch and the sequence length, untouched by ZeRO-DP
+#   (activation checkpointing and the paper's ZeRO-R reduce them).
+#
+# So "stage 3 divides memory by N" holds for the model states only; for a large model at large
+# N the floor decides what fits, and lesson 05 budgets it.
+#
+# **How the systems you will read next shard parameters.** minizero's unit is a flat buffer,
+# cut into N chunks like a bucket, and in mixed precision it keeps a 16-bit shard for the
+# all-gather and a separate fp32 master shard for the optimizer (2 + 12 bytes per parameter, /N).
+# **FSDP2** (`torch.distributed.fsdp.fully_shard`) shards *each parameter* on its first dimension,
+# as a `DTensor`, and all-gathers a unit's parameters into one buffer; with a
+# `MixedPrecisionPolicy` its fp32 shards *are* the masters, cast to 16 bits only on the way to
+# the all-gather, and its sharded gradients are fp32 too. The cell measures its per-rank states
+# on TinyGPT after one Adam step (bf16 compute, fp32 gradient reduction), one unit per block.
+
+
+# %%
+def fsdp2_states():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dev = checks.rank_device()
+    torch.manual_seed(0)
+    model = TinyGPT(GPT).to(dev)
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = adam(model.parameters())
+    model(*gpt_batch()).backward()
+    opt.step()
+    local = lambda t: t.to_local()  # this rank's (dim-0) shard of a DTensor
+    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)
+    states = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    params = list(model.parameters())
+    return {
+        "params": (nbytes(params), params[0].dtype),
+        "grads": (nbytes(p.grad for p in params), params[0].grad.dtype),
+        "optimizer": (nbytes(states), states[0].dtype),
+    }
+
+
+FSDP2 = minizero.launch(fsdp2_states, NPROCS, verbose=False)[0]
+ours = paper_model_state_bytes(PSI, NPROCS, 3, "bf16")
+print(f"TinyGPT, N = {NPROCS}, bf16, after one Adam step, rank 0 ({checks.describe(INFO)}):")
+for cat, (b, dtype) in FSDP2.items():
+    print(f"  FSDP2 {cat:9} {b * NPROCS / PSI:5.2f}Ψ/N ({str(dtype).replace('torch.', '')});"
+          f"  minizero stage 3: {ours[cat] * NPROCS / PSI:5.2f}Ψ/N")  # fmt: skip
+print(
+    f"  total: FSDP2 {sum(b for b, _ in FSDP2.values()) * NPROCS / PSI:.2f}Ψ/N, "
+    f"minizero {sum(ours.values()) * NPROCS / PSI:.2f}Ψ/N"
+)
+
+# %% [markdown]
+# The same 16 bytes per parameter, divided by N, split differently: FSDP2 keeps 4-byte fp32
+# parameter shards (no separate master) and 4-byte gradient shards, minizero 2-byte shards of
+# each plus a 12-byte master and moments. FSDP2's layout pads each parameter's first dimension
+# to a multiple of N, and its optimizer sees one tensor per parameter (a `DTensor`), which is how
+# it supports param groups per parameter. DeepSpeed's stage 3
+# (`deepspeed/runtime/zero/partition_parameters.py`) partitions each parameter's flattened
+# elements into N contiguous pieces, padded, and gathers them per module, with prefetch
+# driven by a recorded trace, as here.
+#
+# ## 7. Communication: 1.5x
 #
 # A `CommLedger` over each of the first two training steps of TinyGPT, at each stage. The
 # forward's collectives are those issued before the `"backward start"` mark. At stage 3 the cell
@@ -474,5 +614,6 @@ print(
 # **Summary.** Stage 3 keeps only a 1/N chunk of every model state and gathers each module's
 # parameters around its forward and its backward: measured memory per rank follows
 # (2 + 2 + K)Ψ/N, for 1.5x the communication of DDP, and prefetch lets the all-gathers run
-# while the previous module computes. That completes ZeRO-DP: the same training, with memory
-# per rank divided by up to N.
+# while the previous module computes. That completes ZeRO-DP: the same training, with model
+# states per rank divided by N, above a floor (gathered units, buckets, activations) that does
+# not shrink with N.

@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo  # noqa: F401  imported once here: forked ranks inherit it (else seconds each)
@@ -63,19 +61,6 @@ def describe(info: dict) -> str:
     return f"{info['backend']} · {info['device']} · world {info['world']}"
 
 
-@dataclass
-class TimedLedger(C.CommLedger):
-    """A :class:`~minizero.collectives.CommLedger` whose marks also note the time: ``mark_times[k]``
-    is ``time.perf_counter()`` when ``marks[k]`` was made (a record has its own, ``record.start``).
-    Lesson 01 draws timelines with it."""
-
-    mark_times: list[float] = field(default_factory=list)
-
-    def mark(self, label: str) -> None:
-        super().mark(label)
-        self.mark_times.append(time.perf_counter())
-
-
 class Progress:
     """Passed to a rank function as ``progress``: rank 0 calls ``progress.tick()`` after each unit
     of work and the notebook's bar (see :func:`launch_with_progress`) moves. Same machine only."""
@@ -117,8 +102,8 @@ def launch_with_progress(fn, nprocs: int, *args, total: int, desc: str = "", **k
             bar.close()
 
 
-def _guard(fn, *args, **kwargs):
-    """Run student code; return (value, None) or (None, short error text)."""
+def guard(fn, *args, **kwargs):
+    """Run student code; return (value, None) or (None, short error text naming the line)."""
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
@@ -127,7 +112,8 @@ def _guard(fn, *args, **kwargs):
         return None, f"{type(e).__name__}: {e}{where}"
 
 
-def _launch(fn, nprocs: int | None, *args):
+def launch_check(fn, nprocs: int | None, *args) -> list:
+    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed."""
     nprocs = nprocs or default_nprocs()
     try:
         return launch(fn, nprocs, *args, timeout=TIMEOUT, verbose=False)
@@ -138,7 +124,8 @@ def _launch(fn, nprocs: int | None, *args):
         ) from e
 
 
-def _pass(msg: str) -> None:
+def report_pass(msg: str) -> None:
+    """What a check prints when everything matched."""
     print(f"PASS  {msg}")
 
 
@@ -157,7 +144,7 @@ def _rs_ag_rank(fn) -> dict:
         dist.all_reduce(want)  # the reference: torch.distributed itself
         mine = t.clone()
         with C.CommLedger() as ledger:
-            ret, err = _guard(fn, mine, group=None)
+            ret, err = guard(fn, mine, group=None)
         ops = [r.op for r in ledger.records]
         case = {"shape": shape, "error": err, "ops": ops, "volume": ledger.volume_elements}
         if err is None:
@@ -174,7 +161,7 @@ def _rs_ag_rank(fn) -> dict:
 def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
     """Lesson 00: ``fn(t, group=None)`` must sum ``t`` over the ranks in place, exactly as
     ``dist.all_reduce`` does, with one reduce-scatter and one all-gather (minizero.collectives)."""
-    results = _launch(_rs_ag_rank, nprocs, fn)
+    results = launch_check(_rs_ag_rank, nprocs, fn)
     world = len(results)
     name = getattr(fn, "__name__", "your function")
     for rank, res in enumerate(results):
@@ -217,7 +204,7 @@ def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
                     "torch.distributed, so that the CommLedger sees them)"
                 )
     info = results[0]["info"]
-    _pass(
+    report_pass(
         f"{name} equals dist.all_reduce on {len(SHAPES)} shapes, {world} ranks "
         f"({describe(info)}), each with one reduce_scatter + one all_gather"
     )
@@ -296,13 +283,13 @@ def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
     )
     if kind == "naive":
         refs["minizero.ddp.NaiveDDP"] = _train(lambda m: NaiveDDP(m), rank, world, dev)
-        mine, err = _guard(_train, lambda m: m, rank, world, dev, sync=student)
+        mine, err = guard(_train, lambda m: m, rank, world, dev, sync=student)
     else:
         refs["minizero.ddp.DDP"] = _train(
             lambda m: DDP(m, bucket_cap_mb=bucket_cap_mb), rank, world, dev
         )
         make = lambda m: student(m, bucket_cap_mb=bucket_cap_mb)
-        mine, err = _guard(_train, make, rank, world, dev, grad_marks=True)
+        mine, err = guard(_train, make, rank, world, dev, grad_marks=True)
     local = _train(lambda m: m, rank, world, dev)  # no communication at all: for the hints
     out = {"info": run_info(), "error": err, "refs": refs, "mine": None, "local": local}
     if mine is not None:
@@ -355,7 +342,7 @@ def _compare(mine: dict, refs: dict, local: dict, rank: int, world: int) -> None
 
 
 def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> tuple:
-    results = _launch(_ddp_rank, nprocs, student, kind, bucket_cap_mb)
+    results = launch_check(_ddp_rank, nprocs, student, kind, bucket_cap_mb)
     world = len(results)
     name = getattr(student, "__name__", "your code")
     for rank, res in enumerate(results):
@@ -381,7 +368,7 @@ def check_allreduce_gradients(fn, nprocs: int | None = None) -> None:
     leave in every ``p.grad`` the average over the ranks, as one process on the whole batch gets."""
     res, world, name = _check_ddp(fn, "naive", nprocs, 25)
     refs = ", ".join(res["refs"])
-    _pass(
+    report_pass(
         f"{name}: gradients and parameters equal {refs} for {STEPS} steps on {world} ranks "
         f"({describe(res['info'])}); moved 2Ψ = {2 * res['psi']} elements per step"
     )
@@ -419,7 +406,7 @@ def check_bucketed_ddp(cls, nprocs: int | None = None, bucket_cap_mb: float = 0.
                 "last gradient was ready, so none overlaps backward. Start each one from the "
                 "hook, as soon as its bucket's last gradient is in."
             )
-    _pass(
+    report_pass(
         f"{name}: gradients and parameters equal {', '.join(res['refs'])} for {STEPS} steps on "
         f"{world} ranks ({describe(res['info'])}); {len(res['mine']['records'][0])} bucket "
         f"all-reduces per step, {len(early)} issued while backward still ran; moved 2Ψ = "

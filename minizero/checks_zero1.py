@@ -1,0 +1,228 @@
+"""What the check cells of lesson 02 (02_zero1) call: the flat layout, and stage 1 itself.
+
+``check_bucket`` needs no ranks: it builds the student's bucket and minizero's
+(:class:`minizero.bucket.Bucket`) over the same parameters, for several world sizes, and compares
+the layout, the views and the flat buffers. ``check_zero1`` trains the student's ``ZeRO1``
+subclass on real ranks next to its references (:mod:`minizero.checks_zero`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minizero.bucket import Bucket
+from minizero.checks import CheckFailed, describe, guard, rank_device, report_pass
+from minizero.checks_zero import (
+    BF16_ATOL,
+    BF16_RTOL,
+    STEPS,
+    check_volume,
+    compare,
+    minizero_build,
+    one_process,
+    results,
+    run_all,
+    torch_zero,
+    train,
+)
+from minizero.zero1 import ZeRO1
+
+# (parameter shapes, world size): the MLP's 1,837 elements over 3 ranks; fewer elements than
+# ranks (ranks that own only padding); an exact multiple; a small uneven case; one rank.
+LAYOUTS = [
+    ([(7,), (7,), (7, 29), (29,), (29, 37), (37,), (37, 13)], 3),
+    ([(3,), (2,)], 8),
+    ([(4, 4)], 2),
+    ([(7,), (1,), (10,)], 4),
+    ([(2, 3), (5,)], 1),
+]
+
+
+def _is_view_of(t: torch.Tensor, flat: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _dirty_allocator(numel: int) -> None:
+    """Free a NaN-filled buffer of this size, so that ``torch.empty`` often hands it back."""
+    junk = torch.full((numel,), float("nan"))
+    del junk
+
+
+def _check_one_layout(cls, shapes: list[tuple], world: int) -> None:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = Bucket(params, 0, world)
+    name = getattr(cls, "__name__", "your bucket")
+    case = f"for parameters of shapes {shapes} ({ref.numel} elements) on {world} ranks"
+    mine, err = guard(cls, params, 0, world)
+    if err:
+        raise CheckFailed(f"{name}(params, 0, world={world}) raised {case}: {err}")
+    for attr in ("numel", "offsets", "shard", "padded"):
+        if not hasattr(mine, attr):
+            raise CheckFailed(f"{name} has no attribute {attr!r} {case}")
+    if mine.numel != ref.numel:
+        raise CheckFailed(f"numel = {mine.numel} {case}: the sum of the parameters' numel()")
+    if list(mine.offsets) != ref.offsets:
+        raise CheckFailed(
+            f"offsets = {list(mine.offsets)} {case}, expected {ref.offsets}: each parameter "
+            "starts where the one before it ends, the first at 0"
+        )
+    if mine.shard != ref.shard:
+        hint = " (rounded down: the last elements would belong to no rank)"
+        hint = hint if mine.shard == ref.numel // world else ""
+        raise CheckFailed(
+            f"shard = {mine.shard} {case}, expected ceil({ref.numel} / {world}) = {ref.shard}"
+            f"{hint}: every rank owns the same number of elements, so round up"
+        )
+    if mine.padded != ref.padded:
+        raise CheckFailed(
+            f"padded = {mine.padded} {case}, expected shard * world = {ref.padded}: numel "
+            "rounded up to a multiple of the world size"
+        )
+    flat = torch.arange(ref.padded, dtype=torch.float32)  # (padded,) element k holds k
+    for i, p in enumerate(params):
+        got, err = guard(mine.view, flat, p)
+        if err:
+            raise CheckFailed(f"view(flat, params[{i}]) raised {case}: {err}")
+        want = ref.view(flat, p)
+        if tuple(got.shape) != tuple(p.shape):
+            raise CheckFailed(
+                f"view(flat, params[{i}]) has shape {tuple(got.shape)} {case}; it must be "
+                f"shaped like the parameter, {tuple(p.shape)} (.view(p.shape))"
+            )
+        if not torch.equal(got, want):
+            raise CheckFailed(
+                f"view(flat, params[{i}]) holds flat elements {got.reshape(-1)[:3].long().tolist()}"
+                f"... {case}, expected {want.reshape(-1)[:3].long().tolist()}...: the parameter's "
+                f"elements are flat[offsets[{i}] : offsets[{i}] + numel]"
+            )
+        if not _is_view_of(got, flat):
+            raise CheckFailed(
+                f"view(flat, params[{i}]) returned a copy {case}: it must be a view into flat "
+                "(slice it, then .view(p.shape)), so that p.data and p.grad can live in the flat "
+                "buffer"
+            )
+    for r in range(world):
+        got, err = guard(mine.chunk, flat, r)
+        if err:
+            raise CheckFailed(f"chunk(flat, {r}) raised {case}: {err}")
+        want = ref.chunk(flat, r)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise CheckFailed(
+                f"chunk(flat, {r}) is elements {got[:1].long().tolist()}... ({got.numel()} of "
+                f"them) {case}; rank {r} owns [{r} * shard, {r + 1} * shard) = "
+                f"[{r * ref.shard}, {(r + 1) * ref.shard})"
+            )
+        if not _is_view_of(got, flat):
+            raise CheckFailed(
+                f"chunk(flat, {r}) returned a copy {case}: a reduce-scatter writes into it and "
+                "an all-gather reads it, in the flat buffer itself: return a slice"
+            )
+    tensors = [torch.randn(s) for s in shapes]
+    for dtype in (None, torch.float64):
+        _dirty_allocator(ref.padded)
+        got, err = (
+            guard(mine.flatten, tensors) if dtype is None else guard(mine.flatten, tensors, dtype)
+        )
+        call = "flatten(tensors)" if dtype is None else "flatten(tensors, torch.float64)"
+        if err:
+            raise CheckFailed(f"{call} raised {case}: {err}")
+        want = ref.flatten(tensors, dtype)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckFailed(
+                f"{call} returned {tuple(got.shape)} {got.dtype} {case}, expected "
+                f"{tuple(want.shape)} {want.dtype}: one (padded,) buffer, of the tensors' dtype "
+                "unless dtype is given"
+            )
+        pad = got[ref.numel :]
+        if not torch.equal(pad, torch.zeros_like(pad)):
+            raise CheckFailed(
+                f"{call}: the {pad.numel()} padding elements hold {pad[:3].tolist()}... {case}; "
+                "they must be zeros (a reduce-scatter sums them, the optimizer steps them): start "
+                "from torch.zeros, not torch.empty"
+            )
+        if not torch.equal(got, want):
+            k = int((got != want).nonzero()[0])
+            raise CheckFailed(
+                f"{call}: flat element {k} is {got[k].item():.4g}, expected {want[k].item():.4g} "
+                f"{case}: copy tensors[i] into view(flat, params[i])"
+            )
+        if any(_is_view_of(t, got) for t in tensors):
+            raise CheckFailed(f"{call} returned a buffer that shares memory with its inputs {case}")
+
+
+def check_bucket(cls) -> None:
+    """Lesson 02, the layout: ``cls(params, index, world)`` must lay ``params`` end to end as
+    minizero's :class:`~minizero.bucket.Bucket` does (offsets, shard, padded) and give the same
+    views (``view``, ``chunk``: views into the flat buffer) and flat buffers (``flatten``)."""
+    for shapes, world in LAYOUTS:
+        _check_one_layout(cls, shapes, world)
+    name = getattr(cls, "__name__", "your bucket")
+    report_pass(
+        f"{name}: offsets, shard, padded, view, chunk and flatten equal minizero's Bucket on "
+        f"{len(LAYOUTS)} layouts (world sizes {sorted({w for _, w in LAYOUTS})}), views sharing "
+        "the flat buffer's memory, padding zeros"
+    )
+
+
+# -- lesson 02: ZeRO-1 -----------------------------------------------------------------------------
+def _zero1_rank(student) -> dict:
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    refs = {
+        "one process on the whole batch": one_process,
+        "torch ZeroRedundancyOptimizer": torch_zero,
+        "minizero.zero1.ZeRO1": minizero_build(ZeRO1),
+    }
+    out = run_all(refs, minizero_build(student), rank, world, dev)
+    if out["error"] is None:  # mixed precision: fp32 masters apart from the bf16 working copy
+        out["bf16_ref"] = train(minizero_build(ZeRO1, "bf16"), rank, world, dev, precision="bf16")
+        out["bf16"], out["error"] = guard(
+            train, minizero_build(student, "bf16"), rank, world, dev, precision="bf16"
+        )
+    return out
+
+
+def check_zero1(cls, nprocs: int | None = None) -> None:
+    """Lesson 02: ``cls`` (a ZeRO1 subclass) must train as one process, torch's
+    ZeroRedundancyOptimizer and minizero's ZeRO1 do (fp32 and bf16), with one reduce-scatter and
+    one all-gather per bucket per step (2Ψ)."""
+    res_all, world, name = results(_zero1_rank, nprocs, cls)
+    for rank, res in enumerate(res_all):
+        mine, refs = res["mine"], res["refs"]
+        compare(
+            mine,
+            refs,
+            "minizero.zero1.ZeRO1",
+            rank,
+            world,
+            shards="Reduce-scatter each bucket's gradients into this rank's chunk, then average",
+            params=" The gradients were right: after the step, all-gather every rank's updated "
+            "chunk into the bucket's flat buffer (self.flat_params[i]).",
+        )
+        compare(
+            res["bf16"],
+            {"minizero ZeRO1 in bf16": res["bf16_ref"]},
+            "minizero ZeRO1 in bf16",
+            rank,
+            world,
+            shards="In bf16",
+            params=" In bf16 the optimizer steps a separate fp32 master (self.masters[i]): "
+            "copy it into your bf16 chunk before the all-gather (when self.precision.master).",
+            rtol=BF16_RTOL,
+            atol=BF16_ATOL,
+        )
+    res = res_all[0]
+    volume = check_volume(
+        res["mine"],
+        res["refs"]["minizero.zero1.ZeRO1"],
+        "minizero.zero1.ZeRO1",
+        "one reduce-scatter and one all-gather of every bucket's padded flat buffer",
+    )
+    psi = res["psi"]
+    report_pass(
+        f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
+        f"Adam steps on {world} ranks ({describe(res['info'])}), and minizero's ZeRO1 in bf16; "
+        f"moved {volume} elements per step = {volume / psi:.3f} Ψ (2Ψ, Ψ = {psi}, plus padding)"
+    )
