@@ -23,7 +23,7 @@ import torch.distributed as dist
 from minizero import collectives as C
 from minizero.budget import checkpoint_blocks
 from minizero.checks import CheckFailed, default_nprocs, describe, rank_device, run_info
-from minizero.launch import LaunchError, launch
+from minizero.launch import LaunchError, gpu_count, launch
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 
@@ -40,6 +40,11 @@ def _guard(fn, *args, **kwargs):
         frames = traceback.extract_tb(e.__traceback__)[1:]
         where = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
         return None, f"{type(e).__name__}: {e}{where}"
+
+
+def on_gpus(world: int) -> bool:
+    """Whether ``launch`` runs ``world`` ranks one per GPU over NCCL (its "auto" backend)."""
+    return dist.is_nccl_available() and 0 < world <= gpu_count()
 
 
 def _launch(fn, nprocs: int | None, *args) -> list:
@@ -73,11 +78,12 @@ class PeakCase:
         )
 
 
-def peak_cases(world: int) -> list[PeakCase]:
+def peak_cases(world: int, *, gpu: bool = False) -> list[PeakCase]:
     """The configurations the check measures on ``world`` ranks: activations and model states of
-    comparable size, so that a missing or wrongly divided term shows."""
+    comparable size, so that a missing or wrongly divided term shows. ``gpu``: longer micro-batches,
+    so that the CUDA allocator's rounding stays small beside them."""
     cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
-    b = 2
+    b = 16 if gpu else 2
     return [
         PeakCase(cfg=cfg, micro_batch=b, stage=0, checkpointing=False, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=2, checkpointing=False, world=world),
@@ -86,11 +92,29 @@ def peak_cases(world: int) -> list[PeakCase]:
     ]
 
 
+def _baseline(dev: torch.device) -> int:
+    """CUDA: bytes this process holds before the model exists (cuBLAS workspaces and the like,
+    created here by a throwaway bf16 forward and backward); 0 on CPU, where the meter counts only
+    the storages the step touches."""
+    if dev.type != "cuda":
+        return 0
+    x = torch.randn(4, 8, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.nn.functional.scaled_dot_product_attention(x @ w, x, x, is_causal=True)
+    y.float().sum().backward()
+    del x, w, y
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
 def measure_peak(case: PeakCase) -> dict:
     """Inside a rank: one warm-up step, then one step under ``MemoryMeter``. Returns the peak, the
-    model states held at the end of backward, and the split at the peak (CPU only, else None)."""
+    model states held at the end of backward, and the split at the peak (CPU only, else None).
+    On a GPU the peak counts from what the process held before the model existed."""
     from minizero.parallelize import parallelize
 
+    dev = rank_device()
+    base = _baseline(dev)
     torch.manual_seed(0)
     model = TinyGPT(case.cfg)
     if case.checkpointing:
@@ -98,7 +122,6 @@ def measure_peak(case: PeakCase) -> dict:
     psi = count_params(model)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)  # no foreach temporaries
     net, opt = parallelize(model, case.stage, adamw, precision="bf16", bucket_cap_mb=0.05)
-    dev = rank_device()
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     idx = torch.randint(0, case.cfg.vocab_size, (case.micro_batch, case.seq_len), generator=g)
     idx = idx.to(dev)  # (b, s) token ids, this rank's own
@@ -112,7 +135,9 @@ def measure_peak(case: PeakCase) -> dict:
         opt.step()
         opt.zero_grad()
         mark = meter.mark("step")
-    return dict(psi=psi, peak=mark["peak"], states=sum(states.values()), at_peak=mark["at_peak"])
+    return dict(
+        psi=psi, peak=mark["peak"] - base, states=sum(states.values()), at_peak=mark["at_peak"]
+    )
 
 
 def measure_peaks(cases: list[PeakCase]) -> dict:
@@ -150,12 +175,19 @@ def _diagnose(case: PeakCase, got: dict, m: dict) -> str:
     return "too few activations: every layer keeps its saved tensors until its backward"
 
 
-def check_predict_peak(fn, nprocs: int | None = None, cases: list[PeakCase] | None = None) -> None:
+def check_predict_peak(
+    fn,
+    nprocs: int | None = None,
+    cases: list[PeakCase] | None = None,
+    *,
+    measured: dict | None = None,
+) -> None:
     """Lesson 05: ``fn(case) -> {"model_states": bytes, "activations": bytes}`` against the peak
-    measured on real ranks for each of ``cases`` (default :func:`peak_cases`)."""
+    measured on real ranks for each of ``cases`` (default :func:`peak_cases`). ``measured``: rank
+    0's :func:`measure_peaks` of the same cases, to compare without launching again (tests)."""
     name = getattr(fn, "__name__", "your function")
     world = nprocs or default_nprocs()
-    cases = cases if cases is not None else peak_cases(world)
+    cases = cases if cases is not None else peak_cases(world, gpu=on_gpus(world))
     predicted = []
     for case in cases:  # first the predictions: a function that raises fails before any launch
         got, err = _guard(fn, case)
@@ -167,7 +199,7 @@ def check_predict_peak(fn, nprocs: int | None = None, cases: list[PeakCase] | No
                 f"got {got!r}"
             )
         predicted.append({k: float(v) for k, v in got.items()})
-    res = _launch(measure_peaks, world, cases)[0]  # rank 0's; the others hold the same
+    res = measured or _launch(measure_peaks, world, cases)[0]  # rank 0's; the others: the same
     where = describe(res["info"])
     rows = []
     for case, got, m in zip(cases, predicted, res["peaks"], strict=True):
