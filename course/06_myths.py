@@ -629,7 +629,7 @@ check_owned_tensors(assign_owners, owned_step, NPROCS)
 
 
 # %%
-VOCABS = (64, 512, 2048, 8192, 16384)
+VOCABS = (64, 512, 2048, 8192)
 
 
 def stage2_vs_stage3():
@@ -640,13 +640,15 @@ def stage2_vs_stage3():
             torch.manual_seed(0)
             net, opt = parallelize(TinyGPT(cfg), stage, fused, precision="bf16", bucket_cap_mb=0.05)
             x = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(0)).to(dev)
-            for _ in range(2):  # the second step is measured
-                with MemoryMeter(net, opt, device=dev) as meter:
-                    meter.reset_peak()
-                    net(x, x).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    end = meter.mark("step")
+            net(x, x).backward()  # a warm-up step creates the optimizer states
+            opt.step()
+            opt.zero_grad()
+            with MemoryMeter(net, opt, device=dev) as meter:
+                meter.reset_peak()
+                net(x, x).backward()
+                opt.step()
+                opt.zero_grad()
+                end = meter.mark("step")
             out.append(dict(V=V, stage=stage, peak=end["peak"], psi=count_params(TinyGPT(cfg))))
     return out
 
@@ -671,7 +673,9 @@ for stage in (2, 3):
     ax.plot(xs, ys, "o-", label=f"stage {stage}: {plots.STAGES[stage]}")
 ax.set_xlabel("the largest unit's share of Ψ (the tied embedding, V × h)")
 ax.set_ylabel("peak bytes per rank / Ψ")
-ax.set_title(f"TinyGPT L=2 h=64, bf16, 16 tokens per rank; {checks.describe(INFO)}", fontsize=10)
+note = f"\n{plots.GLOO_MEMORY_NOTE}" if INFO["backend"] == "gloo" else ""
+where = f"{checks.describe(INFO)}{note}"
+ax.set_title(f"TinyGPT L=2 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 fig.tight_layout()
@@ -681,11 +685,13 @@ plt.show()
 # Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
 # curves cross: stage 3 holds the gathered embedding through forward, and in backward both its
 # 16-bit copy and its full gradient until the reduce-scatter, while stage 2 never gathers
-# anything. At N = 1 stage 3 is never lower (there is nothing to partition, only units to copy).
-# Real systems bound this working set: FSDP2 gathers one `fully_shard` unit at a time (and keeps
-# the root's parameters after forward); DeepSpeed caps it with `stage3_max_live_parameters`. And
-# stage 3 also moves 1.5× the data. Pick the stage from a measured budget (lesson 05), not from
-# its number.
+# anything. (These peaks were measured on gloo, whose reduce-scatter clones its input, lesson 03:
+# a bucket more for stage 2, a unit's gradient more for stage 3. NCCL's does not.) At N = 1,
+# stage 3 has nothing to partition: its shards are whole copies, and every gathered unit is a
+# second one. Real systems bound this working set: FSDP2 gathers one `fully_shard` unit at a time
+# (and keeps the root's parameters after forward); DeepSpeed caps it with
+# `stage3_max_live_parameters`. And stage 3 also moves 1.5× the data. Pick the stage from a
+# measured budget (lesson 05), not from its number.
 #
 # ## Myth 9: "ZeRO-3's memory per rank goes to zero as N grows"
 #
@@ -704,14 +710,16 @@ def stage3_by_n(worlds):
             torch.manual_seed(0)
             net, opt = parallelize(TinyGPT(LONG), 3, fused, precision="bf16", process_group=group)
             x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size)).to(dev)  # (b, s)
-            for _ in range(2):  # the second step is measured
-                with MemoryMeter(net, opt, device=dev) as meter:
-                    meter.reset_peak()
-                    net(x, x).backward()
-                    states = sum(model_state_bytes(net, opt).values())
-                    opt.step()
-                    opt.zero_grad()
-                    end = meter.mark("step")
+            net(x, x).backward()  # a warm-up step creates the optimizer states
+            opt.step()
+            opt.zero_grad()
+            with MemoryMeter(net, opt, device=dev) as meter:
+                meter.reset_peak()
+                net(x, x).backward()
+                states = sum(model_state_bytes(net, opt).values())
+                opt.step()
+                opt.zero_grad()
+                end = meter.mark("step")
             out.append(dict(n=n, states=states, peak=end["peak"], psi=count_params(TinyGPT(LONG))))
         dist.barrier()
     return dict(info=checks.run_info(), rows=out)
@@ -741,7 +749,8 @@ ax.set_ylabel("peak per rank (MiB)")
 ax.set_xlabel("N: ranks in the process group")
 info = floor["info"]
 ax.set_title(f"stage 3, TinyGPT L=2 h=64 s=128 b=2, bf16; {info['backend']} · {info['device']}, "
-             f"groups of the first N of {info['world']} ranks", fontsize=9)  # fmt: skip
+             f"groups of the first N of {info['world']} ranks\n{plots.GLOO_MEMORY_NOTE}",
+             fontsize=9)  # fmt: skip
 ax.legend(fontsize=8)
 fig.tight_layout()
 plt.show()

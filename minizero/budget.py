@@ -105,13 +105,14 @@ def step_budget(
     checkpointing: bool = False,
     flash: bool = True,
     dropout: bool = False,
-    logit_bytes: float = 12.0,
+    logit_bytes: float = 6.0,
     precision: str = "bf16",
 ) -> dict[str, float]:
     """Bytes per rank at the peak of a step of ``TinyGPT(cfg)``, by part (formulas above).
 
-    ``logit_bytes``: bytes per logit alive at the peak (16-bit logits, fp32 loss temporaries and
-    the logits' gradient; lesson 05 measures about 12). Stage 3 adds :func:`zero3_floor_bytes`.
+    ``logit_bytes``: bytes per logit alive at the peak (the 16-bit logits, the loss's log-softmax
+    and the logits' gradient; lesson 05 measures about 6 in bf16). Stage 3 adds
+    :func:`zero3_floor_bytes`.
     """
     s, b, h, a = seq_len or cfg.block_size, micro_batch, cfg.n_embd, cfg.n_head
     states = paper_model_state_bytes(gpt_params(cfg), world, stage, precision)

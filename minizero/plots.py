@@ -49,6 +49,7 @@ STAGES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 MLP_SIZES = (32, 64, 64, 16)  # every layer's and gain's element count divides by 2, 4 and 8
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
+GLOO_MEMORY_NOTE = "gloo: a reduce_scatter clones its input, one buffer more than NCCL (lesson 03)"
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
 
 
@@ -321,7 +322,8 @@ def memory_figure(profiles: list[dict], info: dict):
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     memory_axes(ax, profiles, info)
-    fig.suptitle(f"measured on {_where(info)} (memory: {_meter(info)})")
+    note = f"\n{GLOO_MEMORY_NOTE}" if info["backend"] == "gloo" else ""
+    fig.suptitle(f"measured on {_where(info)} (memory: {_meter(info)}){note}", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -254,3 +254,40 @@ def test_owned_tensors_reports_an_exception_with_its_rank():
 
     with pytest.raises(CheckFailed, match=r"broken raised on rank 0 with AdamW: NotImpl"):
         check_owned_tensors(assign_owners, broken, 2)
+
+
+# -- the figure and the calculator ----------------------------------------------------------------
+def test_budget_figure_draws_every_stage_with_and_without_checkpointing():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minizero import plots
+
+    cfg = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
+    fig = plots.budget_figure(cfg, 8, capacity_gb=80, where="a test")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == [f"{s}: {n}" for s, n in plots.STAGES.items()] + [
+        f"{s}: {n}\nckpt" for s, n in plots.STAGES.items()
+    ]
+    totals = [t.get_text() for t in ax.texts if t.get_text().replace(".", "").isdigit()]
+    want = [
+        sum(budget.step_budget(cfg, world=8, stage=s, checkpointing=ck, logit_bytes=6).values())
+        for ck in (False, True)
+        for s in plots.STAGES
+    ]
+    assert totals == [f"{w / 1e9:.1f}" for w in want]
+    assert "constants measured on a test" in ax.get_title()
+
+
+def test_calculator_builds_its_sliders():
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minizero import plots
+
+    box = plots.calculator()
+    descriptions = [w.description for w in box.children[:-1]]
+    assert descriptions[:3] == ["layers L", "width h", "heads a"]
+    assert "checkpoint" in descriptions and "ranks N" in descriptions
