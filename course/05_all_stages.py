@@ -264,7 +264,7 @@ print(f"  the output layer ({LOGIT_BYTES:.1f} bytes per logit, s·b·V):  {BIG_L
 # `torch.utils.checkpoint` runs a block's forward without keeping what it computes, only its input;
 # in backward it runs the block's forward again, just before the block's backward, and keeps that
 # block's activations only until its backward is done (Chen et al. 2016, *Training Deep Nets with
-# Sublinear Memory Cost*, arXiv 1604.06174). Korthikanti et al. (§4.2) count 2sbh per layer: the
+# Sublinear Memory Cost*, arXiv 1604.06174). Korthikanti et al. count 2sbh per layer for it: the
 # 16-bit input. The price is one more forward per step, about a third more arithmetic.
 # `budget.checkpoint_blocks(model)` wraps each block of a TinyGPT; the same measurement:
 

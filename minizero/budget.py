@@ -9,8 +9,9 @@ At the peak of a step a rank holds (bytes; Ψ parameters, N ranks, mixed-precisi
   Recomputation in Large Transformer Models*, arXiv 2205.05198, §4.1, eq. 1): ``sbh(34 + 5as/h)``
   for sequence length s, micro-batch b, width h and a heads (:func:`layer_activation_bytes`).
   Every rank runs the whole model on its own micro-batch, so N does not divide them.
-* **activation checkpointing** keeps only each layer's input, ``2sbh`` (same paper, §4.2, full
-  recomputation), and recomputes one layer at a time in backward (:func:`checkpoint_blocks`).
+* **activation checkpointing** keeps only each layer's input, ``2sbh`` (the same paper's count
+  for full recomputation), and recomputes one layer at a time in backward
+  (:func:`checkpoint_blocks`).
 * **the output layer**: logits and the loss's temporaries, proportional to s·b·V.
 * **stage 3's working set**: the units gathered at once (current and prefetched) and the full
   gradient of the unit being reduce-scattered (:func:`zero3_floor_bytes`): with the activations,
@@ -79,7 +80,8 @@ def layer_activation_bytes(
 
 
 def checkpointed_layer_bytes(s: int, b: int, h: int) -> int:
-    """A checkpointed layer keeps only its 16-bit input, 2sbh (Korthikanti et al. 2022, §4.2)."""
+    """A checkpointed layer keeps only its 16-bit input, 2sbh (Korthikanti et al. 2022, full
+    recomputation)."""
     return 2 * s * b * h
 
 
