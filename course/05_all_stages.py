@@ -529,4 +529,4 @@ for m, ps in PROFILES.items():
 # Instructors: `plots.compare_stages(NPROCS)` runs every stage and saves §1's and §9's comparison
 # as one figure, `runs/stages.png`.
 #
-# Next: **lesson 06 — myths and facts**, where claims often made about ZeRO meet a measurement.
+# Next: **lesson 06 — myths and facts**, where nine claims about ZeRO meet a measurement.
