@@ -758,7 +758,7 @@ plt.show()
 # %% [markdown]
 # The model states halve with each doubling of N; the rest of the peak stays where it is. At
 # N = 1024 a rank would still hold it all: stage 3 goes to a floor, not to zero. For the 6.7B
-# model of lesson 05 that floor is about 20 GB at s = 4096, almost all of it activations.
+# model of lesson 05 that floor is about 20 GB at s = 4096 (its §5), almost all activations.
 #
 # ## Summary
 #
