@@ -9,9 +9,12 @@
 # 3. has you build **all-reduce = reduce-scatter + all-gather** (the identity ZeRO is built on);
 # 4. measures what each collective costs, with the definitions nccl-tests uses.
 #
+# **Work in your own copy**: `python -m minizero start` copies every lesson into `my-lessons/`
+# (regenerating `lessons/` never touches it); open this notebook from there.
+#
 # **Grade yourself** at any time (runs this notebook in a fresh kernel; your file is not changed):
 #
-#     python -m minizero grade lessons/00_collectives.ipynb
+#     python -m minizero grade my-lessons/00_collectives.ipynb
 #
 # On a laptop or a CPU machine the ranks are processes talking over **gloo**. On a machine with
 # several GPUs the same cells run one rank per GPU over **NCCL**, with no edits: `launch` picks

@@ -16,7 +16,7 @@
 # Each check trains your version on real ranks next to one process on the whole batch, PyTorch's
 # `DistributedDataParallel` and minizero's own `minizero.ddp`, and says where they differ.
 #
-#     python -m minizero grade lessons/01_ddp.ipynb
+#     python -m minizero grade my-lessons/01_ddp.ipynb
 
 # %%
 import time

@@ -30,7 +30,7 @@
 # the all-gather of the updated parameters after it; and the fp16 step that every rank skips
 # together when one of them sees an overflow.
 #
-#     python -m minizero grade lessons/02_zero1.ipynb
+#     python -m minizero grade my-lessons/02_zero1.ipynb
 
 # %%
 import matplotlib.pyplot as plt

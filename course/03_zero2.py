@@ -18,7 +18,7 @@
 # and counts Ψ for this reduce-scatter plus Ψ for the all-gather of the parameters (§7.2.1).
 # You will write the hook that does it, and the gradient clipping that sharded gradients need.
 #
-#     python -m minizero grade lessons/03_zero2.ipynb
+#     python -m minizero grade my-lessons/03_zero2.ipynb
 
 # %%
 import matplotlib.pyplot as plt

@@ -24,7 +24,7 @@
 # hooks that do it around each module with **prefetch**, the next module's all-gather started
 # while the current one computes.
 #
-#     python -m minizero grade lessons/04_zero3.ipynb
+#     python -m minizero grade my-lessons/04_zero3.ipynb
 
 # %%
 from collections import Counter

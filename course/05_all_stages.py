@@ -25,7 +25,7 @@
 # Andersch, Shoeybi, Catanzaro, *Reducing Activation Recomputation in Large Transformer Models*,
 # arXiv 2205.05198.
 #
-#     python -m minizero grade lessons/05_all_stages.ipynb
+#     python -m minizero grade my-lessons/05_all_stages.ipynb
 
 # %%
 import dataclasses

@@ -13,7 +13,7 @@
 # bring the missing pieces back when they are needed. There is no parameter server, nothing is
 # asynchronous, and nothing in it is specific to Transformers.
 #
-#     python -m minizero grade lessons/06_myths.ipynb
+#     python -m minizero grade my-lessons/06_myths.ipynb
 
 # %%
 import statistics
