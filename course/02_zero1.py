@@ -345,6 +345,31 @@ print_states_per_rank(STATES, PSI, NPROCS)
 # 18 bytes per parameter under DDP, not 16: the paper's 16Ψ is a lower bound, and the stages
 # divide the 4-byte gradients as they divide the 2-byte ones.
 #
+# minizero's precision policy uses the field names of FSDP2's `MixedPrecisionPolicy`, so the two
+# can be set side by side: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,
+# and `reduce_dtype=torch.float32` asks for fp32 gradient buckets, reduction and accumulation
+# (fp32 inputs are cast to `param_dtype` as they enter the model, `cast_forward_inputs`). Measured:
+
+# %%
+FP32_GRADS = minizero.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def fp32_grad_states():
+    rows = []
+    for stage in (0, 1):
+        torch.manual_seed(0)
+        model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=FP32_GRADS)
+        gpt_step(model, opt)
+        rows.append((stage, model_state_bytes(model, opt)))
+    return rows
+
+
+for stage, got in minizero.launch(fp32_grad_states, NPROCS, verbose=False)[0]:
+    parts = ", ".join(f"{k} {v / PSI:.3f}Ψ" for k, v in got.items())
+    print(f"bf16 + fp32 gradients, stage {stage}, rank 0: {parts} = {sum(got.values()) / PSI:.3f}Ψ")
+print(f"formula: DDP 2 + 4 + 12 = 18Ψ; stage 1 2 + 4 + 12/{NPROCS} = {6 + 12 / NPROCS:.3f}Ψ")
+
+# %% [markdown]
 # ## 5. How it scales with N
 #
 # The formula says stage 1 tends to 4Ψ per rank in mixed precision (the 16-bit parameters and

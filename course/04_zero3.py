@@ -40,6 +40,7 @@ from minizero.collectives import all_gather, mark
 from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.units import assign_params, select_units
 from minizero.zero3 import ZeRO3
 
 NPROCS = checks.default_nprocs()
@@ -64,26 +65,32 @@ def gpt_batch(step=0, group=None):
 # ## 1. Units: what is gathered together
 #
 # Stage 1 and 2 cut buckets of `bucket_cap_mb`. Stage 3 needs the parameters *of the module
-# about to run*, so minizero's `ZeRO3` (`minizero/zero3.py`) makes one **unit** per module that
-# owns parameters directly (`module.parameters(recurse=False)`): a flat buffer with the same
-# layout as a bucket (padded to a multiple of N, rank r owns chunk r). TinyGPT's units:
+# about to run*, so minizero's `ZeRO3` (`minizero/zero3.py`) cuts **units** along the model's
+# modules, the way PyTorch's FSDP2 does with `fully_shard(module)`: a unit is a module whose whole
+# subtree's parameters (minus those of units nested inside it) live in one flat buffer with the
+# same layout as a bucket (padded to a multiple of N, rank r owns chunk r). The root module is
+# always a unit and holds what no other unit holds. `minizero/units.py` picks the others; the
+# default is the model's **repeated blocks** (the children of an `nn.ModuleList`, or of an
+# `nn.Sequential` with repeats), so a nanoGPT `Block`, an `nn.TransformerEncoderLayer` or a
+# torchvision `BasicBlock` is one unit with no configuration; `parallelize(model, 3, opt,
+# units=...)` takes module classes or a predicate instead. TinyGPT's units:
 
 # %%
 model = TinyGPT(GPT)
-owner = {}  # id(param) -> the first module that owns it: its unit
-for name, m in model.named_modules():
-    own = list(m.parameters(recurse=False))
-    if own:
-        new = [p for p in own if id(p) not in owner]
-        owner.update({id(p): name for p in new})
-        users = sorted({owner[id(p)] for p in own})
-        size = sum(p.numel() for p in new)
-        print(f"{name:22} unit of {size:6,} elements" if new else f"{name:22} uses unit {users}")
+names = {m: name or "(root)" for name, m in model.named_modules()}
+groups, owners, needs = assign_params(model, select_units(model))  # one group per unit
+for unit, (params, module) in enumerate(zip(groups, owners, strict=True)):
+    held = [n for n, p in model.named_parameters() if any(p is q for q in params)]
+    print(f"unit {unit}: {names[module]:9} {sum(p.numel() for p in params):6,} elements: "
+          f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}")  # fmt: skip
 
 # %% [markdown]
-# `lm_head.weight` *is* `wte.weight` (tied), so it belongs to `wte`'s unit, and `lm_head` needs
-# that unit too: two modules use one unit. `ZeRO3` keeps such a unit gathered from its first use
-# in forward to its last (section 6 measures what that saves, and when it starts).
+# Bigger units mean fewer, larger all-gathers (better bandwidth) and more memory held while a
+# unit computes; smaller units the opposite. `lm_head.weight` *is* `wte.weight` (tied): a
+# parameter registered in two places belongs to the unit that reaches it first, and the root's
+# unit holds the embeddings, the final LayerNorm and, through the tie, the output layer. The root's
+# forward *is* the whole forward, so its unit stays gathered from the first layer to the last
+# (section 4 shows it in memory).
 #
 # ## 2. Freeing parameters that autograd still needs
 #
@@ -185,8 +192,8 @@ checks_zero3.check_zero3_gather(MyZeRO3, NPROCS)
 # `ZeRO3` calls `_gather` and `_free` from hooks:
 #
 # * a **forward pre-hook** on each module that uses a unit (`_pre_forward`): gather its units;
-# * a **forward hook** (`_post_forward`, given): free them again (except, from the second
-#   step on, a unit that a later module still uses in forward: the tied one), and register a
+# * a **forward hook** (`_post_forward`, given): free them again (unless a module still running
+#   uses them: the root's unit stays while the root's forward runs), and register a
 #   hook on the module's output tensor that fires when backward reaches it, i.e. just before the
 #   module's own backward (`_pre_backward`): gather the units again;
 # * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
@@ -199,13 +206,12 @@ checks_zero3.check_zero3_gather(MyZeRO3, NPROCS)
 # order is reversed. `self._neighbour(m, k)` gives the units of the module k places after `m`
 # in the recorded order (`k < 0`: before), or `[]` while recording; `self.prefetch` is 1.
 #
-# The reversed forward order is not exactly backward's order. A module that wraps others and
-# owns a parameter itself starts *first* in forward but may use its parameter *last*: the
-# checks' `MLP` multiplies its output by the root module's `gain`. So `gain`'s gradient arrives
-# first in backward, and its unit is reduce-scattered and freed at once. At the first layer's
-# backward, the reversed order names the root as the next module: prefetching its unit there
-# would gather it for nothing. `self._pending[i] == -1` marks a unit whose gradients were
-# already reduce-scattered in this backward: backward must not prefetch those.
+# Backward runs the modules in the reverse of the order in which they *finished* forward
+# (`self._ends`), not the order they started: the root starts first and finishes last, so in
+# backward its hook fires first. One rule remains: a unit whose gradients are all in has been
+# reduce-scattered and freed (`self._pending[i] == -1`); nothing in this backward needs it again,
+# so backward never prefetches such a unit (it would gather Ψ/N for nothing; a model that calls
+# one module twice can reach that case).
 #
 # ## Exercise 2 — prefetch
 #
@@ -260,18 +266,22 @@ checks_zero3.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 # ## 4. Parameters held during one step
 #
 # The cells below use `minizero.parallelize(model, 3, ...)`, whose stage 3 is minizero's
-# `ZeRO3`: your two exercises together. The cell trains TinyGPT in bf16 for two steps (the first
-# records the module order) and, in the second, measures the parameter bytes rank 0 holds as
-# each module starts its forward and its backward (after the stage's own hooks have gathered),
-# for stage 2 and stage 3.
+# `ZeRO3`: your two exercises together. The cell trains a 6-block TinyGPT in bf16 for two steps
+# (the first records the module order) and, in the second, measures the parameter bytes rank 0
+# holds as each unit's module starts its forward and its backward (after the stage's own hooks
+# have gathered), for stage 2 and stage 3.
 
 # %%
-UNIT_MODULES = [n for n, m in TinyGPT(GPT).named_modules() if list(m.parameters(recurse=False))]
+DEEP = GPTConfig.tiny(n_layer=6)  # 6 blocks: more units than prefetch keeps gathered at once
+PSI_DEEP = count_params(TinyGPT(DEEP))
+deep = TinyGPT(DEEP)
+picked = select_units(deep)
+UNIT_MODULES = [name or "(root)" for name, m in deep.named_modules() if m in picked]
 
 
 def params_timeline(stage):
     torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16")
+    model, opt = minizero.parallelize(TinyGPT(DEEP), stage, adam, precision="bf16")
     trace = []
 
     def sample(label):
@@ -290,7 +300,7 @@ def params_timeline(stage):
     for step in range(2):
         if step == 1:  # registered after the stage's hooks: they run after its gathers
             for name in UNIT_MODULES:
-                m = model.module.get_submodule(name)
+                m = model.module if name == "(root)" else model.module.get_submodule(name)
                 m.register_forward_pre_hook(lambda m, a, name=name: pre(m, a, name))
                 m.register_forward_hook(lambda m, a, out, name=name: post(m, a, out, name))
         sample("start")
@@ -304,29 +314,35 @@ def params_timeline(stage):
 TIMELINES = {s: minizero.launch(params_timeline, NPROCS, s, verbose=False)[0] for s in (2, 3)}
 fig, ax = plt.subplots(figsize=(11, 4.5))
 xs = range(len(TIMELINES[3]))
-ax.step(xs, [kept / PSI for _, kept, _ in TIMELINES[2]], where="mid", marker=".",
+ax.step(xs, [kept / PSI_DEEP for _, kept, _ in TIMELINES[2]], where="mid", marker=".",
         label="stage 2: all parameters")  # fmt: skip
-ax.step(xs, [(kept + g) / PSI for _, kept, g in TIMELINES[3]], where="mid", marker=".",
+ax.step(xs, [(kept + g) / PSI_DEEP for _, kept, g in TIMELINES[3]], where="mid", marker=".",
         label="stage 3: shards + gathered units")  # fmt: skip
-ax.step(xs, [kept / PSI for _, kept, _ in TIMELINES[3]], where="mid", color="k", ls="--", lw=1,
+ax.step(xs, [kept / PSI_DEEP for _, kept, _ in TIMELINES[3]], where="mid", color="k", ls="--",
+        lw=1,
         label="stage 3: shards (2Ψ/N)")  # fmt: skip
 ax.set_xticks(list(xs), [label for label, _, _ in TIMELINES[3]], rotation=90, fontsize=7)
 ax.set_ylim(0, 2.2)
-ax.set_ylabel("parameter bytes on rank 0 / Ψ")
+ax.set_ylabel(f"parameter bytes on rank 0 / Ψ (Ψ = {PSI_DEEP:,})")
 ax.legend(fontsize=8)
-ax.set_title(f"TinyGPT, bf16, one step after the first: {checks.describe(INFO)}", fontsize=9)
+ax.set_title(f"TinyGPT, 6 blocks, bf16, one step after the first: {checks.describe(INFO)}",
+             fontsize=9)  # fmt: skip
 fig.tight_layout()
 plt.show()
 peak = max(kept + g for _, kept, g in TIMELINES[3])
-print(f"stage 3: at most {peak / PSI:.2f}Ψ of parameters held at once; stage 2: 2.00Ψ throughout")
+print(f"stage 3: at most {peak / PSI_DEEP:.2f}Ψ of parameters held at once; stage 2: 2.00Ψ "
+      "throughout")  # fmt: skip
 
 # %% [markdown]
 # Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus whatever is
-# gathered at that moment: the running module's unit and, with prefetch, the next one's. One
-# unit lingers: the tied `wte` unit stays gathered in forward from `wte` (its first use) to
-# `lm_head` (its last), and in backward from `lm_head` to `wte` (its gradient is complete only
-# after the embedding's backward, the very last). So between "start" and "end of backward" the
-# orange line never drops back to the shards: it stays at least that unit above them.
+# gathered at that moment: the running block's unit and, with prefetch, the next one's. The
+# root's unit lingers: it is gathered for the root's forward, which is the whole forward (the
+# embeddings run first, `ln_f` and the tied `lm_head` last), and again for the whole backward
+# (its gradients are complete only after the embedding's backward, the very last). So between
+# "start" and "end of backward" the orange line never drops back to the shards: it stays at
+# least the root's unit above them. With two blocks instead of six, the root and both blocks are
+# gathered at once and stage 3 would hold more than stage 2 at its peak: units must be small
+# against the model for stage 3 to pay.
 #
 # ## 5. Memory per rank, every stage, against the formula
 #
@@ -451,9 +467,10 @@ print(f"largest units: {units[0]:,} and {units[1]:,} bytes (bf16), together "
 # The model states fall as 16Ψ/N; the rest does not fall at all. That rest is the floor: at
 # large N the peak per rank tends to it, not to 0. Its parts scale with different things:
 #
-# * **gathered units**: the largest unit, plus the one prefetched beside it, plus any unit kept
-#   gathered (the tied embedding): set by how the model is cut into units, not by N. A model
-#   whose embedding is a large share of Ψ keeps that share gathered through the whole forward.
+# * **gathered units**: the largest unit, plus the one prefetched beside it, plus the root's unit
+#   (the embeddings and the tied head, gathered through the whole forward and backward): set by
+#   how the model is cut into units, not by N. A model whose embedding is a large share of Ψ
+#   keeps that share gathered all the time.
 # * **gradient buckets**: one filling and one in flight (three on gloo), set by the unit sizes;
 # * **activations**: set by the micro-batch and the sequence length, untouched by ZeRO-DP
 #   (activation checkpointing and the paper's ZeRO-R reduce them).
@@ -524,11 +541,10 @@ print(
 # A `CommLedger` over each of the first two training steps of TinyGPT, at each stage. The
 # forward's collectives are those issued before the `"backward start"` mark. At stage 3 the cell
 # also counts how often each unit was all-gathered (the tag of a stage-3 all-gather names its
-# unit; the tied `wte`/`lm_head` unit is unit 0, `wte` being the first module that owns
-# parameters).
+# unit; the root's unit, with the embeddings and the tied `lm_head`, is unit 0).
 
 # %%
-TIED = "zero3 params 0"  # the tag of the tied wte/lm_head unit's all-gathers (section 1)
+ROOT = "zero3 params 0"  # the tag of the root unit's all-gathers (section 1)
 
 
 def comm():
@@ -579,34 +595,27 @@ for step in (0, 1):
     total = ", ".join(f"stage {s} {sum(COMM[s, step]['parts'].values()) / PSI:.3f}Ψ"
                       for s in STAGES)  # fmt: skip
     g = COMM[3, step]["gathers"]
-    others = sorted({n for tag, n in g.items() if tag != TIED})
+    others = sorted({n for tag, n in g.items() if tag != ROOT})
     print(
-        f"step {step}: {total}; stage 3 all-gathered the tied unit {g[TIED]} times, "
+        f"step {step}: {total}; stage 3 all-gathered the root unit {g[ROOT]} times, "
         f"each of the other {len(g) - 1} units {' or '.join(map(str, others))} times"
     )
-extra = sum(COMM[3, 0]["parts"].values()) - sum(COMM[3, 1]["parts"].values())
-print(
-    f"stage 3, step 0 - step 1 = {extra:,} elements; the tied wte/lm_head unit has "
-    f"{GPT.vocab_size * GPT.n_embd:,}"
-)
 
 # %% [markdown]
-# From the second step on, every stage moves what the paper counts: 2Ψ for DDP and stages 1
+# Every stage moves what the paper counts, from the first step on: 2Ψ for DDP and stages 1
 # and 2; 3Ψ for stage 3, Ψ all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every
-# unit gathered once for each pass, the tied one included. (TinyGPT's units split evenly over 2,
-# 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks' `MLP`
-# moves 3Ψ plus a few elements per step, as exercise 1's check printed.)
+# unit gathered once for each pass, the root's included. (TinyGPT's units split evenly over 2,
+# 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks'
+# `MLP` moves 3Ψ plus a few elements per step, as exercise 1's check printed.) The first forward
+# records the order in which the modules run, the order prefetch follows from the second step
+# on (PyTorch's FSDP records its first iteration's order the same way for `forward_prefetch`);
+# it changes when an all-gather starts, not how much is moved.
 #
-# The first step moves a little more at stage 3, and the printed difference is exactly the tied
-# unit. On that step `ZeRO3` does not yet know that `lm_head` will use `wte`'s unit again: it
-# frees the unit after `wte`'s forward and gathers it again for `lm_head`'s. The first forward
-# records the order in which the modules run (the order prefetch follows; PyTorch's FSDP records
-# its first iteration's order the same way for `forward_prefetch`). From that order `ZeRO3`
-# knows where each unit is last used in forward, and from the second step on it keeps a unit
-# used by several modules gathered from its first use to its last. The saving in volume is paid
-# in memory: the tied unit stays gathered through the whole forward (section 4's figure). In
-# backward the two steps do the same: the unit is gathered for `lm_head`'s backward and stays
-# until `wte`'s, where its gradient is complete.
+# The root's unit is freed at the end of forward and gathered again for backward, as FSDP2 does
+# for every unit but its root: that is what makes stage 3's volume exactly 3Ψ. FSDP2 keeps its
+# root's parameters through to backward (it would be gathered again at once), which saves the
+# root's share of Ψ in volume and costs it in memory between forward and backward;
+# `parallelize(..., reshard_root=False)` does the same here.
 #
 # That is volume, the quantity the paper counts; on gloo, where a reduce-scatter runs as an
 # all-reduce, time would not follow it (lesson 00).

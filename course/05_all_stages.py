@@ -293,11 +293,12 @@ print(f"\n6.7B: {BIG.n_layer} x 2sbh kept + one layer rebuilt = {ck_big / GB:.1f
 # * **gradient buckets** (stages 0–2): the bucket being filled and the one being reduced. minizero
 #   and PyTorch's DDP default to 25 MB (`bucket_cap_mb`); §1 used small buckets on purpose.
 #   On gloo a reduce-scatter also clones its input (lesson 03 measured it), one bucket more;
-# * **stage 3's gathered units**: the unit computing, the prefetched one, and the full gradient of
-#   a unit before its reduce-scatter. minizero's units are modules (TinyGPT's largest is the tied
-#   embedding V × h, kept gathered from its first use in forward to its last); FSDP2's are what
-#   you wrap with `fully_shard` (usually a transformer block, 12h² parameters); DeepSpeed caps
-#   them with `stage3_max_live_parameters` and `stage3_prefetch_bucket_size`.
+# * **stage 3's gathered units**: the root's unit (gathered through forward and backward), the
+#   block computing, the prefetched one, and the full gradient of a unit before its
+#   reduce-scatter. minizero's units, like FSDP2's (what you wrap with `fully_shard`), are the
+#   transformer blocks (12h² parameters each) plus the root, which holds the embeddings (V × h,
+#   tied to the output layer); DeepSpeed caps what is gathered with `stage3_max_live_parameters`
+#   and `stage3_prefetch_bucket_size`.
 #
 # These do not shrink with N. Neither do the activations. So stage 3's memory per rank does not go
 # to zero: it goes to a **floor**. Measured in §1 (TinyGPT tiny, at the peak, CPU only):
@@ -308,8 +309,8 @@ for p in GPT:
     comm = "n/a (CUDA)" if at is None else format_bytes(at["comm"])
     print(f"stage {p['stage']}: communication buffers at the peak {comm}")
 units = budget.gpt_units(BIG)
-work = budget.zero3_floor_bytes(units)  # 2 largest units gathered + the largest one's gradient
-print(f"\n6.7B, minizero's units: largest {units[0]:,} (the tied embedding), then {units[1]:,}")
+work = budget.zero3_floor_bytes(units)  # 3 largest units gathered + the largest one's gradient
+print(f"\n6.7B, minizero's units: the root {units[0]:,} (embeddings), each block {units[1]:,}")
 print(f"stage 3's working set: {work / GB:.2f} GB, at any N")
 for n in (8, 64, 1024):
     states = sum(paper_model_state_bytes(BIG_PSI, n, 3, "bf16").values())
@@ -479,9 +480,8 @@ for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's p
 
 # %% [markdown]
 # Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3: every stage-3 unit is
-# all-gathered twice, for forward and for backward, and reduce-scattered once, TinyGPT's tied
-# embedding included (stage 3 keeps it gathered from `wte`'s forward to `lm_head`'s once it knows
-# the order of the modules, from the second step on; lesson 04). The figure shows volume, the
+# all-gathered twice, for forward and for backward, and reduce-scattered once, the root's unit
+# (TinyGPT's embeddings and tied head) included (lesson 04). The figure shows volume, the
 # median bus bandwidth of each kind of collective, and the step time. Read the bandwidth with
 # care:
 #

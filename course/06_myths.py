@@ -40,6 +40,7 @@ from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
 from minizero.parallelize import full_state_dict, parallelize
+from minizero.units import assign_params, select_units
 
 NPROCS = checks.default_nprocs()
 INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
@@ -66,21 +67,22 @@ def who_computes_what():
     plain = TinyGPT(GPT).to(dev)  # the whole model, no ZeRO: the reference
     torch.manual_seed(0)
     net, _ = parallelize(TinyGPT(GPT), 3, adamw)
-    ran = []  # per module, in the order they run: [name, parameter elements, present while, after]
+    groups, owners, _ = assign_params(net.module, select_units(net.module))  # ZeRO-3's units
+    names = {m: name or "(root)" for name, m in net.module.named_modules()}
+    ran = []  # per unit, as its module starts: [name, elements, present while it runs, after]
 
-    def present(m):  # parameter elements of m whose storage holds data right now
-        return sum(p.numel() for p in m.parameters(recurse=False) if p.untyped_storage().nbytes())
+    def present(params):  # parameter elements whose storage holds data right now
+        return sum(p.numel() for p in params if p.untyped_storage().nbytes())
 
-    def before(m, args, name):
-        ran.append([name, sum(p.numel() for p in m.parameters(recurse=False)), present(m)])
+    def before(m, args, name, params):
+        ran.append([name, sum(p.numel() for p in params), present(params)])
 
-    def after(m, args, out):
-        ran[-1].append(present(m))  # modules with parameters are leaves here: the last one run
+    def after(m, args, out, name, params):
+        next(row for row in ran if row[0] == name).append(present(params))
 
-    for name, m in net.module.named_modules():
-        if list(m.parameters(recurse=False)):  # these hooks run after ZeRO-3's gather / free
-            m.register_forward_pre_hook(lambda m, args, name=name: before(m, args, name))
-            m.register_forward_hook(after)
+    for params, m in zip(groups, owners, strict=True):  # these run after ZeRO-3's gather / free
+        m.register_forward_pre_hook(lambda m, a, n=names[m], ps=params: before(m, a, n, ps))
+        m.register_forward_hook(lambda m, a, out, n=names[m], ps=params: after(m, a, out, n, ps))
     x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world, device=dev)  # (4, T)
     with C.CommLedger() as ledger, FlopCounterMode(display=False) as flops:
         net(x, y)
@@ -99,13 +101,13 @@ def who_computes_what():
 
 runs = minizero.launch(who_computes_what, NPROCS, verbose=False)
 head = "".join(f"rank {r}: while | after".rjust(24) for r in range(NPROCS))
-print(f"{'module':22}{'elements':>10}{head}")
+print(f"{'unit (module)':22}{'elements':>10}{head}")
 for i, (name, n, *_) in enumerate(runs[0]["ran"]):
     cells = "".join(f"{r['ran'][i][2]:>15,} | {r['ran'][i][3]:>6,}" for r in runs)
     print(f"{name:22}{n:>10,}{cells}")
 for rank, r in enumerate(runs):
     print(
-        f"rank {rank}: micro-batch starts with tokens {r['rows']}; ran {len(r['ran'])} modules; "
+        f"rank {rank}: micro-batch starts with tokens {r['rows']}; ran {len(r['ran'])} units; "
         f"holds {r['held']:,} of Ψ = {r['psi']:,} elements at rest; all-gathered "
         f"{r['gathered']:,} in forward; forward FLOPs {r['flops']:,} (plain TinyGPT on the same "
         f"rows: {r['plain_flops']:,})"
@@ -115,17 +117,15 @@ for rank, r in enumerate(runs):
 # What the measurement shows:
 #
 # * every rank ran **every** module, on **different rows** (its own micro-batch);
-# * each module had **all** of its parameter elements present while it ran, and none right after:
-#   ZeRO-3 all-gathers a module's parameters just before it runs and frees them when it is done
-#   (lesson 04); between uses a rank holds only its 1/N shard;
+# * each unit had **all** of its parameter elements present while its module ran, and none right
+#   after: ZeRO-3 all-gathers a unit (a block; the root holds the embeddings and `ln_f`) just
+#   before its module runs and frees it when the module is done (lesson 04); between uses a rank
+#   holds only its 1/N shard;
 # * each rank did exactly the FLOPs of the whole, unsplit model on its micro-batch.
 #
 # So ZeRO-3 partitions *storage*, never *computation*: it is data parallelism. (The forward
-# gathered a little more than Ψ, by the tied embedding's 101 × 64 = 6,464 elements: this was
-# the model's first step, on which ZeRO-3 records the order of the modules and does not yet know
-# that `lm_head` uses `wte`'s weight again, so it gathers that unit for each. From the second
-# step on it keeps the unit gathered from `wte` to `lm_head`, and forward gathers exactly Ψ;
-# lesson 04.) Model parallelism and ZeRO are complementary: the paper's largest runs
+# all-gathered exactly Ψ: every unit once, the root's, with the embeddings and the tied `lm_head`,
+# included; lesson 04.) Model parallelism and ZeRO are complementary: the paper's largest runs
 # combine ZeRO-DP with Megatron-LM's tensor parallelism (§10).
 #
 # ## Myth 2: "ZeRO is asynchronous"
@@ -387,8 +387,7 @@ for stage, ledgers in LEDGERS.items():
 # Stages 1 and 2 move **2Ψ**, exactly what DDP's all-reduce moves (the paper, §7.2.1: a
 # reduce-scatter of the gradients plus an all-gather of the updated parameters *is* an all-reduce,
 # taken apart). Stage 3 moves **3Ψ**, 1.5× DDP (§7.2.2): the parameters are gathered twice per
-# step, once for forward and once for backward. (TinyGPT, whose embedding is tied to its output
-# layer, moves 3Ψ too, from its second step on; lesson 04.)
+# step, once for forward and once for backward.
 #
 # The paper's claim about communication is made against **model parallelism**, not DDP. Before
 # ZeRO, a model too large for one GPU's memory had to be split inside its layers (Megatron-LM's
@@ -622,10 +621,10 @@ check_owned_tensors(assign_owners, owned_step, NPROCS)
 # (huggingface.co/docs/transformers/deepspeed). For the model states it is true. For the **peak**
 # it is not: stage 3 saves 2Ψ(1 − 1/N) bytes of 16-bit parameters but, at its peak, holds the
 # units it has gathered and the full gradient of a unit before its reduce-scatter. When one unit
-# is a large share of Ψ, that outweighs the saving. The measurement: TinyGPT (L = 2, h = 64) with
-# a growing vocabulary, so that the tied embedding (V × h, one unit, kept gathered from its first
-# use in forward to its last) becomes most of Ψ; the peak of one step at stages 2 and 3, bf16,
-# fused AdamW, 16 tokens per rank.
+# is a large share of Ψ, that outweighs the saving. The measurement: TinyGPT (L = 6, h = 64) with
+# a growing vocabulary, so that the tied embedding (V × h, in the root's unit, which stays
+# gathered through the whole forward and the whole backward) becomes most of Ψ; the peak of one
+# step at stages 2 and 3, bf16, fused AdamW, 16 tokens per rank.
 
 
 # %%
@@ -635,7 +634,7 @@ VOCABS = (64, 512, 2048, 8192)
 def stage2_vs_stage3():
     dev, out = checks.rank_device(), []
     for V in VOCABS:
-        cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=64)
+        cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64)
         for stage in (2, 3):
             torch.manual_seed(0)
             net, opt = parallelize(TinyGPT(cfg), stage, fused, precision="bf16", bucket_cap_mb=0.05)
@@ -671,11 +670,11 @@ xs = [share[V] for V in VOCABS]
 for stage in (2, 3):
     ys = [r["peak"] / r["psi"] for V in VOCABS for r in sweep if (r["V"], r["stage"]) == (V, stage)]
     ax.plot(xs, ys, "o-", label=f"stage {stage}: {plots.STAGES[stage]}")
-ax.set_xlabel("the largest unit's share of Ψ (the tied embedding, V × h)")
+ax.set_xlabel("the embedding's share of Ψ (V × h, in the root's unit)")
 ax.set_ylabel("peak bytes per rank / Ψ")
 note = f"\n{plots.GLOO_MEMORY_NOTE}" if INFO["backend"] == "gloo" else ""
 where = f"{checks.describe(INFO)}{note}"
-ax.set_title(f"TinyGPT L=2 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
+ax.set_title(f"TinyGPT L=6 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 fig.tight_layout()
@@ -683,10 +682,13 @@ plt.show()
 
 # %% [markdown]
 # Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
-# curves cross: stage 3 holds the gathered embedding through forward, and in backward both its
-# 16-bit copy and its full gradient until the reduce-scatter, while stage 2 never gathers
-# anything. (These peaks were measured on gloo, whose reduce-scatter clones its input, lesson 03:
-# a bucket more for stage 2, a unit's gradient more for stage 3. NCCL's does not.) At N = 1,
+# curves cross: stage 3 holds the root's unit, the embedding with it, gathered through forward
+# and backward, and at the end of backward both its 16-bit copy and its full gradient until the
+# reduce-scatter, while stage 2 never gathers anything. (With L = 2 they never cross: the root
+# and both blocks, all of Ψ, are gathered at once at stage 3's peak. Units must be small
+# against the model for stage 3 to pay.) These peaks were measured on gloo, whose reduce-scatter
+# clones its input (lesson 03): a bucket more for stage 2, a unit's gradient more for stage 3;
+# NCCL's does not. At N = 1,
 # stage 3 has nothing to partition: its shards are whole copies, and every gathered unit is a
 # second one. Real systems bound this working set: FSDP2 gathers one `fully_shard` unit at a time
 # (and keeps the root's parameters after forward); DeepSpeed caps it with

@@ -47,19 +47,14 @@ def gpt_params(cfg: GPTConfig) -> int:
 
 def gpt_units(cfg: GPTConfig) -> list[int]:
     """Elements of each ZeRO-3 unit of ``TinyGPT(cfg)`` in minizero, largest first: one unit per
-    module that owns parameters (the two embeddings, each Linear, each LayerNorm)."""
+    block (its two LayerNorms, attention and MLP), and the root's unit with the rest (the two
+    embeddings, the final LayerNorm; the output layer is tied to the token embedding)."""
     h, c = cfg.n_embd, int(cfg.bias)
     norm = h + c * h  # LayerNorm: weight, and bias if any
-    block = [
-        norm,
-        3 * h * h + c * 3 * h,
-        h * h + c * h,
-        norm,
-        4 * h * h + c * 4 * h,
-        4 * h * h + c * h,
-    ]
-    units = [cfg.vocab_size * h, cfg.block_size * h, norm] + block * cfg.n_layer
-    return sorted(units, reverse=True)
+    block = 2 * norm + (3 * h * h + c * 3 * h) + (h * h + c * h) + (4 * h * h + c * 4 * h)
+    block += 4 * h * h + c * h
+    root = cfg.vocab_size * h + cfg.block_size * h + norm
+    return sorted([root] + [block] * cfg.n_layer, reverse=True)
 
 
 # -- formulas -------------------------------------------------------------------------------------
@@ -86,10 +81,11 @@ def checkpointed_layer_bytes(s: int, b: int, h: int) -> int:
 
 
 def zero3_floor_bytes(
-    units: list[int], *, live: int = 2, param_bytes: int = 2, grad_bytes: int = 2
+    units: list[int], *, live: int = 3, param_bytes: int = 2, grad_bytes: int = 2
 ) -> int:
-    """Stage 3's working set beyond 16Ψ/N: the ``live`` largest units gathered at once (the one
-    computing and the prefetched one) in ``param_bytes``, and the full gradient of the largest
+    """Stage 3's working set beyond 16Ψ/N: the ``live`` largest units gathered at once (the
+    root's, gathered through forward and backward, the block computing and the prefetched one)
+    in ``param_bytes``, and the full gradient of the largest
     unit before its reduce-scatter in ``grad_bytes``. It does not shrink with N."""
     if live < 1 or not units:
         raise ValueError(f"need at least one unit and live >= 1, got {len(units)} units, {live=}")

@@ -19,6 +19,7 @@ from minizero.checks_budget import (
 )
 from minizero.memory import paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT
+from minizero.units import assign_params, select_units
 
 SMALL = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
 
@@ -34,12 +35,8 @@ SMALL = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
 )
 def test_gpt_params_and_units_are_the_models(cfg):
     model = TinyGPT(cfg)
-    seen, units = set(), []
-    for m in model.modules():  # minizero's ZeRO-3 units: new parameters of each module
-        new = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in new)
-        if new:
-            units.append(sum(p.numel() for p in new))
+    groups, _, _ = assign_params(model, select_units(model))  # minizero's ZeRO-3 units
+    units = [sum(p.numel() for p in group) for group in groups]
     assert budget.gpt_units(cfg) == sorted(units, reverse=True)
     assert budget.gpt_params(cfg) == minizero.count_params(model)
 
@@ -47,7 +44,9 @@ def test_gpt_params_and_units_are_the_models(cfg):
 def test_gpt3_6_7b_shape_has_6_67b_parameters():
     cfg = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
     assert budget.gpt_params(cfg) == 6_666_985_472
-    assert budget.gpt_units(cfg)[:2] == [50304 * 4096, 4 * 4096 * 4096 + 4 * 4096]
+    root = 50304 * 4096 + 4096 * 4096 + 2 * 4096  # wte, wpe, ln_f
+    block = 12 * 4096 * 4096 + 13 * 4096  # 2 LayerNorms, attention, MLP, with biases
+    assert budget.gpt_units(cfg) == [root] + [block] * 32
 
 
 def test_layer_activation_bytes_is_korthikanti_eq_1_and_its_variants():
@@ -61,7 +60,8 @@ def test_layer_activation_bytes_is_korthikanti_eq_1_and_its_variants():
 
 
 def test_zero3_floor_counts_the_live_units_and_one_full_gradient():
-    assert budget.zero3_floor_bytes([10, 30, 20]) == 2 * (30 + 20) + 2 * 30
+    assert budget.zero3_floor_bytes([10, 30, 20], live=2) == 2 * (30 + 20) + 2 * 30
+    assert budget.zero3_floor_bytes([10, 30, 20]) == 2 * (30 + 20 + 10) + 2 * 30
     assert budget.zero3_floor_bytes([10, 30, 20], live=1, param_bytes=4, grad_bytes=4) == 240
     with pytest.raises(ValueError, match="need at least one unit and live >= 1"):
         budget.zero3_floor_bytes([], live=2)
