@@ -14,6 +14,7 @@ PASS_THROUGH = {
     "start": ("course:start_main", "copy the lessons into a folder of your own (my-lessons/)"),
     "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
     "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
+    "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }
 
 
