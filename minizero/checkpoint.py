@@ -6,43 +6,38 @@
     state = minizero.consolidate("ckpt/step_100")   # full fp32 weights, one process, no ranks
     python -m minizero consolidate ckpt/step_100 model.pt [--safetensors]
 
-Format: ``torch.distributed.checkpoint`` (DCP), which can carry what each rank owns. A rank owns,
-of each parameter flattened, one element range ([start, end), minizero/data_parallel.py's
-``Fragment``); ranges are uneven and cut across rows, so neither DTensor (even ``Shard(dim)``
-placements) nor a rank-0 ``torch.save`` fits, but DCP's metadata describes a saved piece as a chunk
-(offsets, sizes) of a tensor, which a 1-D range is. Two small planners (checkpoint_layout.py, the
-planner interface DCP documents for this) write each range as a chunk of the parameter's flat
-tensor, named by the parameter; DCP then reshards at load time (a rank reads the chunks that
-overlap the ranges it now owns) and torch's own tools read it:
-``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT, "all.pt")`` gives every tensor
-whole (parameters flat; ``consolidate`` reshapes them and adds the tied names). ShardedTensor would
-carry the ranges too, but it is deprecated in favour of DTensor.
+Format: ``torch.distributed.checkpoint`` (DCP). A rank owns, of each parameter flattened, one
+element range ([start, end): minizero/data_parallel.py's ``Fragment``); the ranges are uneven and
+cut across rows. DTensor cannot say that (its placements cut a dimension into ``torch.chunk``
+pieces), ShardedTensor can but is deprecated in favour of DTensor, and a rank-0 ``torch.save``
+would gather the whole model on one rank. DCP's metadata, though, describes any saved piece as a
+chunk (offsets, sizes) of a named tensor, and a 1-D range is one: two small planners
+(checkpoint_layout.py; planners are DCP's documented extension point) save each range as a chunk
+of the parameter's flat tensor under the parameter's name. DCP then reshards at load time (a
+rank reads the saved chunks that overlap the ranges it now owns), and torch's own tools read the
+files: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT, "all.pt")`` gives every
+tensor whole (parameters flat; :func:`consolidate` reshapes them and adds tied names).
 
-A checkpoint is a directory: DCP's ``__<rank>_0.distcp`` (one file per rank) and ``.metadata``;
-``rank-<r>.done`` (each rank's completion marker: its files' sizes and CRC32s); ``minizero.json``
-(the commit record: what was saved, with which world size, stage, precision and optimizer, and
-every file's size and CRC32), written last. The save goes into ``<path>.incomplete`` and is
-renamed to ``<path>`` only once every rank has finished, so a save that dies leaves an earlier
-checkpoint at ``<path>`` intact and is refused by name ("incomplete checkpoint: rank 2 never
-finished"). Loading checks every file's size and checksum (each rank a share of the files) and the
-model, optimizer and groups against the record before reading anything into the model: bad input
-raises with nothing loaded, on every rank alike. The ranks must see one file system.
+On disk (checkpoint_files.py): one data file per rank, DCP's metadata, a completion marker per
+rank and a commit record, ``minizero.json``, written last; the save is renamed into place only
+once every rank has finished, so a save that dies leaves the previous checkpoint intact and is
+refused by name ("incomplete checkpoint: rank 2 never finished"). Loading checks every file's
+size and CRC32 and the model, optimizer and groups against the record before reading anything
+into the model: bad input raises on every rank alike, with nothing loaded. The ranks must see
+one file system.
 
-Bytes per rank (:func:`checkpoint_bytes`): at stages 1-3 rank r writes (P + K) bytes per element it
-owns, its share of (P + K)Ψ (P = 2 for the 16-bit working copy and K = 12 for Adam's fp32
-master, momentum and variance in mixed precision; P = 4, K = 8 in fp32, where the parameter is
-the master): no rank writes a whole parameter it does not own. At stage 0 every rank owns
+Bytes per rank (:func:`checkpoint_bytes`): at stages 1-3 rank r writes (P + K) bytes per element
+it owns, its share of (P + K)Ψ: P = 2 for the 16-bit working copy and K = 12 for Adam's fp32
+master, momentum and variance in mixed precision; P = 4 and K = 8 in fp32, where the parameter
+is its own master. No rank writes a parameter it does not own. At stage 0 every rank owns
 everything and DCP writes each tensor once, from the rank that has written least so far.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -50,129 +45,97 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minizero import checkpoint_files as F
+from minizero.checkpoint_files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
+
+__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
+           "checkpoint_bytes", "open_checkpoint", "CheckpointError"]  # fmt: skip
 
 # torch.distributed.checkpoint takes a second to import: it (and checkpoint_layout.py, built on it)
 # is imported by the functions that use it, so that `import minizero` stays fast.
-
-FORMAT = "minizero checkpoint"
-VERSION = 1
-RECORD = "minizero.json"  # the commit record, written last
-STARTED = "saving.json"  # written first into <path>.incomplete: the world size of the save
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, incomplete, damaged, or of something else."""
 
 
 # -- saving ------------------------------------------------------------------------------------
 def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None
 ) -> Path:
-    """Write this rank's part of ``model`` and ``optimizer`` (returned by ``minizero.parallelize``)
-    into the directory ``path``; collective. ``extra`` (rank 0's is kept): anything picklable that
-    resuming needs, e.g. ``{"step": step, "sched": scheduler.state_dict()}``."""
+    """Write this rank's part of ``model`` and ``optimizer`` (as ``minizero.parallelize`` returned
+    them) into the directory ``path``; collective. ``extra`` (rank 0's is kept): anything picklable
+    that resuming needs, e.g. ``{"step": step, "sched": scheduler.state_dict()}``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from minizero import checkpoint_layout as L
 
     _check_pair(model, optimizer, "save_checkpoint")
-    path = Path(path)
-    tmp, group, rank, world = _incomplete(path), model.group, model.rank, model.world
-    groups = {id(t): gi for gi, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    path, group, rank = Path(path), model.group, model.rank
 
     def prepare():
-        if path.exists() and not (path / RECORD).exists():
-            raise CheckpointError(
-                f"{path} exists and is not a minizero checkpoint: save_checkpoint replaces only "
-                "a checkpoint; choose another path"
-            )
         entries = L.save_entries(model, optimizer, rank, extra)
-        where = {f.name: groups.get(id(t)) for f, t in zip(model.fragments, model.frag_tensors)}
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # an earlier save that died
-            tmp.mkdir(parents=True)
-            write_json(tmp / STARTED, {"format": FORMAT, "world": world})
-        return entries, where
+            F.start(path, model.world)
+        return entries
 
-    (sd, ranges), where = _everywhere(prepare, group, "save_checkpoint")
-    placed: dict[str, int | None] = {}
-    for part in _gather(where, group):
+    sd, ranges = _everywhere(prepare, group, "save_checkpoint")
+    groups = {id(t): gi for gi, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    placed: dict[str, int | None] = {}  # parameter -> its param group, from every rank's fragments
+    for part in _gather({f.name: groups.get(id(t)) for f, t in _frags(model)}, group):
         placed.update(part)
+    tmp = F.incomplete_path(path)
     try:
         dcp.save(sd, storage_writer=L.Writer(tmp, rank), planner=L.FlatSavePlanner(ranges),
                  process_group=group)  # fmt: skip
     except CheckpointException as e:
-        r, (exc, _) = next(iter(sorted(e.failures.items())))
+        r, (exc, _) = sorted(e.failures.items())[0]
         raise RuntimeError(
             f"save_checkpoint failed on rank {r} ({type(exc).__name__}: {exc}); {path} is "
             f"unchanged and {tmp} is left incomplete"
         ) from None
-
-    def commit():
-        if rank == 0:
-            write_json(tmp / RECORD, _record(model, optimizer, world, placed, tmp, extra))
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                path.rename(old)
-            tmp.rename(path)
-            _fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
-
-    _everywhere(commit, group, "save_checkpoint")
+    _everywhere(
+        lambda: rank == 0 and F.commit(path, _record(model, optimizer, placed, extra)),
+        group,
+        "save_checkpoint",
+    )
     return path
 
 
-def _record(model, optimizer, world, placed, tmp: Path, extra) -> dict:
+def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
+    """What the commit record says about the run: enough to check a model and optimizer against
+    the checkpoint before loading, and to consolidate it without them."""
     from minizero import checkpoint_layout as L
 
     module = model.module
     names = L.canonical_names(module)
     params = dict(module.named_parameters(remove_duplicate=False))
-    keys = [
+    keys = [  # the model's state_dict keys in order; a parameter's: its stored (first) name
         [k, "param", names[id(params[k])]] if k in params else [k, "buffer"]
         for k in module.state_dict(keep_vars=True)
     ]
-    files = {}
-    for r in range(world):
-        files.update(json.loads((tmp / f"rank-{r}.done").read_text())["files"])
-    files[".metadata"] = file_info(tmp / ".metadata")
-    cls = type(optimizer)
+    info = lambda p: {"shape": list(p.shape), "trainable": p.requires_grad,
+                      "group": placed.get(names[id(p)])}  # fmt: skip
     return {
-        "format": FORMAT,
-        "version": VERSION,
-        "saved_with": {
-            "world": world,
-            "stage": model.stage,
-            "precision": model.precision.name,
-            "torch": torch.__version__,
-        },  # fmt: skip
-        "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+        "saved_with": {"world": model.world, "stage": model.stage,
+                       "precision": model.precision.name, "torch": torch.__version__},
+        "optimizer": _class_name(optimizer),
         "groups": len(optimizer.param_groups),
         "keys": keys,
-        "params": {
-            names[id(p)]: {
-                "shape": list(p.shape),
-                "trainable": p.requires_grad,
-                "group": placed.get(names[id(p)]),
-            }  # fmt: skip
-            for p in module.parameters()
-        },
+        "params": {names[id(p)]: info(p) for p in module.parameters()},
         "scaler": model.scaler.state_dict() if model.scaler is not None else None,
         "extra": extra is not None,
-        "files": files,
-    }
+    }  # fmt: skip
 
 
 # -- loading -------------------------------------------------------------------------------------
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer):
-    """Load a checkpoint into ``model`` and ``optimizer`` (returned by ``minizero.parallelize``, at
-    any world size, stage and precision); collective. Returns the ``extra`` it was saved with.
-    Rank r < the saved world size gets saved rank r's RNG states; other ranks keep theirs."""
+    """Load a checkpoint into ``model`` and ``optimizer`` (as ``minizero.parallelize`` returned
+    them, at any world size, stage and precision); collective. Returns the ``extra`` it was saved
+    with. Rank r < the saved world size gets saved rank r's RNG states; other ranks keep theirs.
+    Every file and the model, optimizer and groups are checked first: on a bad checkpoint every
+    rank raises :class:`CheckpointError` and nothing is loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from minizero import checkpoint_layout as L
 
@@ -180,23 +143,32 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     group, rank, world = model.group, model.rank, model.world
 
     def validate():
-        path_, record = open_checkpoint(path)
-        files = sorted(record["files"])
-        verify_files(path_, record, files[rank::world])  # every file, shared among the ranks
+        where, record = open_checkpoint(path)
+        data = sorted(f for f in record["files"] if f != ".metadata")
+        F.verify_files(where, record, [".metadata", *data[rank::world]])  # data: shared out
         canon = _match(record, model, optimizer)
-        md = FileSystemReader(path_).read_metadata()
+        md = FileSystemReader(where).read_metadata()
         targets, ranges = L.load_targets(model, optimizer, md, canon, rank)
         for key, (_numel, start) in ranges.items():
             saved = [(c.offsets[0], c.offsets[0] + c.sizes[0])
                      for c in md.state_dict_metadata[key].chunks]  # fmt: skip
             gap = L.uncovered(saved, (start, start + targets[key].numel()))
             if gap is not None:
-                raise CheckpointError(f"checkpoint {path_} lacks elements {gap} of {key}: damaged")
-        return path_, record, canon, targets, ranges
+                raise CheckpointError(
+                    f"checkpoint {where} is damaged: no piece holds {gap} of {key}"
+                )
+        return where, record, canon, targets, ranges
 
-    path_, record, canon, targets, ranges = _everywhere(validate, group, "load_checkpoint")
-    dcp.load(targets, storage_reader=FileSystemReader(path_), planner=L.FlatLoadPlanner(ranges),
-             process_group=group)  # fmt: skip
+    where, record, canon, targets, ranges = _everywhere(validate, group, "load_checkpoint")
+    try:  # into fresh tensors: the model is untouched until everything has been read
+        dcp.load(targets, storage_reader=FileSystemReader(where),
+                 planner=L.FlatLoadPlanner(ranges), process_group=group)  # fmt: skip
+    except CheckpointException as e:
+        r, (exc, _) = sorted(e.failures.items())[0]
+        raise CheckpointError(
+            f"checkpoint {where} could not be read on rank {r} ({type(exc).__name__}: {exc}); "
+            "nothing was loaded"
+        ) from None
     extra = L.apply_loaded(model, optimizer, targets, canon, rank)
     if model.scaler is not None and record["scaler"] is not None:
         model.scaler.load_state_dict(record["scaler"])
@@ -209,149 +181,70 @@ def _match(record: dict, model: DataParallel, optimizer) -> dict[str, str]:
 
     saved = {k[0]: k for k in record["keys"]}
     params = record["params"]
-    module = model.module
-    for k, v in module.state_dict(keep_vars=True).items():
-        if k not in saved:
-            raise CheckpointError(
-                f"the checkpoint holds another model: it has no {k!r}, which this model has "
-                f"(first missing of {sum(1 for j in module.state_dict() if j not in saved)})"
-            )
-        if isinstance(v, torch.Tensor) and saved[k][1] == "param":
-            shape = tuple(params[saved[k][2]]["shape"])
-            if shape != tuple(v.shape):
-                raise CheckpointError(
-                    f"the checkpoint holds another model: {k!r} has shape {shape} there and "
-                    f"{tuple(v.shape)} here"
-                )
-    extra_keys = [k for k in saved if k not in module.state_dict(keep_vars=True)]
-    if extra_keys:
+    own = model.module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in saved]
+    if missing:
         raise CheckpointError(
-            f"the checkpoint holds another model: it has {extra_keys[0]!r}, which this model "
-            f"lacks ({len(extra_keys)} such entries)"
+            f"the checkpoint holds another model: it has no {missing[0]!r}, which this model has "
+            f"(first missing of {len(missing)})"
         )
-    cls = type(optimizer)
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if name != record["optimizer"]:
+    for k, v in own.items():
+        if saved[k][1] == "param" and tuple(params[saved[k][2]]["shape"]) != tuple(v.shape):
+            raise CheckpointError(
+                f"the checkpoint holds another model: {k!r} has shape "
+                f"{tuple(params[saved[k][2]]['shape'])} there and {tuple(v.shape)} here"
+            )
+    unknown = [k for k in saved if k not in own]
+    if unknown:
         raise CheckpointError(
-            f"the checkpoint was saved with optimizer {record['optimizer']}, this one is {name}: "
-            "build the same optimizer class to resume (minizero.consolidate gives the weights)"
+            f"the checkpoint holds another model: it has {unknown[0]!r}, which this model "
+            f"lacks ({len(unknown)} such entries)"
+        )
+    if _class_name(optimizer) != record["optimizer"]:
+        raise CheckpointError(
+            f"the checkpoint was saved with optimizer {record['optimizer']}, this one is "
+            f"{_class_name(optimizer)}: build the same optimizer class to resume "
+            "(minizero.consolidate gives the weights)"
         )
     if len(optimizer.param_groups) != record["groups"]:
         raise CheckpointError(
             f"the checkpoint's optimizer has {record['groups']} param groups, this one "
             f"{len(optimizer.param_groups)}: build the groups as they were when it was saved"
         )
-    names = L.canonical_names(module)
-    canon = {n: saved[n][2] for n in names.values()}
+    canon = {n: saved[n][2] for n in L.canonical_names(model.module).values()}
     groups = {id(t): gi for gi, g in enumerate(optimizer.param_groups) for t in g["params"]}
-    for f, t in zip(model.fragments, model.frag_tensors, strict=True):
-        was = params[canon[f.name]]["group"]
-        if was is not None and groups.get(id(t)) != was:
+    for f, t in _frags(model):
+        was, now = params[canon[f.name]]["group"], groups.get(id(t))
+        if was is not None and now != was:
             raise CheckpointError(
                 f"{f.name!r} was in param group {was} when the checkpoint was saved and is in "
-                f"{groups.get(id(t))} now: build the groups as they were"
+                f"{now} now: build the groups as they were"
             )
     return canon
 
 
-# -- files: the record, completion, integrity ----------------------------------------------------
-def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
-    """The checkpoint directory and its record; raises :class:`CheckpointError` if there is none,
-    or only an incomplete save."""
-    path = Path(path)
-    if not (path / RECORD).is_file():
-        partial = path if (path / STARTED).is_file() else _incomplete(path)
-        if (partial / STARTED).is_file():
-            raise CheckpointError(_incomplete_message(partial))
-        old = path.with_name(path.name + ".old")
-        if not path.exists():
-            hint = f" (the save that replaced it died while renaming: it is {old})" if (
-                old / RECORD).is_file() else ""  # fmt: skip
-            raise CheckpointError(f"no checkpoint at {path}{hint}")
-        raise CheckpointError(
-            f"{path} is not a minizero checkpoint (no {RECORD}): pass a directory that "
-            "minizero.save_checkpoint wrote"
+def _frags(model: DataParallel):
+    return zip(model.fragments, model.frag_tensors, strict=True)
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)  # parallelize's subclass keeps the user's class's name and module
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_pair(model, optimizer, what: str) -> None:
+    if not isinstance(model, DataParallel):
+        raise TypeError(
+            f"{what} takes the model that minizero.parallelize returned, got "
+            f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
-    try:
-        record = json.loads((path / RECORD).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: {RECORD} is not valid JSON ({e})"
-        ) from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a minizero checkpoint ({RECORD} is something else)")
-    if record.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {record.get('version')}; this minizero reads "
-            f"version {VERSION}"
-        )
-    return path, record
+    if getattr(optimizer, "_stage", None) is not model:
+        raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
+    if model.params and not model.fragments:
+        raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")
 
 
-def _incomplete_message(partial: Path) -> str:
-    world = json.loads((partial / STARTED).read_text())["world"]
-    missing = [r for r in range(world) if not (partial / f"rank-{r}.done").is_file()]
-    if missing:
-        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
-        return (
-            f"incomplete checkpoint: {who} never finished ({partial} is a save that stopped "
-            "before its commit; load an earlier checkpoint)"
-        )
-    return (
-        f"incomplete checkpoint: every rank finished but the save was never committed "
-        f"({partial} has no {RECORD}; load an earlier checkpoint)"
-    )
-
-
-def verify_files(path: Path, record: dict, names: list[str]) -> None:
-    """Each named file has the size and CRC32 the record says; else :class:`CheckpointError`."""
-    for name in names:
-        want = record["files"][name]
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {name} has {size} bytes, {want['bytes']} were "
-                "written (truncated or overwritten)"
-            )
-        if file_info(f)["crc32"] != want["crc32"]:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {name} does not match its CRC32 (corrupted)"
-            )
-
-
-def file_info(f: Path) -> dict:
-    crc = 0
-    with open(f, "rb") as fh:
-        while block := fh.read(1 << 22):
-            crc = zlib.crc32(block, crc)
-    return {"bytes": f.stat().st_size, "crc32": crc}
-
-
-def write_json(f: Path, data: dict) -> None:
-    tmp = f.with_name(f.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.rename(f)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _incomplete(path: Path) -> Path:
-    return path.with_name(path.name + ".incomplete")
-
-
-# -- collective helpers ------------------------------------------------------------------------
+# -- collectives: every rank succeeds or fails alike ----------------------------------------------
 def _gather(obj, group) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -369,24 +262,13 @@ def _everywhere(fn, group, what: str):
         if err is not None:
             if error is not None and r == dist.get_rank(group):
                 raise error
-            kind = CheckpointError if err[0] == "CheckpointError" else RuntimeError
-            raise kind(err[1] if kind is CheckpointError else f"{what}: rank {r}: {err[1]}")
+            if err[0] == "CheckpointError":
+                raise CheckpointError(err[1])
+            raise RuntimeError(f"{what}: rank {r}: {err[0]}: {err[1]}")
     return result
 
 
-def _check_pair(model, optimizer, what: str) -> None:
-    if not isinstance(model, DataParallel):
-        raise TypeError(
-            f"{what} takes the model that minizero.parallelize returned, got "
-            f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
-        )
-    if getattr(optimizer, "_stage", None) is not model:
-        raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
-    if model.params and not model.fragments:
-        raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")
-
-
-# -- consolidation and bytes per rank (one process, no ranks) -------------------------------------
+# -- consolidation (one process, no ranks) -------------------------------------------------------
 def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, torch.Tensor]:
     """The full model state dict in a checkpoint, for ``model.load_state_dict(strict=True)`` on a
     plain model: parameters in fp32 (``working=True``: the 16-bit working copy of a mixed-precision
@@ -397,7 +279,7 @@ def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, 
     from minizero import checkpoint_layout as L
 
     path, record = open_checkpoint(path)
-    verify_files(path, record, sorted(record["files"]))
+    F.verify_files(path, record, sorted(record["files"]))
     md = FileSystemReader(path).read_metadata()
     stored = md.state_dict_metadata
     sd, ranges = {}, {}
@@ -422,34 +304,6 @@ def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, 
         else:
             v = sd[f"buffer/{k[0]}"]
             out[k[0]] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-    return out
-
-
-def checkpoint_bytes(path: str | os.PathLike) -> list[dict[str, int]]:
-    """Per saving rank: ``files`` (bytes of its files), ``shards`` (bytes of elementwise data of
-    trainable parameters it wrote: working copy, masters, optimizer states) and ``elements`` (how
-    many parameter elements those cover, counted once)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    path, record = open_checkpoint(path)
-    md = FileSystemReader(path).read_metadata()
-    world = record["saved_with"]["world"]
-    out = [{"files": 0, "shards": 0, "elements": 0} for _ in range(world)]
-    for name, info in record["files"].items():
-        if name.startswith("__"):
-            out[int(name[2:].split("_")[0])]["files"] += info["bytes"]
-    trainable = {n for n, p in record["params"].items() if p["trainable"]}
-    for index, where in md.storage_data.items():
-        kind, _, rest = index.fqn.partition("/")
-        name = rest.rsplit("/", 1)[0] if kind == "optim" else rest
-        smd = md.state_dict_metadata[index.fqn]
-        if kind not in ("model", "model16", "optim") or name not in trainable or not smd.size:
-            continue
-        rank = int(where.relative_path[2:].split("_")[0])
-        chunk = next(c for c in smd.chunks if tuple(c.offsets) == tuple(index.offset))
-        out[rank]["shards"] += chunk.sizes[0] * smd.properties.dtype.itemsize
-        if kind == "model":
-            out[rank]["elements"] += chunk.sizes[0]
     return out
 
 
