@@ -14,10 +14,12 @@ name, a 1-D tensor of ``p.numel()`` elements of which each rank writes only its 
     rng/<rank>/cpu|cuda   each rank's random number generator states            uint8
     extra                 what the caller passed (LR scheduler, data position)  pickled, rank 0
 
-So the files say nothing about buckets, ranks or world sizes: a rank that now owns ``[a, b)`` of
+The files say nothing about buckets, ranks or world sizes: a rank that now owns ``[a, b)`` of
 ``model/<name>`` reads those elements, from whichever saved pieces hold them (:func:`read_plan`).
 Frozen parameters are stored whole under ``model/<name>`` by rank 0. Tied parameters are stored
-once, under their first name (``named_parameters()`` order).
+once, under their first name (``named_parameters()`` order). Loading rebuilds the working copy
+from the masters, as the end of an optimizer step does; ``model16`` is there for
+``consolidate(..., working=True)``: the 16-bit weights the ranks ran with.
 
 The two DCP planners below teach ``torch.distributed.checkpoint`` this layout: a saved piece is a
 chunk ``[start, start + n)`` of a 1-D tensor of ``numel`` elements, the same description DCP
@@ -348,11 +350,9 @@ def apply_loaded(
             if st:
                 state[i] = st
             i += 1
-    groups = [
-        {**saved, "params": cur["params"], **({"param_names": cur["param_names"]} if
-                                                "param_names" in cur else {})}
-        for saved, cur in zip(sd["optim/param_groups"], current, strict=True)
-    ]  # fmt: skip
+    groups = []  # the saved settings (lr, betas, ...), this optimizer's parameters
+    for saved, cur in zip(sd["optim/param_groups"], current, strict=True):
+        groups.append({**saved, **{k: cur[k] for k in ("params", "param_names") if k in cur}})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     if f"rng/{rank}/cpu" in sd:
         torch.set_rng_state(sd[f"rng/{rank}/cpu"])
