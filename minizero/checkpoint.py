@@ -88,9 +88,10 @@ def save_checkpoint(
                  process_group=group)  # fmt: skip
     except CheckpointException as e:
         r, (exc, _) = sorted(e.failures.items())[0]
+        before = "is unchanged" if (path / F.RECORD).is_file() else "was not created"
         raise RuntimeError(
-            f"save_checkpoint failed on rank {r} ({type(exc).__name__}: {exc}); {path} is "
-            f"unchanged and {tmp} is left incomplete"
+            f"save_checkpoint failed on rank {r} ({type(exc).__name__}: {exc}); {path} {before} "
+            f"and {tmp} is left incomplete"
         ) from None
     _everywhere(
         lambda: rank == 0 and F.commit(path, _record(model, optimizer, placed, extra)),
