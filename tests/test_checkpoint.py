@@ -179,9 +179,16 @@ def test_a_bf16_checkpoint_loads_into_fp32_and_back_with_the_fp32_masters(tmp_pa
 def killed_save_rank(tmp: str) -> dict:
     rank = dist.get_rank()
     model, optimizer, sched = wrapped(2, "fp32")
-    train(model, optimizer, sched, 0, 2)
-    minizero.save_checkpoint(f"{tmp}/ckpt", model, optimizer, {"step": 2})
+    train(model, optimizer, sched, 0, 1)
+    minizero.save_checkpoint(f"{tmp}/ckpt", model, optimizer, {"step": 1})
+    train(model, optimizer, sched, 1, 2)
+    minizero.save_checkpoint(f"{tmp}/ckpt", model, optimizer, {"step": 2})  # replaces step 1
     saved = snapshot(model)
+    try:
+        minizero.save_checkpoint(tmp, model, optimizer)  # a directory that is not a checkpoint
+        not_a_checkpoint = None
+    except CheckpointError as e:
+        not_a_checkpoint = str(e)
     train(model, optimizer, sched, 2, 3)
     if rank == 2:  # dies while writing, after ranks 0 and 1 have finished their part
         writer = checkpoint_layout.Writer
@@ -210,11 +217,15 @@ def killed_save_rank(tmp: str) -> dict:
         except CheckpointError as e:
             refused.append(str(e))
     return {"errors": errors, "step": extra["step"], "loaded": snapshot(fresh), "saved": saved,
-            "refused": refused}  # fmt: skip
+            "refused": refused, "not a checkpoint": not_a_checkpoint}  # fmt: skip
 
 
 def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_and_is_refused(tmp_path):
     for r, res in enumerate(run(killed_save_rank, 3, str(tmp_path))):
+        assert res["not a checkpoint"] == (
+            f"{tmp_path} exists and is not a minizero checkpoint: save_checkpoint replaces only a "
+            "checkpoint; choose another path"
+        )
         for err, name, was in zip(res["errors"], ("ckpt", "other"), ("is unchanged",
                                   "was not created"), strict=True):  # fmt: skip
             assert err == (
