@@ -117,7 +117,9 @@ def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
                       "group": placed.get(names[id(p)])}  # fmt: skip
     return {
         "saved_with": {"world": model.world, "stage": model.stage,
-                       "precision": model.precision.name, "torch": torch.__version__},
+                       "precision": model.precision.name,
+                       "param_dtype": str(model.precision.param_dtype).removeprefix("torch."),
+                       "torch": torch.__version__},
         "optimizer": _class_name(optimizer),
         "groups": len(optimizer.param_groups),
         "keys": keys,
@@ -272,8 +274,9 @@ def _everywhere(fn, group, what: str):
 # -- consolidation (one process, no ranks) -------------------------------------------------------
 def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, torch.Tensor]:
     """The full model state dict in a checkpoint, for ``model.load_state_dict(strict=True)`` on a
-    plain model: parameters in fp32 (``working=True``: the 16-bit working copy of a mixed-precision
-    run), floating buffers in fp32, tied names sharing one tensor. Reads only the model's part."""
+    plain model: parameters and floating buffers in fp32 (``working=True``: in the run's working
+    dtype, the 16-bit copy it computed with), tied names sharing one tensor. Reads only the
+    model's part, in one process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -296,15 +299,18 @@ def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, 
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, storage_reader=FileSystemReader(path), planner=L.FlatLoadPlanner(ranges),
                  no_dist=True)  # fmt: skip
-    out = {}
+    dtype = getattr(torch, record["saved_with"]["param_dtype"]) if working else torch.float32
+    out, whole = {}, {}  # whole: stored name -> its tensor, one for all tied names
     for k in record["keys"]:
         if k[1] == "param":
             name = k[2]
-            flat = sd.get(f"model16/{name}", sd.get(f"model/{name}"))
-            out[k[0]] = flat.view(record["params"][name]["shape"])
+            if name not in whole:
+                flat = sd.get(f"model16/{name}", sd.get(f"model/{name}"))  # (numel,)
+                whole[name] = flat.view(record["params"][name]["shape"]).to(dtype)
+            out[k[0]] = whole[name]
         else:
             v = sd[f"buffer/{k[0]}"]
-            out[k[0]] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            out[k[0]] = v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
     return out
 
 
