@@ -19,7 +19,8 @@ model_state_bytes      minizero/memory.py          02_zero1 .. 05_all_stages
 simulate               minizero/simulate.py        05_all_stages
 plots                  minizero/plots.py           05_all_stages, 06_myths
 parallelize            minizero/parallelize.py     every lesson
-save_checkpoint, ...   minizero/checkpoint.py      07_checkpoints
+save/load_checkpoint   minizero/checkpoint.py      07_checkpoints
+consolidate            minizero/checkpoint.py      07_checkpoints
 =====================  ==========================  ============================================
 """
 

@@ -93,11 +93,12 @@ def save_checkpoint(
             f"save_checkpoint failed on rank {r} ({type(exc).__name__}: {exc}); {path} {before} "
             f"and {tmp} is left incomplete"
         ) from None
-    _everywhere(
-        lambda: rank == 0 and F.commit(path, _record(model, optimizer, placed, extra)),
-        group,
-        "save_checkpoint",
-    )
+
+    def commit():  # every rank has finished: rank 0 writes the record and renames into place
+        if rank == 0:
+            F.commit(path, _record(model, optimizer, placed, extra))
+
+    _everywhere(commit, group, "save_checkpoint")
     return path
 
 
