@@ -19,6 +19,8 @@ model_state_bytes      minizero/memory.py          02_zero1 .. 05_all_stages
 simulate               minizero/simulate.py        05_all_stages
 plots                  minizero/plots.py           05_all_stages, 06_myths
 parallelize            minizero/parallelize.py     every lesson
+save/load_checkpoint   minizero/checkpoint.py      07_checkpoints
+consolidate            minizero/checkpoint.py      07_checkpoints
 =====================  ==========================  ============================================
 """
 
@@ -27,6 +29,12 @@ __version__ = "0.1.0"
 # The functions are bound here, after their modules have loaded, so that the package attribute
 # `minizero.launch` is the function even though `minizero/launch.py` is also a module.
 from minizero.bucket import Bucket  # noqa: E402
+from minizero.checkpoint import (  # noqa: E402
+    CheckpointError,
+    consolidate,
+    load_checkpoint,
+    save_checkpoint,
+)
 from minizero.collectives import (  # noqa: E402
     CommLedger,
     CommRecord,
@@ -60,4 +68,5 @@ __all__ = [
     "ZeRO3", "full_state_dict", "parallelize", "PAPER_TABLE1", "MemoryMeter", "format_bytes",
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
     "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
+    "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
 ]  # fmt: skip

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from importlib import import_module
 
 from minizero.cli import Parser
+
+
+class CommandList(argparse.HelpFormatter):
+    """argparse measures the commands two columns to the left of where it prints them: measure
+    them where they are printed, so that a long name (consolidate) keeps its help on its line."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS:
+            for sub in self._iter_indented_subactions(action):
+                self._action_max_length = max(
+                    self._action_max_length, len(self._format_action_invocation(sub)) + 6
+                )
+
 
 # Every command hands its arguments to a function of its own, which parses them (and --help):
 # name -> ("module:function", one line for the command list)
@@ -17,11 +32,13 @@ PASS_THROUGH = {
     "compare": ("plots:main", "every stage measured side by side: a table and one figure"),
     "simulate": ("simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real stage code "
                  "on meta tensors"),
-    "bench": ("bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's own)"),
+    "bench": ("bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
+              "own), checkpoints"),
     "run": ("launch:torchrun_main", "run a script under torchrun (one rank per GPU, multi-node)"),
     "start": ("course:start_main", "copy the lessons into a folder of your own (my-lessons/)"),
     "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
     "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
+    "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }  # fmt: skip
 
 
@@ -29,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = Parser(
         prog="minizero",
+        formatter_class=CommandList,
         description="minizero: data parallelism and ZeRO stages 1-3, built from scratch and "
         "measured. python -m minizero COMMAND --help describes a command's options.",
     )

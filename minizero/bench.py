@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m minizero bench collectives|ddp|stages [options]``. Lessons 00, 01, 05.
+"""Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints [options]``.
+Lessons 00, 01, 05, 07.
 
 Every figure is measured here and printed with the backend, device, world size and torch version it
 came from; nothing is compared with a hard-coded hardware peak. Each command shows a progress bar
@@ -268,6 +269,8 @@ def bench_collectives(argv: list[str]) -> int:
 # ---------------------------------------------------------------- the command line
 
 COMMANDS = {
+    "checkpoints": "minizero.save_checkpoint / load_checkpoint at each stage: save and load time "
+    "(median, slowest rank) and the bytes each rank wrote, beside (P + K)Ψ/N.",
     "collectives": "An nccl-tests-like table of all_reduce, reduce_scatter, all_gather and "
     "broadcast over message sizes (time, algbw, busbw), each through minizero and through "
     "torch.distributed directly, interleaved call by call.",
@@ -297,10 +300,17 @@ def main(argv: list[str]) -> int:
                    description=COMMANDS["ddp"], add_help=False)  # fmt: skip
     sub.add_parser("stages", help="stages 0-3 vs their PyTorch peers: step time and memory",
                    description=COMMANDS["stages"], add_help=False)  # fmt: skip
+    sub.add_parser("checkpoints", help="save/load time and bytes per rank per stage",
+                   description=COMMANDS["checkpoints"], add_help=False)  # fmt: skip
     a, rest = p.parse_known_args(argv[:1])
     if a.what is None:
-        p.error("say what to measure: collectives, ddp or stages "
+        p.error("say what to measure: collectives, ddp, stages or checkpoints"
                 "; e.g. python -m minizero bench collectives")  # fmt: skip
+    if a.what == "checkpoints":
+        from minizero.bench_ckpt import bench_checkpoint
+
+        bench_checkpoint(argv[1:])
+        return 0
     run = {"collectives": bench_collectives, "ddp": bench_steps.bench_ddp,
            "stages": bench_steps.bench_stages}[a.what]  # fmt: skip
     return run(argv[1:])

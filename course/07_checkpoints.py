@@ -1,0 +1,402 @@
+# %% [markdown]
+# # Lesson 07 — Checkpoints: save sharded, resume anywhere
+#
+# A training run that cannot be saved is lost when one machine dies. With DDP saving is easy:
+# every rank holds everything, so rank 0 calls `torch.save`. With ZeRO it is not: at stages 1-3
+# each rank's optimizer holds the states of *its* elements only, and at stage 3 its parameters
+# too. `optimizer.state_dict()` is a different, partial thing on every rank, and nothing in it
+# says which rank or which world size it came from. The habit "save on rank 0, load everywhere"
+# then resumes with the wrong optimizer states on every rank but 0, silently.
+#
+# The real systems took years here. DeepSpeed refused to resume a ZeRO checkpoint at another GPU
+# count ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is
+# not currently supported", deepspeedai/DeepSpeed issue #2898) until its separate *universal
+# checkpoint* reached stages 1-3 (issue #2921); `torch.distributed.optim.ZeroRedundancyOptimizer`
+# raises on a partition that does not match (pytorch/pytorch issue #65650). This lesson builds the
+# idea that fixes it: **address every saved piece by parameter name and element range, never by
+# bucket or rank**. Then resuming on another world size, stage or precision is only a matter of
+# reading the right ranges. You will write the two halves: what each rank owns, and how a rank
+# reads the ranges it owns *now* from pieces that other ranks saved.
+#
+#     python -m minizero grade lessons/07_checkpoints.ipynb
+
+# %%
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+import minizero
+from minizero import checks, checks_ckpt
+from minizero.checkpoint import CheckpointError, checkpoint_bytes
+from minizero.data import synthetic_batch
+from minizero.launch import LaunchError
+from minizero.models import GPTConfig, TinyGPT, count_params
+
+NPROCS = checks.default_nprocs()
+INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
+GPT = GPTConfig.tiny()
+PSI = count_params(TinyGPT(GPT))
+CKPT = Path(tempfile.mkdtemp(prefix="minizero-07-"))  # this lesson's checkpoints
+print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,} | checkpoints in {CKPT}")
+
+
+def nanogpt_adamw(model):
+    """nanoGPT's configure_optimizers: weight decay on the >= 2-D parameters only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+
+
+def gpt_batch(step):
+    """This rank's slice of step ``step``'s global batch of 12 rows (12 divides by 1, 2, 3, 4)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return synthetic_batch("gpt", 12, step, rank=rank, world=world, seq_len=GPT.block_size,
+                           device=checks.rank_device())  # fmt: skip
+
+
+# %% [markdown]
+# ## 1. What each rank's optimizer holds
+#
+# Lesson 02 gave each rank's optimizer one tensor per **fragment**: the part of one parameter
+# that falls in the rank's chunk of its bucket, a view of the rank's fp32 master shard. The cell
+# takes one step of TinyGPT at stage 2 and counts, on each rank, the elements behind the Adam
+# momentum `exp_avg` in `optimizer.state`:
+
+
+# %%
+def state_sizes():
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    model, opt = minizero.parallelize(model, 2, nanogpt_adamw(model))
+    model(*gpt_batch(0)).backward()
+    opt.step()
+    held = sum(st["exp_avg"].numel() for st in opt.state.values())
+    return held, len(opt.state), len(opt.state_dict()["state"])
+
+
+for rank, (held, tensors, entries) in enumerate(minizero.launch(state_sizes, NPROCS)):
+    print(f"rank {rank}: exp_avg covers {held:,} of Ψ = {PSI:,} elements, in {tensors} "
+          f"tensors; optimizer.state_dict() has {entries} entries, numbered from 0")  # fmt: skip
+
+# %% [markdown]
+# Each rank holds 1/N of the states, and its `state_dict()` numbers them 0, 1, 2, ... in the
+# order of its own fragments: entry 3 on rank 0 and entry 3 on rank 1 are parts of different
+# parameters, of different sizes. Rank 0's file loaded on every rank would hand rank 1 the
+# states of rank 0's elements. A checkpoint must say *what* each saved number is: which
+# parameter, which elements.
+#
+# ## Exercise 1 — what each rank owns, by name and range
+#
+# Every stage keeps its layout in `model.buckets`: bucket `b` lays its parameters `b.params` end
+# to end, parameter `i` at elements `[b.offsets[i], b.offsets[i] + numel)` of the bucket, which
+# has `b.numel` elements. At stages 1-3 the bucket is padded to `b.shard * N` elements and rank r
+# owns chunk r, `[r * b.shard, (r + 1) * b.shard)`; at stage 0 (DDP) every rank owns all of every
+# bucket. Stage 3's buckets are its units; the code is the same.
+#
+# Write `owned_ranges(model)`: for every trainable parameter that this rank owns elements of,
+# its name and the range `(start, end)` of those elements **counted from the parameter's own
+# first element** (flattened), the numbers a checkpoint file can carry without knowing anything
+# about buckets. A parameter with no element in this rank's chunk is left out. Tied parameters
+# appear once, under their first name (`named_parameters()` gives that one).
+
+
+# %%
+def owned_ranges(model) -> dict[str, tuple[int, int]]:
+    """{name: (start, end)}: the elements of each trainable parameter this rank owns."""
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    owned = {}
+    # BEGIN SOLUTION
+    # TODO: for each bucket b of model.buckets: the range [lo, hi) of the bucket this rank owns
+    # TODO: (stage 0: all b.numel elements; else chunk model.rank of b.shard elements); for each
+    # TODO: parameter p at offset o, keep [max(o, lo), min(o + numel, hi)) if it is not empty,
+    # TODO: counted from o, under names[id(p)]
+    for b in model.buckets:
+        if model.stage == 0:
+            lo, hi = 0, b.numel
+        else:
+            lo, hi = model.rank * b.shard, (model.rank + 1) * b.shard
+        for p, o in zip(b.params, b.offsets, strict=True):
+            s, e = max(o, lo), min(o + p.numel(), hi)
+            if s < e:
+                owned[names[id(p)]] = (s - o, e - o)
+    # END SOLUTION
+    return owned
+
+
+# %% check="owned_ranges"
+# On NPROCS ranks, stages 0-3, tiny and default buckets, an MLP (with a frozen weight and a tied
+# one) and TinyGPT: your ranges against minizero's fragments (model.fragments), rank by rank.
+checks_ckpt.check_owned_ranges(owned_ranges, NPROCS)
+
+# %% [markdown]
+# `minizero.checkpoint_layout.owned_ranges(model)` is the same function, read off the fragments.
+#
+# ## 2. A checkpoint on disk
+#
+# `minizero.save_checkpoint(path, model, optimizer, extra)` is collective: each rank writes its
+# ranges of every parameter's fp32 master, of its 16-bit working copy (in mixed precision) and of
+# each optimizer state, under the parameter's name. The format is PyTorch's own,
+# `torch.distributed.checkpoint` (DCP), whose metadata describes every saved piece as a *chunk*
+# (offsets, sizes) of a named tensor, the same description it uses for FSDP2's shards. A range of
+# a flattened parameter is a chunk of a 1-D tensor; two small DCP planners in
+# `minizero/checkpoint_layout.py` say so. Rank 0 adds what every rank has (frozen parameters,
+# buffers, the param groups' settings, `extra`); every rank adds its RNG states.
+#
+# The save goes into `path.incomplete/`; each rank leaves a marker when its file is on disk;
+# rank 0 writes the commit record `minizero.json` (what was saved, every file's size and CRC32)
+# and renames the directory to `path` last. Here is one, saved at stage 2 (with 100 KiB buckets,
+# so that several parameters straddle the boundary between two ranks' chunks):
+
+
+# %%
+def save_one(stage, path):
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    model, opt = minizero.parallelize(model, stage, nanogpt_adamw(model), bucket_cap_mb=0.1)
+    model(*gpt_batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    minizero.save_checkpoint(path, model, opt, extra={"step": 1})
+
+
+minizero.launch(save_one, NPROCS, 2, CKPT / "stage2")
+for f in sorted((CKPT / "stage2").iterdir()):
+    print(f"{f.name:16} {f.stat().st_size:>9,} bytes")
+record = json.loads((CKPT / "stage2" / "minizero.json").read_text())
+print("saved with", record["saved_with"], "| optimizer", record["optimizer"])
+print("wte.weight:", record["params"]["wte.weight"], "| lm_head.weight is stored as",
+      dict((k[0], k[2]) for k in record["keys"] if k[1] == "param")["lm_head.weight"])  # fmt: skip
+
+# %% [markdown]
+# DCP's metadata says which chunks of which tensor were saved, and in which rank's file:
+
+# %%
+META = FileSystemReader(CKPT / "stage2").read_metadata()
+split = [k for k, v in META.state_dict_metadata.items() if k.startswith("model/") and
+         len(getattr(v, "chunks", [])) > 1]  # fmt: skip
+for key in [*split[:3], f"optim/{split[0][len('model/') :]}/exp_avg", "model/ln_f.weight"]:
+    stored = META.state_dict_metadata[key]
+    files = {i.offset[0]: w.relative_path for i, w in META.storage_data.items() if i.fqn == key}
+    pieces = [f"[{c.offsets[0]:,}, {c.offsets[0] + c.sizes[0]:,}) in {files[c.offsets[0]]}"
+              for c in stored.chunks]  # fmt: skip
+    print(f"{key} ({stored.size[0]:,} elements): " + ", ".join(pieces))
+print(f"{len(split)} parameters are split between ranks; the others lie whole in one rank's file")
+
+# %% [markdown]
+# ## Exercise 2 — reading the ranges a rank owns now
+#
+# Load at another world size or stage and every rank owns new ranges. For each parameter, the
+# checkpoint offers the saved pieces, `saved = [(start, end), ...]` (any number, in any places,
+# together covering the parameter), and the rank wants `want = (start, end)`. Write
+# `read_plan(saved, want)`: one entry `(k, src, dst, n)` for every saved piece `k` that overlaps
+# `want`: its elements `[src, src + n)`, counted from the piece's own start, go to
+# `[dst, dst + n)` of the wanted range, counted from `want[0]`. Pieces that do not overlap get no
+# entry. This is what DCP does at load time (`create_read_items_for_chunk_list`, in any number
+# of dimensions), and what minizero uses to refuse, before loading anything, a checkpoint that
+# lacks some range a rank needs.
+
+
+# %%
+def read_plan(saved, want):
+    """[(k, src, dst, n)]: the elements of saved piece k that fill the range ``want``."""
+    plan = []
+    # BEGIN SOLUTION
+    # TODO: for each saved piece (s, e), number k: the overlap [a, b) of [s, e) and
+    # TODO: [want[0], want[1]); if it is not empty, append (k, a - s, a - want[0], b - a)
+    lo, hi = want
+    for k, (s, e) in enumerate(saved):
+        a, b = max(s, lo), min(e, hi)
+        if a < b:
+            plan.append((k, a - s, a - lo, b - a))
+    # END SOLUTION
+    return plan
+
+
+# %% check="read_plan"
+# 300 random layouts against the elements they must fill and against DCP's own read plan; then a
+# TinyGPT checkpoint saved at stage 2 on 2 ranks is loaded at stage 3 on 3 ranks (gloo), and each
+# rank rebuilds the ranges it now owns from the saved pieces with your plan.
+checks_ckpt.check_read_plan(read_plan)
+
+# %% [markdown]
+# ## 3. A run killed, and resumed on another world size
+#
+# A real run: TinyGPT, nanoGPT's param groups, a cosine LR schedule, 16 steps at stage 2 on 2
+# ranks, a checkpoint every 4 steps with the step and the scheduler in `extra` (the data position
+# is the step here: batch `step` is the same global batch whatever the world size). Rank 0 logs
+# the loss of the global batch. At the save after step 12, rank 1 dies halfway through writing
+# (`checks_ckpt.crash_during_next_save` makes it raise there, inside `minizero.launch`, once the
+# other rank has written its part). Then the run is resumed from the last complete checkpoint on
+# **3** ranks at **stage 3**, and a reference run does all 16 steps without interruption.
+#
+# (Every launch of this section runs on gloo, so that 3 ranks fit on any machine; under NCCL it
+# would be one rank per GPU, with the same files.)
+
+# %%
+STEPS, EVERY = 16, 4
+
+
+def train(stage, log, resume_from=None, crash_at=None):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    opt = nanogpt_adamw(model)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    model, opt = minizero.parallelize(model, stage, opt)
+    start = 0
+    if resume_from is not None:
+        extra = minizero.load_checkpoint(resume_from, model, opt)
+        sched.load_state_dict(extra["sched"])
+        start = extra["step"]
+    for step in range(start, STEPS):
+        loss = model(*gpt_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the global batch's loss: the mean of the ranks' means
+        if rank == 0:
+            with open(CKPT / f"{log}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
+        if (step + 1) % EVERY == 0:
+            if step + 1 == crash_at and rank == 1:
+                checks_ckpt.crash_during_next_save("rank 1 lost power")
+            extra = {"step": step + 1, "sched": sched.state_dict()}
+            minizero.save_checkpoint(CKPT / log / f"step_{step + 1}", model, opt, extra)
+
+
+try:
+    minizero.launch(train, 2, 2, "crashed", crash_at=12, backend="gloo")
+except LaunchError as e:
+    print("the run died:", next(ln for ln in str(e).splitlines() if "save_checkpoint fail" in ln))
+print(sorted(p.name for p in (CKPT / "crashed").iterdir()))
+try:
+    minizero.consolidate(CKPT / "crashed" / "step_12")
+except CheckpointError as e:
+    print("step_12:", e)
+
+# %% [markdown]
+# The save of step 12 never committed: `step_12.incomplete/` holds rank 0's part and no record,
+# and is refused by name. `step_8` is intact. Resume from it on 3 ranks at stage 3, and run the
+# reference:
+
+# %%
+done = [p for p in (CKPT / "crashed").iterdir() if (p / "minizero.json").exists()]
+latest = max(done, key=lambda p: int(p.name.split("_")[1]))
+print("resuming from", latest.name)
+minizero.launch(train, 3, 3, "resumed", resume_from=latest, backend="gloo")
+minizero.launch(train, 2, 2, "reference", backend="gloo")
+
+
+def read_log(name):
+    rows = [json.loads(line) for line in (CKPT / f"{name}.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+LOGS = {name: read_log(name) for name in ("reference", "crashed", "resumed")}
+fig, ax = plt.subplots(figsize=(8, 4))
+ax.plot(*zip(*LOGS["reference"].items()), "k-", lw=3, alpha=0.25,
+        label="reference: 16 steps, stage 2, 2 ranks")  # fmt: skip
+ax.plot(*zip(*LOGS["crashed"].items()), "o-", label="stage 2 on 2 ranks, dies at step 12's save")
+ax.plot(*zip(*LOGS["resumed"].items()), "x--", label=f"from {latest.name}: stage 3, 3 ranks")
+ax.axvline(int(latest.name.split("_")[1]) - 0.5, color="gray", ls=":", lw=1)
+ax.set_xlabel("step")
+ax.set_ylabel("loss of the global batch")
+ax.legend(fontsize=8)
+ax.set_title("a run killed and resumed on another world size and stage (gloo, CPU)", fontsize=9)
+fig.tight_layout()
+plt.show()
+gap = max(abs(LOGS["resumed"][s] - LOGS["reference"][s]) for s in LOGS["resumed"])
+print(f"resumed vs reference, steps {min(LOGS['resumed'])}-{max(LOGS['resumed'])}: "
+      f"max |Δloss| = {gap:.1e}")  # fmt: skip
+
+# %% [markdown]
+# The resumed curve lies on the reference: the fp32 masters, Adam's moments and step counts, the
+# groups' learning rates and the scheduler came back exactly, only redistributed. What remains
+# (below 1e-6) is float rounding: 3 ranks sum the gradients in another order than 2. At the
+# same world size and stage a resume is bit for bit the run that never stopped (the tests check
+# it for every stage, in fp32, bf16 and fp16).
+#
+# `minizero.consolidate(path)` needs no ranks at all: it reads the model's part into one
+# ordinary state dict (fp32, tied names sharing a tensor), which a plain model loads with
+# `strict=True`; `python -m minizero consolidate CKPT model.pt [--safetensors]` writes it to a
+# file that `torch.load(..., weights_only=True)` reads without minizero installed.
+
+# %%
+x, y = synthetic_batch("gpt", 12, STEPS, seq_len=GPT.block_size)  # the batch after the last
+for run in ("resumed", "reference"):
+    plain = TinyGPT(GPT)
+    plain.load_state_dict(minizero.consolidate(CKPT / run / f"step_{STEPS}"), strict=True)
+    with torch.no_grad():
+        print(f"plain TinyGPT from {run}/step_{STEPS}: loss {plain(x, y).item():.7f} on the next "
+              "batch")  # fmt: skip
+
+# %% [markdown]
+# ## 4. Bytes written per rank
+#
+# Each rank writes what it owns and nothing else. In bf16 with AdamW that is, per element,
+# P = 2 bytes of 16-bit working copy and K = 12 bytes of fp32 master, momentum and variance: at
+# stages 1-3 rank r writes (2 + 12) times the elements it owns, its share of (2 + K)Ψ, although
+# at stages 1 and 2 it *holds* all 2Ψ of working parameters in memory. Nobody writes the full
+# working copy. At stage 0 every rank owns everything: DCP writes each tensor once, from the rank
+# that has written least so far, so the shares are whole tensors. The files add a little to the
+# shards: DCP's per-tensor headers, the RNG states, the record.
+
+
+# %%
+def save_every_stage(root):
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = TinyGPT(GPT)
+        model, opt = minizero.parallelize(model, stage, nanogpt_adamw(model), precision="bf16")
+        model(*gpt_batch(0)).backward()
+        opt.step()
+        minizero.save_checkpoint(root / f"s{stage}", model, opt)
+
+
+minizero.launch(save_every_stage, NPROCS, CKPT / "bytes")
+BYTES = {s: checkpoint_bytes(CKPT / "bytes" / f"s{s}") for s in range(4)}
+fig, ax = plt.subplots(figsize=(8, 4))
+width = 0.8 / NPROCS
+for r in range(NPROCS):
+    xs = [s + (r - (NPROCS - 1) / 2) * width for s in range(4)]
+    shards = [BYTES[s][r]["shards"] / 2**20 for s in range(4)]
+    files = [BYTES[s][r]["files"] / 2**20 for s in range(4)]
+    ax.bar(xs, files, width, color=f"C{r}", alpha=0.3)
+    ax.bar(xs, shards, width, color=f"C{r}", label=f"rank {r}: shards (files: light)")
+ax.axhline((2 + 12) * PSI / NPROCS / 2**20, color="k", ls="--", lw=1, label="(2 + K)Ψ / N")
+ax.axhline((2 + 12) * PSI / 2**20, color="r", ls=":", lw=1, label="(2 + K)Ψ: all on one rank")
+ax.set_xticks(range(4), ["stage 0\n(DDP)", "stage 1", "stage 2", "stage 3"])
+ax.set_ylabel("MiB written")
+ax.legend(fontsize=8)
+ax.set_title(f"checkpoint bytes per rank, TinyGPT bf16 AdamW: {checks.describe(INFO)}",
+             fontsize=9)  # fmt: skip
+fig.tight_layout()
+plt.show()
+for s in range(4):
+    print(f"stage {s}: " + ", ".join(f"rank {r} {b['shards']:,} B of shards ({b['elements']:,} "
+                                     f"elements), {b['files']:,} B of files"
+                                     for r, b in enumerate(BYTES[s])))  # fmt: skip
+print(f"(2 + 12)Ψ/N = {(2 + 12) * PSI / NPROCS:,.0f} B; the full working copy 2Ψ = {2 * PSI:,} B")
+
+# %% [markdown]
+# Save and load times depend on the file system more than on anything else here, so the lesson
+# does not show them; `python -m minizero.bench_ckpt` measures them for the benchmark model,
+# stage by stage, and prints the file system it wrote to. Under NCCL each rank first copies its
+# shards from its GPU; the collectives of a save (DCP's plan, the commit) carry a few kilobytes
+# under either backend.
+#
+# What to take away: a checkpoint of a sharded run is a set of *named ranges*; each rank writes
+# the ranges it owns and reads the ranges it owns now, whatever wrote them; and it is committed
+# only when every rank has finished.
+
+# %%
+shutil.rmtree(CKPT)  # this lesson's checkpoints
