@@ -1,45 +1,37 @@
-"""What the check cells of lessons 05 (05_all_stages) and 06 (06_myths) call.
+"""What the check cell of lesson 05 (05_all_stages) calls: ``check_predict_peak``.
 
-Same contract as :mod:`minizero.checks`: each check runs on real ranks (``minizero.launch``: gloo on
-CPU, or one rank per GPU over NCCL), prints ``PASS`` with what was compared, or raises
-:class:`~minizero.checks.CheckFailed` saying what is wrong.
-
-* Lesson 05, ``check_predict_peak``: the student's prediction of the bytes one rank holds at the
-  peak of a training step, against ``MemoryMeter`` on real ranks, for a few configurations
-  (stage, activation checkpointing). The model-state part must match the measurement closely; the
-  total within ``PEAK_RTOL``.
-* Lesson 06, ``check_owned_tensors``: a ZeroRedundancyOptimizer-like step (each rank owns whole
-  tensors, updates them, broadcasts them) against one process, with AdamW and with Adafactor.
+The student's prediction of the bytes one rank holds at the peak of a training step, against
+``MemoryMeter`` on real ranks (``minizero.launch``: gloo on CPU, or one rank per GPU over NCCL),
+for a few configurations (stage, activation checkpointing). The model-state part must match the
+measurement closely (``STATES_RTOL``); the total within ``PEAK_RTOL``. It prints ``PASS`` with
+what was compared, or raises :class:`~.common.CheckFailed` saying what is wrong (the contract of
+every check: :mod:`.common`).
 """
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from minizero import collectives as C
 from minizero.budget import checkpoint_blocks
-from minizero.checks import CheckFailed, default_nprocs, describe, rank_device, run_info
-from minizero.launch import LaunchError, gpu_count, launch
+from minizero.course.checks.common import (
+    CheckFailed,
+    default_nprocs,
+    describe,
+    guard,
+    launch_check,
+    rank_device,
+    run_info,
+)
+from minizero.launch import gpu_count
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 
-TIMEOUT = 180.0  # seconds for a check's ranks
+TIMEOUT = 180.0  # seconds for the check's ranks
 STATES_RTOL = 0.02  # model states: the formula is exact up to padding (N - 1 elements per buffer)
 PEAK_RTOL = 0.15  # the whole peak: activations and temporaries are approximate
-
-
-def _guard(fn, *args, **kwargs):
-    """Run student code; return (value, None) or (None, 'ExcName: message (at line n: ...)')."""
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)[1:]
-        where = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
-        return None, f"{type(e).__name__}: {e}{where}"
 
 
 def on_gpus(world: int) -> bool:
@@ -47,14 +39,6 @@ def on_gpus(world: int) -> bool:
     return dist.is_nccl_available() and 0 < world <= gpu_count()
 
 
-def _launch(fn, nprocs: int | None, *args) -> list:
-    try:
-        return launch(fn, nprocs or default_nprocs(), *args, timeout=TIMEOUT, verbose=False)
-    except LaunchError as e:
-        raise CheckFailed(f"the ranks did not finish: {str(e).splitlines()[0]}") from e
-
-
-# -- lesson 05: predict the peak -------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class PeakCase:
     """One training configuration whose peak the student predicts (bf16, AdamW, TinyGPT)."""
@@ -190,7 +174,7 @@ def check_predict_peak(
     cases = cases if cases is not None else peak_cases(world, gpu=on_gpus(world))
     predicted = []
     for case in cases:  # first the predictions: a function that raises fails before any launch
-        got, err = _guard(fn, case)
+        got, err = guard(fn, case)
         if err is not None:
             raise CheckFailed(f"{name} raised for {case.describe()}: {err}")
         if not isinstance(got, dict) or set(got) != {"model_states", "activations"}:
@@ -199,7 +183,8 @@ def check_predict_peak(
                 f"got {got!r}"
             )
         predicted.append({k: float(v) for k, v in got.items()})
-    res = measured or _launch(measure_peaks, world, cases)[0]  # rank 0's; the others: the same
+    # rank 0's measurements (the others: the same)
+    res = measured or launch_check(measure_peaks, world, cases, timeout=TIMEOUT)[0]
     where = describe(res["info"])
     rows = []
     for case, got, m in zip(cases, predicted, res["peaks"], strict=True):
@@ -233,163 +218,4 @@ def check_predict_peak(
     print(
         f"PASS  {name} predicts the peak of {len(cases)} configurations within ±{PEAK_RTOL:.0%} "
         f"and their model states within ±{STATES_RTOL:.0%}, measured on {where}"
-    )
-
-
-# -- lesson 06: whole tensors owned by ranks (ZeroRedundancyOptimizer's layout) --------------------
-OWNED_STEPS = 3
-OWNED_OPTIMIZERS = {  # name -> builder; Adafactor is not elementwise (row and column statistics)
-    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2),
-    "Adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
-}
-OWNER_LISTS = [  # (numels, world): sizes that a careless assignment balances badly
-    ([10, 1, 10, 1, 10, 1, 10, 1], 2),
-    ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3),
-    ([100] + [1] * 100, 2),
-    ([7] * 5, 4),
-]
-
-
-def _check_owners(assign_owners, numels: list[int], world: int, name: str) -> list[int]:
-    owners, err = _guard(assign_owners, list(numels), world)
-    where = f"{name}({len(numels)} tensors, world={world})"
-    if err is not None:
-        raise CheckFailed(f"{where} raised: {err}")
-    if not isinstance(owners, (list, tuple)) or len(owners) != len(numels):
-        raise CheckFailed(f"{where} must return a list of {len(numels)} ranks, got {owners!r}")
-    if any(not isinstance(o, int) or not 0 <= o < world for o in owners):
-        raise CheckFailed(
-            f"{where} returned {list(owners)}: every owner must be a rank in 0..{world - 1}"
-        )
-    load = [0] * world
-    for n, o in zip(numels, owners):
-        load[o] += n
-    total, bound = sum(numels), sum(numels) / world + max(numels)
-    worst = max(range(world), key=load.__getitem__)
-    if load[worst] > bound:
-        raise CheckFailed(
-            f"{where}: rank {worst} owns {load[worst]:,} of {total:,} elements "
-            f"({load[worst] / total:.0%}; loads {load}). Whole tensors can be balanced so that no "
-            f"rank owns more than total/N + the largest tensor = {bound:,.0f}: give each tensor to "
-            "the least-loaded rank, largest tensors first"
-        )
-    return list(owners)
-
-
-def _owned_rank(owned_step, owners: list[int], opt_name: str) -> dict:
-    """Inside a rank: TinyGPT tiny, gradients averaged by an all-reduce per tensor (DDP's 2Ψ), then
-    the student's ``owned_step``; one process on the whole batch beside it."""
-    from minizero.data import synthetic_batch
-    from minizero.memory import model_state_bytes
-
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
-    make = OWNED_OPTIMIZERS[opt_name]
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig.tiny()).to(dev)
-    torch.manual_seed(0)
-    ref = TinyGPT(GPTConfig.tiny()).to(dev)
-    params, names = list(model.parameters()), [n for n, _ in model.named_parameters()]
-    opt = make([p for p, o in zip(params, owners) if o == rank])
-    ref_opt = make(ref.parameters())
-    out = dict(error=None, steps=[], volume=[], ops=[], opt_bytes=0, psi=count_params(model))
-    for step in range(OWNED_STEPS):
-        x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-        before = [p.detach().cpu().clone() for p in params]
-        model(x, y).backward()
-        with C.CommLedger() as ledger:
-            for p in params:  # DDP: every rank gets the average gradient of every tensor
-                C.all_reduce(p.grad, tag="ddp")
-                p.grad.div_(world)
-            _, err = _guard(owned_step, params, list(owners), opt)
-        if err is not None:
-            out["error"] = err
-            return out
-        for p in params:
-            p.grad = None
-        gx, gy = synthetic_batch("gpt", 4 * world, step, device=dev)
-        ref(gx, gy).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        out["steps"].append(
-            dict(
-                mine=[p.detach().cpu().clone() for p in params],
-                before=before,
-                want=[p.detach().cpu().clone() for p in ref.parameters()],
-            )
-        )
-        out["volume"].append(ledger.volume_elements)
-        out["ops"].append(sorted({r.op for r in ledger.records}))
-    out["opt_bytes"] = model_state_bytes(None, opt)["optimizer"]
-    out["names"] = names
-    return out
-
-
-def _compare_owned(results: list[dict], owners: list[int], opt_name: str) -> None:
-    psi = results[0]["psi"]
-    for step in range(OWNED_STEPS):
-        for rank, res in enumerate(results):
-            s = res["steps"][step]
-            for k, (mine, want) in enumerate(zip(s["mine"], s["want"], strict=True)):
-                if torch.allclose(mine, want, rtol=1e-3, atol=1e-4):  # a wrong step: ~lr = 1e-2
-                    continue
-                owner = owners[k]
-                where = (
-                    f"{opt_name}, step {step}, rank {rank}: parameter {res['names'][k]!r} (owned "
-                    f"by rank {owner})"
-                )
-                if torch.equal(mine, s["before"][k]) and owner != rank:
-                    raise CheckFailed(
-                        f"{where} still holds its value from before the step: only its owner "
-                        f"updates it, so after the update every rank must receive it from rank "
-                        f"{owner} (a broadcast with src={owner})"
-                    )
-                if torch.equal(mine, s["before"][k]):
-                    raise CheckFailed(
-                        f"{where}: the owner's update was overwritten by a copy from before the "
-                        "step: broadcast each tensor after the optimizer's step, from its owner"
-                    )
-                diff = (mine - want).abs().max().item()
-                raise CheckFailed(
-                    f"{where} differs from one process on the whole batch by up to {diff:.3g}: "
-                    "step the optimizer (it holds this rank's tensors only), then broadcast every "
-                    "tensor from its owner"
-                )
-        ops, volume = results[0]["ops"][step], results[0]["volume"][step]
-        if ops != ["all_reduce", "broadcast"] or volume != 3 * psi:
-            raise CheckFailed(
-                f"{opt_name}, step {step}: the ledger saw {ops or 'nothing'} moving "
-                f"{volume / psi:.2f}Ψ; DDP's all-reduce (2Ψ) and one broadcast of each tensor from "
-                "its owner (Ψ) make 3Ψ. Broadcast with minizero.broadcast, so that the ledger sees "
-                "it, once per tensor"
-            )
-
-
-def check_owned_tensors(assign_owners, owned_step, nprocs: int | None = None) -> None:
-    """Lesson 06: ``assign_owners(numels, world) -> [rank per tensor]`` must balance whole tensors;
-    ``owned_step(params, owners, optimizer)`` (gradients already averaged, ``optimizer`` built on
-    this rank's tensors) must train as one process does, with AdamW and Adafactor, moving 3Ψ."""
-    names = f"{getattr(assign_owners, '__name__', 'assign_owners')}"
-    step_name = getattr(owned_step, "__name__", "owned_step")
-    for numels, w in OWNER_LISTS:
-        _check_owners(assign_owners, numels, w, names)
-    world = nprocs or default_nprocs()
-    torch.manual_seed(0)
-    numels = [p.numel() for p in TinyGPT(GPTConfig.tiny()).parameters()]
-    owners = _check_owners(assign_owners, numels, world, names)
-    lines = []
-    for opt_name in OWNED_OPTIMIZERS:
-        results = _launch(_owned_rank, world, owned_step, owners, opt_name)
-        for rank, res in enumerate(results):
-            if res["error"] is not None:
-                raise CheckFailed(
-                    f"{step_name} raised on rank {rank} with {opt_name}: {res['error']}"
-                )
-        _compare_owned(results, owners, opt_name)
-        per_rank = ", ".join(format_bytes(r["opt_bytes"]) for r in results)
-        lines.append(f"{opt_name}: optimizer states per rank {per_rank}")
-    print("\n".join(lines))
-    print(
-        f"PASS  {names} balances whole tensors; {step_name} trains TinyGPT as one process does "
-        f"with AdamW and with Adafactor for {OWNED_STEPS} steps on {world} ranks, moving 3Ψ per "
-        "step (all-reduce 2Ψ + broadcast Ψ)"
     )

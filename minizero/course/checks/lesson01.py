@@ -1,0 +1,226 @@
+"""The check cells of lesson 01 (01_ddp): ``check_allreduce_gradients``, ``check_bucketed_ddp``.
+
+The student's gradient averaging (a function) and bucketed DDP (a class) train an MLP on real ranks
+next to PyTorch's ``DistributedDataParallel``, minizero's ``DDP`` and one process on the whole
+batch, step by step: gradients after the sync, parameters after each step, the volume moved, and
+for the buckets whether their all-reduces were issued during backward (overlap). The contract of
+every check: :mod:`.common`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minizero import collectives as C
+from minizero.course.checks.common import (
+    CheckFailed,
+    describe,
+    guard,
+    launch_check,
+    rank_device,
+    report_pass,
+    run_info,
+)
+
+STEPS, ROWS_PER_RANK, LR = 3, 4, 0.1  # global batch: ROWS_PER_RANK * world
+
+
+def _mlp(dev: torch.device) -> torch.nn.Module:
+    from minizero.models import MLP
+
+    torch.manual_seed(0)  # the same initial weights on every rank and in the reference
+    return MLP().to(dev)
+
+
+def _train(make, rank: int, world: int, dev: torch.device, sync=None, grad_marks: bool = False):
+    """Train ``make(model)`` for STEPS steps of SGD; record grads (after sync) and params.
+
+    ``grad_marks``: mark "grad NAME" on the ledger's timeline as each gradient becomes ready
+    (hooks registered after the model's own, so they run just after them)."""
+    from minizero.data import synthetic_batch
+
+    model = make(_mlp(dev))
+    inner = getattr(model, "module", model)
+    if grad_marks:
+        for name, p in inner.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: C.mark(f"grad {name}"))
+    opt = torch.optim.SGD(inner.parameters(), lr=LR)
+    trace = {"grads": [], "params": [], "moved": [], "ledgers": []}
+    for step in range(STEPS):
+        batch = ROWS_PER_RANK * dist.get_world_size()  # the same global batch for every variant
+        x, y = synthetic_batch("mlp", batch, step, rank=rank, world=world, device=dev)
+        before = [p.detach().clone() for p in inner.parameters()]
+        with C.CommLedger() as ledger:
+            C.mark("forward start")
+            loss = model(x, y)
+            C.mark("backward start")
+            loss.backward()
+            if sync is not None:
+                sync(inner)
+        trace["moved"].append(
+            [
+                n
+                for (n, p), b in zip(inner.named_parameters(), before, strict=True)
+                if not torch.equal(p.detach(), b)
+            ]
+        )
+        trace["ledgers"].append(ledger)
+        trace["grads"].append(
+            {
+                n: p.grad.detach().cpu().clone()
+                for n, p in inner.named_parameters()
+                if p.grad is not None
+            }
+        )
+        opt.step()
+        opt.zero_grad()
+        trace["params"].append({n: p.detach().cpu().clone() for n, p in inner.named_parameters()})
+    return trace
+
+
+def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minizero.ddp import DDP, NaiveDDP
+
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    refs = {"one process on the whole batch": _train(lambda m: m, 0, 1, dev)}
+    ids = [dev.index] if dev.type == "cuda" else None
+    refs["torch DistributedDataParallel"] = _train(
+        lambda m: DistributedDataParallel(m, device_ids=ids, bucket_cap_mb=bucket_cap_mb),
+        rank,
+        world,
+        dev,
+    )
+    if kind == "naive":
+        refs["minizero.ddp.NaiveDDP"] = _train(lambda m: NaiveDDP(m), rank, world, dev)
+        mine, err = guard(_train, lambda m: m, rank, world, dev, sync=student)
+    else:
+        refs["minizero.ddp.DDP"] = _train(
+            lambda m: DDP(m, bucket_cap_mb=bucket_cap_mb), rank, world, dev
+        )
+        make = lambda m: student(m, bucket_cap_mb=bucket_cap_mb)
+        mine, err = guard(_train, make, rank, world, dev, grad_marks=True)
+    local = _train(lambda m: m, rank, world, dev)  # no communication at all: for the hints
+    out = {"info": run_info(), "error": err, "refs": refs, "mine": None, "local": local}
+    if mine is not None:
+        led = mine.pop("ledgers")
+        mine["records"] = [[(r.op, r.numel, r.async_op, r.index) for r in L.records] for L in led]
+        mine["marks"] = [L.marks for L in led]
+        out["mine"] = mine
+    for r in [*refs.values(), local]:
+        r.pop("ledgers")
+    out["psi"] = sum(p.numel() for p in _mlp(dev).parameters())
+    out["n_params"] = len(list(_mlp(dev).parameters()))
+    return out
+
+
+def _compare(mine: dict, refs: dict, local: dict, rank: int, world: int) -> None:
+    for step in range(STEPS):
+        if mine["moved"][step]:
+            raise CheckFailed(
+                f"step {step}, rank {rank}: parameters {mine['moved'][step]} changed during "
+                "backward. Only gradients may be communicated: the hook's argument is the "
+                "parameter itself, its gradient is param.grad."
+            )
+        for what in ("grads", "params"):
+            for ref_name, ref in refs.items():
+                for name, want in ref[what][step].items():
+                    got = mine[what][step].get(name)
+                    label = "gradient" if what == "grads" else "parameter after optimizer.step()"
+                    if got is None:
+                        raise CheckFailed(f"step {step}, rank {rank}: {name} has no gradient")
+                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+                        diff = (got - want).abs().max().item()
+                        ratio = (got * want).sum() / (want * want).sum().clamp_min(1e-30)
+                        hint = ""
+                        if what == "grads" and abs(ratio - world) < 0.05 * world:
+                            hint = (
+                                f" Yours is {ratio:.2f}x the reference: the all-reduce sums; "
+                                f"divide by the world size ({world}) to average."
+                            )
+                        elif what == "grads" and torch.equal(got, local["grads"][step][name]):
+                            hint = (
+                                f" It is rank {rank}'s own local gradient: nothing was averaged "
+                                "into p.grad. (A post-accumulate-grad hook receives the "
+                                "PARAMETER; all-reducing that argument averages the weights, "
+                                "not the gradient.)"
+                            )
+                        raise CheckFailed(
+                            f"step {step}, rank {rank}, {label} of {name!r}: max |yours - "
+                            f"{ref_name}| = {diff:.3g} (tolerance 1e-6 + 1e-4 * |ref|).{hint}"
+                        )
+
+
+def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> tuple:
+    results = launch_check(_ddp_rank, nprocs, student, kind, bucket_cap_mb)
+    world = len(results)
+    name = getattr(student, "__name__", "your code")
+    for rank, res in enumerate(results):
+        if res["error"]:
+            raise CheckFailed(f"{name} raised on rank {rank} (world size {world}): {res['error']}")
+        _compare(res["mine"], res["refs"], res["local"], rank, world)
+    res = results[0]
+    psi = res["psi"]
+    for step, recs in enumerate(res["mine"]["records"]):
+        moved = sum(2 * numel for op, numel, _, _ in recs if op == "all_reduce")
+        others = sorted({op for op, *_ in recs if op != "all_reduce"})
+        if others or moved != 2 * psi:
+            raise CheckFailed(
+                f"step {step}: the CommLedger saw {len(recs)} collectives moving {moved} elements"
+                f"{' and ' + str(others) if others else ''}; DDP moves 2Ψ = {2 * psi} (one "
+                "all-reduce of every gradient element, through minizero.collectives.all_reduce)"
+            )
+    return res, world, name
+
+
+def check_allreduce_gradients(fn, nprocs: int | None = None) -> None:
+    """Lesson 01, naive DDP: ``fn(model, group=None)``, called after ``loss.backward()``, must
+    leave in every ``p.grad`` the average over the ranks, as one process on the whole batch gets."""
+    res, world, name = _check_ddp(fn, "naive", nprocs, 25)
+    refs = ", ".join(res["refs"])
+    report_pass(
+        f"{name}: gradients and parameters equal {refs} for {STEPS} steps on {world} ranks "
+        f"({describe(res['info'])}); moved 2Ψ = {2 * res['psi']} elements per step"
+    )
+
+
+def check_bucketed_ddp(cls, nprocs: int | None = None, bucket_cap_mb: float = 0.002) -> None:
+    """Lesson 01, bucketed DDP: ``cls(module, bucket_cap_mb=...)`` must give the same gradients as
+    the references, one all-reduce per bucket, and start some of them before backward ends."""
+    res, world, name = _check_ddp(cls, "bucketed", nprocs, bucket_cap_mb)
+    for step, (recs, marks) in enumerate(
+        zip(res["mine"]["records"], res["mine"]["marks"], strict=True)
+    ):
+        ends = [i for i, label in marks if label == "backward end"]
+        if len(ends) != 1:
+            raise CheckFailed(
+                f"step {step}: expected one 'backward end' mark, found {len(ends)} "
+                "(keep the provided lines that queue _finish and call mark())"
+            )
+        if not all(a for _, _, a, _ in recs):
+            raise CheckFailed(
+                f"step {step}: some all-reduces were blocking; start each bucket's "
+                "all-reduce with async_op=True and wait for it in _finish()"
+            )
+        if len(recs) >= res["n_params"] and res["n_params"] > 1:
+            raise CheckFailed(
+                f"step {step}: {len(recs)} all-reduces for {res['n_params']} "
+                "parameters: all-reduce each bucket's flat buffer once, not each "
+                "gradient"
+            )
+        last_grad = max(i for i, label in marks if label.startswith("grad "))
+        early = [i for _, _, _, i in recs if i < last_grad]
+        if not early:
+            raise CheckFailed(
+                f"step {step}: none of the {len(recs)} bucket all-reduces was issued before the "
+                "last gradient was ready, so none overlaps backward. Start each one from the "
+                "hook, as soon as its bucket's last gradient is in."
+            )
+    report_pass(
+        f"{name}: gradients and parameters equal {', '.join(res['refs'])} for {STEPS} steps on "
+        f"{world} ranks ({describe(res['info'])}); {len(res['mine']['records'][0])} bucket "
+        f"all-reduces per step, {len(early)} issued while backward still ran; moved 2Ψ = "
+        f"{2 * res['psi']} elements per step"
+    )
