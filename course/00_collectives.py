@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks
 from minizero import collectives as C
 from minizero.collectives import all_gather, reduce_scatter
+from minizero.course import checks
+from minizero.course.checks import lesson00
 
 NPROCS = checks.default_nprocs()  # one rank per GPU if there are >= 2 GPUs, else 2 CPU ranks
 print(f"minizero {minizero.__version__}, torch {torch.__version__}, {NPROCS} ranks")
@@ -138,7 +139,7 @@ def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
 # %% check="all_reduce_via_rs_ag"
 # Runs your function on NPROCS real ranks on shapes (1,), (2,), (7,), (12,), (1001,), (3, 5),
 # (4097,), compares every element with dist.all_reduce, and checks the collectives it issued.
-checks.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
+lesson00.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
 
 # %% [markdown]
 # ## 3. Measuring a collective

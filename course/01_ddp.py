@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks, timeline
 from minizero import collectives as C
+from minizero import timeline
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
+from minizero.course import checks
+from minizero.course.checks import lesson01
 from minizero.data import synthetic_batch
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
 
@@ -101,7 +103,7 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
 # %% check="allreduce_gradients"
 # 3 SGD steps of minizero's MLP on NPROCS ranks: your gradients and parameters, step by step,
 # against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
-checks.check_allreduce_gradients(allreduce_gradients, NPROCS)
+lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 
 # %% [markdown]
 # ## 2. What naive DDP costs
@@ -262,7 +264,7 @@ class BucketedDDP(torch.nn.Module):
 # 3 SGD steps of the MLP with bucket_cap_mb=0.002 (a few buckets): gradients and parameters
 # against one process, torch DDP and minizero.ddp.DDP; one all-reduce per bucket, asynchronous,
 # some started before backward ended; volume 2Ψ.
-checks.check_bucketed_ddp(BucketedDDP, NPROCS)
+lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 
 # %% [markdown]
 # ## 4. When did each bucket's all-reduce run?

@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks, checks_grads, checks_zero1
 from minizero.bucket import make_buckets, trainable_parameters
 from minizero.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.course import checks
+from minizero.course.checks import lesson02
 from minizero.data import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
@@ -172,7 +173,7 @@ class MyBucket:
 # Your layout against minizero's Bucket on five sets of shapes and world sizes 1, 2, 3, 4, 8 (the
 # MLP's 1,837 elements over 3 ranks; 5 elements over 8 ranks): offsets, shard, padded, the
 # views and chunks (values, shapes, and that they share the flat buffer's memory), and flatten.
-checks_zero1.check_bucket(MyBucket)
+lesson02.check_bucket(MyBucket)
 
 # %% [markdown]
 # minizero's `Bucket` is the same code. The cell lays out the MLP (Ψ = 1,837, an odd number on
@@ -288,7 +289,7 @@ class MyZeRO1(ZeRO1):
 # your optimizer steps with against minizero's ZeRO1, the parameters against one process on the
 # whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
 # bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
-checks_zero1.check_zero1(MyZeRO1, NPROCS)
+lesson02.check_zero1(MyZeRO1, NPROCS)
 
 # %% [markdown]
 # ## 4. Memory per rank: measured against the formula
@@ -584,7 +585,7 @@ def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sca
 # gradient finite (the step must use the unscaled gradient); an inf in the last rank's shard only;
 # a NaN in rank 0's shard only (no rank may step, every rank must halve the scale); one
 # all-reduce per call.
-checks_grads.check_fp16_step(fp16_step, NPROCS)
+lesson02.check_fp16_step(fp16_step, NPROCS)
 
 # %% [markdown]
 # minizero's stages do the same in `before_step()` when `precision="fp16"`, before the

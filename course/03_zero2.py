@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import checks, checks_grads, checks_zero2
 from minizero import collectives as C
 from minizero.collectives import all_reduce
+from minizero.course import checks
+from minizero.course.checks import lesson03
 from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -152,7 +153,7 @@ class MyZeRO2(ZeRO2):
 # ZeRO2, then again in bf16 against ZeRO2 in bf16; no p.grad after backward, every
 # reduce-scatter started during backward, no more full bucket buffers (two), nor bytes of them,
 # alive at once than ZeRO2; one reduce-scatter per bucket per backward and one all-gather.
-checks_zero2.check_zero2(MyZeRO2, NPROCS)
+lesson03.check_zero2(MyZeRO2, NPROCS)
 
 # %% [markdown]
 # FSDP2 with `reshard_after_forward=False` is PyTorch's closest relative of stage 2: it
@@ -467,7 +468,7 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
 # their padding filled with 3.0: your norm and clipped shards against torch.nn.utils
 # .clip_grad_norm_ on the whole gradient, for a max_norm that clips and one that does not; one
 # all-reduce per call.
-checks_grads.check_clip_grad_norm(clip_grad_norm_, NPROCS)
+lesson03.check_clip_grad_norm(clip_grad_norm_, NPROCS)
 
 # %% [markdown]
 # minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`; DDP and stage 1

@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 import minizero
-from minizero import checks, checks_zero3
 from minizero.collectives import all_gather, mark
+from minizero.course import checks
+from minizero.course.checks import lesson04
 from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -180,7 +181,7 @@ class MyZeRO3(ZeRO3):
 # parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward; the
 # same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, _free and
 # _gather(wait=True) handed an all-gather still in flight must wait for it.
-checks_zero3.check_zero3_gather(MyZeRO3, NPROCS)
+lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]
 # FSDP2's `fully_shard` is PyTorch's implementation of the same idea (with its default
@@ -260,7 +261,7 @@ class PrefetchZeRO3(ZeRO3):
 # units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
 # yours too, in forward and in backward; no more units gathered at once than ZeRO3, and no more
 # elements all-gathered (no unit gathered after its reduce-scatter).
-checks_zero3.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
+lesson04.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %% [markdown]
 # ## 4. Parameters held during one step

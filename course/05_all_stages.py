@@ -40,8 +40,9 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import minizero
-from minizero import budget, checks, plots
-from minizero.checks_budget import PeakCase, check_predict_peak, on_gpus, peak_cases
+from minizero import budget
+from minizero.course import checks, compare, plots, plots_budget
+from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
 from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
 from minizero.simulate import FlatModel, format_table1, simulate, table1
@@ -71,19 +72,19 @@ print(f"the question: Ψ = {BIG_PSI:,} parameters, s = {BIG.block_size}, b = {BI
 # | 2: P_os+g | + gradients | 2Ψ | 2Ψ/N | KΨ/N | 2Ψ + (2 + K)Ψ/N |
 # | 3: P_os+g+p | + parameters | 2Ψ/N | 2Ψ/N | KΨ/N | (2 + 2 + K)Ψ/N |
 #
-# The cell below trains TinyGPT (tiny) and a small MLP (`models.MLP` with sizes 32, 64, 64, 16)
-# for a few steps at every stage in bf16 with AdamW, on NPROCS real ranks (`plots.profile_stage`
-# is what each rank runs; read it in `minizero/plots.py`). For each stage it keeps the model-state
-# bytes at the end of backward (`model_state_bytes`: the storages the stage holds, hidden flat
-# buffers included), the peak of one step (`MemoryMeter`: every live storage on CPU, the CUDA
-# allocator's count on a GPU), every collective of one step (`CommLedger`), and a few step times.
-# AdamW runs `fused=True`: one kernel per step, without the full-size temporaries of the default
-# (foreach) implementation.
+# The cell below trains TinyGPT (tiny) and a small MLP (`models.MLP` with sizes 32, 64, 64, 16) for
+# a few steps at every stage in bf16 with AdamW, on NPROCS real ranks (`compare.profile_stage` is
+# what each rank runs; read it in `minizero/course/compare.py`). For each stage it keeps the
+# model-state bytes at the end of backward (`model_state_bytes`: the storages the stage holds,
+# hidden flat buffers included), the peak of one step (`MemoryMeter`: every live storage on CPU, the
+# CUDA allocator's count on a GPU), every collective of one step (`CommLedger`), and a few step
+# times. AdamW runs `fused=True`: one kernel per step, without the full-size temporaries of the
+# default (foreach) implementation.
 
 # %%
 STAGES = (0, 1, 2, 3)
 res = checks.launch_with_progress(
-    plots.profile_stages,
+    compare.profile_stages,
     NPROCS,
     models=("gpt", "mlp"),
     stages=STAGES,
@@ -337,8 +338,9 @@ for n in (8, 64, 1024):
 #   rebuilt; `LOGIT_BYTES` per logit (s·b·V); `OTHER` bytes per sbh. Which of these does N divide?
 #
 # The check first calls your function on each configuration below, then measures each one on
-# NPROCS real ranks (`checks_budget.measure_peak`: one step under `MemoryMeter`). Your model states
-# must be within 2% of what the ranks held, your total within 15% of the measured peak.
+# NPROCS real ranks (`measure_peak` in `minizero/course/checks/lesson05.py`: one step under
+# `MemoryMeter`). Your model states must be within 2% of what the ranks held, your total within
+# 15% of the measured peak.
 
 # %%
 CASES = peak_cases(NPROCS, gpu=on_gpus(NPROCS))  # longer micro-batches on GPUs
@@ -415,8 +417,8 @@ for ck in (False, True):
 
 # %%
 where = "this process, CPU, bf16 (MemTracker)"
-fig = plots.budget_figure(BIG, BIG_N, micro_batch=BIG_B, capacity_gb=GPU_GB,
-                          logit_bytes=LOGIT_BYTES, where=where)  # fmt: skip
+fig = plots_budget.budget_figure(BIG, BIG_N, micro_batch=BIG_B, capacity_gb=GPU_GB,
+                                 logit_bytes=LOGIT_BYTES, where=where)  # fmt: skip
 plt.show()
 
 # %% [markdown]
@@ -433,16 +435,17 @@ plt.show()
 #
 # ## 8. A calculator
 #
-# The figure above is `plots.budget_figure`. In JupyterLab or Jupyter Notebook, sliders follow it
-# (the model's shape, s, b, N, the GPU's memory, checkpointing, the attention kernel) and redraw
-# it; in a graded run only the static figure is drawn. In other front ends (VS Code, ...) start
-# the kernel with `MINIZERO_WIDGETS=1`, or call `display(plots.calculator())` in any cell.
+# The figure above is `plots_budget.budget_figure`. In JupyterLab or Jupyter Notebook, sliders
+# follow it (the model's shape, s, b, N, the GPU's memory, checkpointing, the attention kernel) and
+# redraw it; in a graded run only the static figure is drawn. In other front ends (VS Code, ...)
+# start the kernel with `MINIZERO_WIDGETS=1`, or call `display(plots_budget.calculator())` in any
+# cell.
 
 # %%
-if plots.widgets_available():  # a widget front end is there; never in a graded run
+if plots_budget.widgets_available():  # a widget front end is there; never in a graded run
     from IPython.display import display
 
-    display(plots.calculator(BIG, BIG_N, BIG_B, GPU_GB))
+    display(plots_budget.calculator(BIG, BIG_N, BIG_B, GPU_GB))
 
 # %% [markdown]
 # ## 9. What the stages cost in communication
@@ -526,7 +529,7 @@ for m, ps in PROFILES.items():
 # The 6.7B model at s = 4096 on 8 × 80 GB: not with DDP; with any ZeRO stage, given a flash
 # attention kernel; with room to spare at stage 3 or with checkpointing.
 #
-# Instructors: `plots.compare_stages(NPROCS)` runs every stage and saves §1's and §9's comparison
+# Instructors: `compare.compare_stages(NPROCS)` runs every stage and saves §1's and §9's comparison
 # as one figure, `runs/stages.png`.
 #
 # Next: **lesson 06 — myths and facts**, where nine claims about ZeRO meet a measurement.

@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
-from minizero import checks, plots
 from minizero import collectives as C
-from minizero.checks_budget import check_owned_tensors
+from minizero.course import checks, compare, plots
+from minizero.course.checks.lesson06 import check_owned_tensors
 from minizero.data import synthetic_batch
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
@@ -148,8 +148,8 @@ DELAY, STEPS = 0.3, 3
 
 def synchronous(stage):
     rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    model, batch = plots.workload("mlp", 4, dev)  # this rank's 4 rows of each step
-    ref, _ = plots.workload("mlp", 4 * world, dev)  # one process, the whole global batch
+    model, batch = compare.workload("mlp", 4, dev)  # this rank's 4 rows of each step
+    ref, _ = compare.workload("mlp", 4 * world, dev)  # one process, the whole global batch
     ref.to(dev)
     ref_opt = adamw(ref.parameters())
     net, opt = parallelize(model, stage, adamw)
@@ -225,7 +225,7 @@ def step_ledgers():
     dev = checks.rank_device()
     out = {}
     for stage in range(4):
-        model, batch = plots.workload("mlp", 4, dev)
+        model, batch = compare.workload("mlp", 4, dev)
         psi = count_params(model)
         with C.CommLedger() as setup:
             net, opt = parallelize(model, stage, adamw)

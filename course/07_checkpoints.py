@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 import minizero
-from minizero import checks, checks_ckpt
 from minizero.checkpoint import CheckpointError, checkpoint_bytes
+from minizero.course import checks
+from minizero.course.checks import lesson07
 from minizero.data import synthetic_batch
 from minizero.launch import LaunchError
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -133,7 +134,7 @@ def owned_ranges(model) -> dict[str, tuple[int, int]]:
 # %% check="owned_ranges"
 # On NPROCS ranks, stages 0-3, tiny and default buckets, an MLP (with a frozen weight and a tied
 # one) and TinyGPT: your ranges against minizero's fragments (model.fragments), rank by rank.
-checks_ckpt.check_owned_ranges(owned_ranges, NPROCS)
+lesson07.check_owned_ranges(owned_ranges, NPROCS)
 
 # %% [markdown]
 # `minizero.checkpoint_layout.owned_ranges(model)` is the same function, read off the fragments.
@@ -223,7 +224,7 @@ def read_plan(saved, want):
 # 300 random layouts against the elements they must fill and against DCP's own read plan; then a
 # TinyGPT checkpoint saved at stage 2 on 2 ranks is loaded at stage 3 on 3 ranks (gloo), and each
 # rank rebuilds the ranges it now owns from the saved pieces with your plan.
-checks_ckpt.check_read_plan(read_plan)
+lesson07.check_read_plan(read_plan)
 
 # %% [markdown]
 # ## 3. A run killed, and resumed on another world size
@@ -232,7 +233,7 @@ checks_ckpt.check_read_plan(read_plan)
 # ranks, a checkpoint every 4 steps with the step and the scheduler in `extra` (the data position
 # is the step here: batch `step` is the same global batch whatever the world size). Rank 0 logs
 # the loss of the global batch. At the save after step 12, rank 1 dies halfway through writing
-# (`checks_ckpt.crash_during_next_save` makes it raise there, inside `minizero.launch`, once the
+# (`lesson07.crash_during_next_save` makes it raise there, inside `minizero.launch`, once the
 # other rank has written its part). Then the run is resumed from the last complete checkpoint on
 # **3** ranks at **stage 3**, and a reference run does all 16 steps without interruption.
 #
@@ -268,7 +269,7 @@ def train(stage, log, resume_from=None, crash_at=None):
                 f.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
         if (step + 1) % EVERY == 0:
             if step + 1 == crash_at and rank == 1:
-                checks_ckpt.crash_during_next_save("rank 1 lost power")
+                lesson07.crash_during_next_save("rank 1 lost power")
             extra = {"step": step + 1, "sched": sched.state_dict()}
             minizero.save_checkpoint(CKPT / log / f"step_{step + 1}", model, opt, extra)
 

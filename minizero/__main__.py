@@ -23,21 +23,23 @@ class CommandList(argparse.HelpFormatter):
 
 
 # Every command hands its arguments to a function of its own, which parses them (and --help):
-# name -> ("module:function", one line for the command list)
+# name -> ("module:function" under minizero, one line for the command list)
 PASS_THROUGH = {
     "demo": ("demo:main", "DDP or a ZeRO stage on 2 CPU ranks (or one per GPU), checked against "
              "PyTorch and one process; volume and memory against the paper"),
     "doctor": ("doctor:main", "is this machine ready? torch, CUDA/NCCL, GPUs and links, how the "
                "ranks will run, a 2-second all-reduce probe, Jupyter"),
-    "compare": ("plots:main", "every stage measured side by side: a table and one figure"),
+    "compare": ("course.compare:main", "every stage measured side by side: a table and one figure"),
     "simulate": ("simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real stage code "
                  "on meta tensors"),
     "bench": ("bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
               "own), checkpoints"),
-    "run": ("launch:torchrun_main", "run a script under torchrun (one rank per GPU, multi-node)"),
-    "start": ("course:start_main", "copy the lessons into a folder of your own (my-lessons/)"),
-    "grade": ("course:grade_main", "grade your lesson notebooks (runs their check cells)"),
-    "lessons": ("course:lessons_main", "regenerate lessons/ and solutions/ from course/"),
+    "run": ("launch_ranks:torchrun_main", "run a script under torchrun (one rank per GPU, "
+            "multi-node)"),
+    "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
+              "(my-lessons/)"),
+    "grade": ("course.grade:grade_main", "grade your lesson notebooks (runs their check cells)"),
+    "lessons": ("course.build:lessons_main", "regenerate lessons/ and solutions/ from course/"),
     "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }  # fmt: skip
 

@@ -94,7 +94,7 @@ def ranks(nprocs: int | None) -> int:
 
 def run_ranks(fn: Callable, n: int, timeout: float, *args, total: int, desc: str) -> list:
     """``launch(fn, n, *args)`` with a progress bar (stderr) that follows rank 0's ticks."""
-    from minizero.checks import launch_with_progress
+    from minizero.course.checks import launch_with_progress
     from minizero.launch import gpu_count
 
     if n > gpu_count():  # gloo ranks are forked from this process: import once what they need
@@ -264,6 +264,25 @@ def bench_collectives(argv: list[str]) -> int:
         write_json(a.json, dict(where=where, dtype=a.dtype, iters=a.iters, warmup=a.warmup,
                                 rows=rows))  # fmt: skip
     return 0
+
+
+def all_reduce_probe(seconds: float, nbytes: int) -> dict:
+    """Inside a rank: all-reduce ``nbytes`` of fp32 for about ``seconds`` (``python -m minizero
+    doctor``'s probe); the ledger's median time, the call count and :func:`measured_on`."""
+    dev = device()
+    buf = torch.zeros(nbytes // 4, device=dev)  # zeros: the sums never overflow
+    for _ in range(3):  # warm up (NCCL builds its rings here)
+        C.all_reduce(buf)
+    with C.CommLedger() as once:
+        C.all_reduce(buf)
+    took = torch.tensor([once.records[0].seconds], device=dev)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the same call count on every rank
+    calls = max(3, min(10_000, int(seconds / max(took.item(), 1e-6))))
+    with C.CommLedger() as ledger:
+        for _ in range(calls):
+            C.all_reduce(buf)
+    times = [r.seconds for r in ledger.records]
+    return dict(where=measured_on(), median=statistics.median(times), calls=calls)
 
 
 # ---------------------------------------------------------------- the command line

@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -174,7 +173,7 @@ def _shm_bytes() -> int | None:
 # -- 3. how launch will run the lessons -----------------------------------------------------------
 def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str | None]:
     """What ``minizero.launch`` picks for the lessons' ranks; returns (findings, ranks, backend)."""
-    from minizero.checks import default_nprocs
+    from minizero.course.checks import default_nprocs
 
     n = nprocs or default_nprocs()
     how = "as asked" if nprocs else "the lessons' default: one per GPU with 2 or more, else 2"
@@ -202,28 +201,8 @@ def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str 
 
 
 # -- 4. the all-reduce probe -----------------------------------------------------------------------
-def _probe_rank(seconds: float, nbytes: int) -> dict:
-    """Inside a rank: all-reduce ``nbytes`` of fp32 for about ``seconds``; the ledger's times."""
-    from minizero import collectives as C
-    from minizero.bench import device, measured_on
-
-    dev = device()
-    buf = torch.zeros(nbytes // 4, device=dev)  # zeros: the sums never overflow
-    for _ in range(3):  # warm up (NCCL builds its rings here)
-        C.all_reduce(buf)
-    with C.CommLedger() as once:
-        C.all_reduce(buf)
-    took = torch.tensor([once.records[0].seconds], device=dev)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the same call count on every rank
-    calls = max(3, min(10_000, int(seconds / max(took.item(), 1e-6))))
-    with C.CommLedger() as ledger:
-        for _ in range(calls):
-            C.all_reduce(buf)
-    times = [r.seconds for r in ledger.records]
-    return dict(where=measured_on(), median=statistics.median(times), calls=calls)
-
-
 def probe_findings(n: int, backend: str, seconds: float = 2.0, mib: float | None = None):
+    from minizero.bench import all_reduce_probe
     from minizero.collectives import BUSBW_FACTOR
     from minizero.launch import LaunchError
 
@@ -231,7 +210,7 @@ def probe_findings(n: int, backend: str, seconds: float = 2.0, mib: float | None
     nbytes = int(mib * 2**20) // 4 * 4
     try:
         res = _L.launch(
-            _probe_rank, n, seconds, nbytes, timeout=max(60, 10 * seconds), verbose=False
+            all_reduce_probe, n, seconds, nbytes, timeout=max(60, 10 * seconds), verbose=False
         )
     except (LaunchError, ValueError) as e:
         first = str(e).splitlines()[0]

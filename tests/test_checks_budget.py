@@ -1,4 +1,4 @@
-"""The memory budget (minizero.budget) and the checks of lessons 05 and 06 (minizero.checks_budget):
+"""The memory budget (minizero.budget) and the checks of lessons 05 and 06 (minizero.course.checks):
 formulas against the models and the paper, activations measured against the formula, and each
 check passing the lesson's solution and rejecting plausible wrong ones with a message naming what
 is wrong."""
@@ -10,13 +10,9 @@ import torch.distributed as dist
 
 import minizero
 from minizero import budget
-from minizero.checks import CheckFailed
-from minizero.checks_budget import (
-    check_owned_tensors,
-    check_predict_peak,
-    measure_peaks,
-    peak_cases,
-)
+from minizero.course.checks import CheckFailed
+from minizero.course.checks.lesson05 import check_predict_peak, measure_peaks, peak_cases
+from minizero.course.checks.lesson06 import check_owned_tensors
 from minizero.memory import paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT
 from minizero.units import assign_params, select_units
@@ -261,10 +257,10 @@ def test_budget_figure_draws_every_stage_with_and_without_checkpointing():
     import matplotlib
 
     matplotlib.use("Agg")
-    from minizero import plots
+    from minizero.course import plots, plots_budget
 
     cfg = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
-    fig = plots.budget_figure(cfg, 8, capacity_gb=80, where="a test")
+    fig = plots_budget.budget_figure(cfg, 8, capacity_gb=80, where="a test")
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert labels == [f"{s}: {n}" for s, n in plots.STAGES.items()] + [
@@ -285,9 +281,9 @@ def test_calculator_builds_its_sliders():
     import matplotlib
 
     matplotlib.use("Agg")
-    from minizero import plots
+    from minizero.course import plots_budget
 
-    box = plots.calculator()
+    box = plots_budget.calculator()
     descriptions = [w.description for w in box.children[:-1]]
     assert descriptions[:3] == ["layers L", "width h", "heads a"]
     assert "checkpoint" in descriptions and "ranks N" in descriptions

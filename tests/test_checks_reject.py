@@ -14,10 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero import checks, checks_grads, checks_zero, checks_zero1, checks_zero2, checks_zero3
 from minizero.bucket import Bucket
-from minizero.checks import CheckFailed
 from minizero.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.course.checks import (
+    CheckFailed,
+    common_zero,
+    lesson00,
+    lesson01,
+    lesson02,
+    lesson03,
+    lesson04,
+)
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -25,7 +32,7 @@ from minizero.zero3 import ZeRO3
 
 def _rejects(check, wrong, *, starts: str = "", has: tuple[str, ...] = ()) -> str:
     with pytest.raises(CheckFailed) as e:
-        check(wrong, 2) if check is not checks_zero1.check_bucket else check(wrong)
+        check(wrong, 2) if check is not lesson02.check_bucket else check(wrong)
     msg = str(e.value)
     assert msg.startswith(starts), msg
     for part in has:
@@ -42,7 +49,7 @@ def _sum_not_in_place(t, group=None):
 
 def test_all_reduce_via_rs_ag_rejects_a_copy_that_leaves_t_unchanged():
     _rejects(
-        checks.check_all_reduce_via_rs_ag,
+        lesson00.check_all_reduce_via_rs_ag,
         _sum_not_in_place,
         has=("returned the right sum", "left `t` unchanged", "in place"),
     )
@@ -58,7 +65,7 @@ def _averages_the_weights(model, group=None):
 
 def test_naive_ddp_rejects_averaging_the_weights():
     _rejects(
-        checks.check_allreduce_gradients,
+        lesson01.check_allreduce_gradients,
         _averages_the_weights,
         starts="step 0, rank 0, gradient of 'gain': max |yours - one process",
         has=("It is rank 0's own local gradient", "averages the weights, not the gradient"),
@@ -104,7 +111,7 @@ class _BlockingBuckets(torch.nn.Module):
 
 
 def test_bucketed_ddp_rejects_blocking_all_reduces():
-    _rejects(checks.check_bucketed_ddp, _BlockingBuckets, has=("were blocking", "async_op=True"))
+    _rejects(lesson01.check_bucketed_ddp, _BlockingBuckets, has=("were blocking", "async_op=True"))
 
 
 # -- lesson 02: the layout -------------------------------------------------------------------------
@@ -133,25 +140,25 @@ class _ViewNotShaped(Bucket):
 
 def test_bucket_layout_rejects_floor_copies_missing_padding_and_flat_views():
     _rejects(
-        checks_zero1.check_bucket,
+        lesson02.check_bucket,
         _FloorShard,
         starts="shard = 612 for parameters of shapes",
         has=("expected ceil(1837 / 3) = 613", "rounded down", "round up"),
     )
     _rejects(
-        checks_zero1.check_bucket,
+        lesson02.check_bucket,
         _ChunkCopy,
         starts="chunk(flat, 0) returned a copy",
         has=("return a slice",),
     )
     _rejects(
-        checks_zero1.check_bucket,
+        lesson02.check_bucket,
         _NoPadding,
         starts="flatten(tensors) returned (1837,)",
         has=("expected (1839,)", "one (padded,) buffer"),
     )
     _rejects(
-        checks_zero1.check_bucket,
+        lesson02.check_bucket,
         _ViewNotShaped,
         starts="view(flat, params[2]) has shape (203,)",
         has=("shaped like the parameter, (7, 29)",),
@@ -179,13 +186,13 @@ class _NoMasterCopy(ZeRO1):
 @pytest.mark.slow
 def test_zero1_rejects_a_sum_and_a_forgotten_master():
     _rejects(
-        checks_zero1.check_zero1,
+        lesson02.check_zero1,
         _SumNotAverage,
         starts="step 0, rank 0, bucket 0: the averaged gradient the optimizer stepped with",
         has=("Yours is 2.00x", "divide by 2"),
     )
     _rejects(
-        checks_zero1.check_zero1,
+        lesson02.check_zero1,
         _NoMasterCopy,
         starts="step 0, rank 0, parameter",
         has=("minizero ZeRO1 in bf16", "separate fp32 master (self.masters[i])"),
@@ -251,30 +258,30 @@ def _never_halves(optimizer, masters, scale, group=None):
 
 def test_fp16_step_rejects_local_checks_isinf_many_collectives_scaled_grads_and_a_fixed_scale():
     _rejects(
-        checks_grads.check_fp16_step,
+        lesson02.check_fp16_step,
         _local_inf_check,
         starts="_local_inf_check issued no collective with every gradient finite",
         has=("the ranks must agree", "one all_reduce"),
     )
     _rejects(
-        checks_grads.check_fp16_step,
+        lesson02.check_fp16_step,
         _isinf_only,
         starts="_isinf_only with a NaN in rank 0's shard (rank 0 of 2",
         has=("stepped with a NaN", "torch.isinf does not see a NaN"),
     )
     _rejects(
-        checks_grads.check_fp16_step,
+        lesson02.check_fp16_step,
         _flag_per_shard,
         starts="_flag_per_shard issued ['all_reduce', 'all_reduce', 'all_reduce']",
         has=("all-reduce once",),
     )
     _rejects(
-        checks_grads.check_fp16_step,
+        lesson02.check_fp16_step,
         _still_scaled,
         has=("stepped with the scaled gradient", "divide every m.grad by scale"),
     )
     _rejects(
-        checks_grads.check_fp16_step,
+        lesson02.check_fp16_step,
         _never_halves,
         has=("returned scale 1024.0 with an inf in the last rank's shard", "halve it (512)"),
     )
@@ -327,19 +334,19 @@ class _Fp32Buffers(ZeRO2):
 @pytest.mark.slow
 def test_zero2_rejects_copy_for_add_a_kept_grad_and_fp32_buffers_in_bf16():
     _rejects(
-        checks_zero2.check_zero2,
+        lesson03.check_zero2,
         _CopyNotAdd,
         starts="step 1, rank 0, bucket 0: the averaged gradient",
         has=("add, not copy",),
     )
     _rejects(
-        checks_zero2.check_zero2,
+        lesson03.check_zero2,
         _KeepsGrad,
         starts="fp32, rank 0, backward 0: after their gradient hook",
         has=("still hold a full gradient in p.grad", "p.grad = None"),
     )
     _rejects(
-        checks_zero2.check_zero2,
+        lesson03.check_zero2,
         _Fp32Buffers,
         starts="bf16, rank 0: your bucket buffers held up to",
         has=("in the gradient's dtype (p.grad.dtype)",),
@@ -396,30 +403,30 @@ def _always_scales(shards, valid, max_norm, group=None):
 
 def test_clip_rejects_padding_local_norms_summed_norms_many_collectives_and_scaling_up():
     _rejects(
-        checks_grads.check_clip_grad_norm,
+        lesson03.check_clip_grad_norm,
         _norm_with_padding,
         starts="_norm_with_padding returned norm",
         has=("It counts the padding", "first valid[i] elements"),
     )
     _rejects(
-        checks_grads.check_clip_grad_norm,
+        lesson03.check_clip_grad_norm,
         _local_norm,
         starts="_local_norm returned norm",
         has=("the norm of rank 0's own shards",),
     )
     _rejects(
-        checks_grads.check_clip_grad_norm,
+        lesson03.check_clip_grad_norm,
         _sum_of_norms,
         has=("the sum of the ranks' norms", "squares do"),
     )
     _rejects(
-        checks_grads.check_clip_grad_norm,
+        lesson03.check_clip_grad_norm,
         _reduce_per_shard,
         starts="_reduce_per_shard issued ['all_reduce', 'all_reduce'",
         has=("then one all_reduce",),
     )
     _rejects(
-        checks_grads.check_clip_grad_norm,
+        lesson03.check_clip_grad_norm,
         _always_scales,
         has=("the norm is below max_norm", "min(1, max_norm / (norm + 1e-6))"),
     )
@@ -463,18 +470,18 @@ class _NeverFills(ZeRO3):
 @pytest.mark.slow
 def test_zero3_gather_rejects_a_free_under_a_gather_and_an_unwaited_prefetch_and_nan():
     _rejects(
-        checks_zero3.check_zero3_gather,
+        lesson04.check_zero3_gather,
         _FreeUnderAGather,
         starts="rank 0: _free(0) resized unit 0's storage to 0 bytes while its all-gather",
         has=("neither waited for nor kept", "Wait for self._gathers[i] first"),
     )
     _rejects(
-        checks_zero3.check_zero3_gather,
+        lesson04.check_zero3_gather,
         _WaitsOnlyForItsOwn,
         has=("(wait=True) returned while unit 0's all-gather, started by a prefetch",),
     )
     _rejects(
-        checks_zero3.check_zero3_gather,
+        lesson04.check_zero3_gather,
         _NeverFills,
         starts="step 0, rank 0: the forward gave loss nan",
         has=("not finite", "all-gather self.param_shards[i] into self.flat_params[i]"),
@@ -506,13 +513,13 @@ class _PrefetchesTheWrongWay(ZeRO3):
 @pytest.mark.slow
 def test_zero3_prefetch_rejects_gathering_on_demand_and_prefetching_finished_units():
     _rejects(
-        checks_zero3.check_zero3_prefetch,
+        lesson04.check_zero3_prefetch,
         _OnDemand,
         starts="step 1, forward of layers.0: its all-gather was on demand (minizero's ZeRO3: "
         "prefetched)",
     )
     _rejects(
-        checks_zero3.check_zero3_prefetch,
+        lesson04.check_zero3_prefetch,
         _PrefetchesTheWrongWay,
         starts="step 1, backward of layers.2: its all-gather was on demand",
         has=("the previous module in the recorded order: self._neighbour(m, -self.prefetch)",),
@@ -521,22 +528,22 @@ def test_zero3_prefetch_rejects_gathering_on_demand_and_prefetching_finished_uni
 
 # -- what the comparisons do with NaN --------------------------------------------------------------
 def test_a_nan_loss_or_parameter_is_a_difference():
-    assert not checks_zero.close(math.nan, 1.0, 1e-4, 1e-6)
-    assert not checks_zero.close(1.0, math.inf, 1e-4, 1e-6)
-    assert checks_zero.close(1.0 + 1e-7, 1.0, 1e-4, 1e-6)
+    assert not common_zero.close(math.nan, 1.0, 1e-4, 1e-6)
+    assert not common_zero.close(1.0, math.inf, 1e-4, 1e-6)
+    assert common_zero.close(1.0 + 1e-7, 1.0, 1e-4, 1e-6)
     layout = [{"shard": 2, "params": [("w", 0, 3)]}]
     ref = {
-        "loss": [1.0] * checks_zero.STEPS,
-        "seen": [[torch.ones(2)]] * checks_zero.STEPS,
-        "params": [{"w": torch.ones(3)}] * checks_zero.STEPS,
+        "loss": [1.0] * common_zero.STEPS,
+        "seen": [[torch.ones(2)]] * common_zero.STEPS,
+        "params": [{"w": torch.ones(3)}] * common_zero.STEPS,
         "layout": layout,
     }
-    mine = {**ref, "loss": [math.nan] + [1.0] * (checks_zero.STEPS - 1)}
+    mine = {**ref, "loss": [math.nan] + [1.0] * (common_zero.STEPS - 1)}
     with pytest.raises(CheckFailed, match=r"^step 0, rank 0: the forward gave loss nan, ref 1:"):
-        checks_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
-    mine = {**ref, "params": [{"w": torch.tensor([1.0, math.nan, 1.0])}] * checks_zero.STEPS}
+        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+    mine = {**ref, "params": [{"w": torch.tensor([1.0, math.nan, 1.0])}] * common_zero.STEPS}
     with pytest.raises(CheckFailed, match=r"^step 0, rank 0, parameter 'w' after"):
-        checks_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
-    mine = {**ref, "seen": [[torch.tensor([1.0, math.nan])]] * checks_zero.STEPS}
+        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+    mine = {**ref, "seen": [[torch.tensor([1.0, math.nan])]] * common_zero.STEPS}
     with pytest.raises(CheckFailed, match=r"chunk element 1 = element 1 of 'w': yours nan"):
-        checks_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")

@@ -14,8 +14,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minizero import course
 from minizero.__main__ import main
+from minizero.course import build, grade, workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 STEM = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))[0]
@@ -26,7 +26,7 @@ def root(tmp_path: Path) -> Path:
     """A checkout of the course in ``tmp_path/kit``: sources and freshly generated notebooks."""
     kit = tmp_path / "kit"
     shutil.copytree(ROOT / "course", kit / "course")
-    assert course.lessons_main(["--root", str(kit)]) == 0
+    assert build.lessons_main(["--root", str(kit)]) == 0
     return kit
 
 
@@ -49,24 +49,24 @@ def change_source(root: Path) -> None:
 
 # -- the fingerprint ----------------------------------------------------------------------------
 def test_every_committed_notebook_carries_its_fingerprint():
-    for variant in course.VARIANTS:
+    for variant in build.VARIANTS:
         for nb in sorted((ROOT / variant).glob("*.ipynb")):
-            assert course.hand_edited(nb) is None, nb
+            assert build.hand_edited(nb) is None, nb
 
 
 def test_the_fingerprint_sees_an_edit_but_not_a_reformatting(root):
     path = root / "lessons" / f"{STEM}.ipynb"
     nb = json.loads(path.read_text())
     path.write_text(json.dumps(nb, indent=4))  # same notebook, other JSON layout
-    assert course.hand_edited(path) is None
+    assert build.hand_edited(path) is None
     nb["cells"][0]["source"].append("one more line")
     path.write_text(json.dumps(nb))
-    assert "was edited (or run and saved)" in course.hand_edited(path)
+    assert "was edited (or run and saved)" in build.hand_edited(path)
     del nb["metadata"]["minizero"]["sha256"]
     path.write_text(json.dumps(nb))
-    assert "no generator fingerprint" in course.hand_edited(path)
+    assert "no generator fingerprint" in build.hand_edited(path)
     path.write_text("not json")
-    assert "no generator fingerprint" in course.hand_edited(path)
+    assert "no generator fingerprint" in build.hand_edited(path)
 
 
 # -- `lessons` never overwrites an edited notebook ----------------------------------------------
@@ -79,7 +79,7 @@ def test_lessons_refuses_to_overwrite_a_notebook_someone_edited(root, capsys, so
     if source_changed:
         change_source(root)
     capsys.readouterr()
-    assert course.lessons_main(["--root", str(root)]) == 1
+    assert build.lessons_main(["--root", str(root)]) == 1
     err = capsys.readouterr().err
     assert (
         f"error: not overwriting lessons/{STEM}.ipynb: it was edited (or run and saved) after "
@@ -89,24 +89,24 @@ def test_lessons_refuses_to_overwrite_a_notebook_someone_edited(root, capsys, so
     assert lesson.read_bytes() == mine  # the student's work survives, byte for byte
     assert solution.read_bytes() == before  # and nothing else was written either
     # --check names it too, and says why
-    assert course.lessons_main(["--root", str(root), "--check"]) == 1
+    assert build.lessons_main(["--root", str(root), "--check"]) == 1
     assert f"stale: lessons/{STEM}.ipynb (edited by hand)" in capsys.readouterr().err
     # once the student's file is moved away, regeneration goes through
     lesson.rename(root / "mine.ipynb")
-    assert course.lessons_main(["--root", str(root)]) == 0
-    assert course.lessons_main(["--root", str(root), "--check"]) == 0
+    assert build.lessons_main(["--root", str(root)]) == 0
+    assert build.lessons_main(["--root", str(root), "--check"]) == 0
     assert (root / "mine.ipynb").read_bytes() == mine
 
 
 def test_lessons_rewrites_an_untouched_notebook_when_its_source_changes(root, capsys):
     change_source(root)
     capsys.readouterr()
-    assert course.lessons_main(["--root", str(root)]) == 0
+    assert build.lessons_main(["--root", str(root)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines() == [f"wrote lessons/{STEM}.ipynb", f"wrote solutions/{STEM}.ipynb"]
     text = (root / "lessons" / f"{STEM}.ipynb").read_text()
     assert "a cell the instructor added" in text
-    assert course.lessons_main(["--root", str(root), "--check"]) == 0
+    assert build.lessons_main(["--root", str(root), "--check"]) == 0
 
 
 def test_lessons_refuses_a_notebook_without_fingerprint(root, capsys):
@@ -115,7 +115,7 @@ def test_lessons_refuses_a_notebook_without_fingerprint(root, capsys):
     del nb["metadata"]["minizero"]["sha256"]
     path.write_text(json.dumps(nb))
     capsys.readouterr()
-    assert course.lessons_main(["--root", str(root)]) == 1
+    assert build.lessons_main(["--root", str(root)]) == 1
     assert (
         f"error: not overwriting solutions/{STEM}.ipynb: it has no generator fingerprint"
         in capsys.readouterr().err
@@ -141,9 +141,9 @@ def test_start_copies_every_lesson_then_keeps_what_the_student_changed(root, tmp
     change_source(root)  # a new version of the first lesson...
     last = root / "course" / f"{Path(names[-1]).stem}.py"
     last.write_text(last.read_text() + "\n# %%\nprint('new')\n")  # ...and of the last one
-    assert course.lessons_main(["--root", str(root)]) == 0
+    assert build.lessons_main(["--root", str(root)]) == 0
     capsys.readouterr()
-    assert course.start(mine, root) == 0
+    assert workflow.start(mine, root) == 0
     out = capsys.readouterr().out
     assert (mine / f"{STEM}.ipynb").read_bytes() == edited
     assert f"kept    {mine / STEM}.ipynb: you have worked on it, it is left as it is" in out
@@ -156,7 +156,7 @@ def test_start_copies_every_lesson_then_keeps_what_the_student_changed(root, tmp
 @pytest.mark.parametrize("inside", ["lessons", "solutions", "lessons/sub"])
 def test_start_refuses_a_folder_inside_the_generated_ones(root, capsys, inside):
     before = sorted(p.name for p in (root / "lessons").iterdir())
-    assert course.start(root / inside, root) == 2
+    assert workflow.start(root / inside, root) == 2
     assert f"is inside {inside.split('/')[0]}/, which `python -m minizero lessons` rewrites" in (
         capsys.readouterr().out
     )
@@ -165,14 +165,14 @@ def test_start_refuses_a_folder_inside_the_generated_ones(root, capsys, inside):
 
 def test_start_refuses_a_file_and_names_the_default(root, tmp_path, capsys):
     (tmp_path / "f").write_text("x")
-    assert course.start(tmp_path / "f", root) == 2
+    assert workflow.start(tmp_path / "f", root) == 2
     assert f"{tmp_path / 'f'} is a file; pick a folder, e.g. my-lessons" in capsys.readouterr().out
     assert (tmp_path / "f").read_text() == "x"
 
 
 def test_start_defaults_to_my_lessons_in_the_current_folder(root, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert course.start_main(["--root", str(root)]) == 0
+    assert workflow.start_main(["--root", str(root)]) == 0
     assert (tmp_path / "my-lessons" / f"{STEM}.ipynb").exists()
     assert "grade them with `python -m minizero grade`." in capsys.readouterr().out
 
@@ -180,14 +180,14 @@ def test_start_defaults_to_my_lessons_in_the_current_folder(root, tmp_path, monk
 # -- `grade` grades the student's folder by default ---------------------------------------------
 def test_grade_without_my_lessons_says_to_run_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert course.grade_main([]) == 2
+    assert grade.grade_main([]) == 2
     assert capsys.readouterr().out.startswith(
         "error: no my-lessons/ folder here: run `python -m minizero start`"
     )
     (tmp_path / "empty").mkdir()
-    assert course.grade_main(["empty"]) == 2
+    assert grade.grade_main(["empty"]) == 2
     assert "error: empty/ holds no notebooks (*.ipynb) to grade" in capsys.readouterr().out
-    assert course.grade_main(["nope.ipynb"]) == 2
+    assert grade.grade_main(["nope.ipynb"]) == 2
     assert "error: nope.ipynb: no such notebook or folder" in capsys.readouterr().out
 
 
@@ -205,7 +205,7 @@ def test_grade_runs_the_notebooks_in_my_lessons_by_default(tmp_path, monkeypatch
     _tiny(tmp_path / "my-lessons" / "a.ipynb", ok=True)
     _tiny(tmp_path / "my-lessons" / "b.ipynb", ok=False)
     before = (tmp_path / "my-lessons" / "b.ipynb").read_bytes()
-    assert course.grade_main(["--timeout", "60"]) == 1
+    assert grade.grade_main(["--timeout", "60"]) == 1
     out = capsys.readouterr().out
     assert "my-lessons/a.ipynb: running" in out and "my-lessons/b.ipynb: running" in out
     assert "PASS  x_is_two" in out and "FAIL  x_is_two" in out

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero import checks, doctor
+from minizero import doctor
+from minizero.course.checks import common
 
 pytestmark = pytest.mark.timeout(180)
 L = importlib.import_module("minizero.launch")  # the module (minizero.launch is the function)
@@ -38,7 +39,7 @@ def fake_machine(monkeypatch, gpus: int, smi: dict | None, cuda: str | None = "1
     """A machine whose NVML counts ``gpus``, whose nvidia-smi answers ``smi`` (None: absent)
     and whose torch was built with ``cuda`` and NCCL 2.27.5."""
     monkeypatch.setattr(L, "gpu_count", lambda: gpus)
-    monkeypatch.setattr(checks, "gpu_count", lambda: gpus)  # checks.default_nprocs reads it
+    monkeypatch.setattr(common, "gpu_count", lambda: gpus)  # common.default_nprocs reads it
     monkeypatch.setattr(dist, "is_nccl_available", lambda: cuda is not None)
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))

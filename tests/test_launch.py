@@ -315,9 +315,9 @@ def test_watchdog_kills_the_process_when_its_parent_dies(tmp_path):
     """Where there is no parent-death signal (not Linux), a thread watches the parent instead."""
     child = """
         import os, sys, time
-        from minizero.launch import _die_with_parent
+        from minizero.launch_ranks import die_with_parent
         sys.platform = "darwin"  # take the watchdog path here, on Linux too
-        _die_with_parent()
+        die_with_parent()
         sys.platform = "linux"
         open(sys.argv[1] + ".part", "w").write(str(os.getpid()))
         os.replace(sys.argv[1] + ".part", sys.argv[1])

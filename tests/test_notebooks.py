@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero import checks, course
 from minizero.bucket import make_buckets
 from minizero.collectives import all_gather, all_reduce, mark, reduce_scatter
+from minizero.course import build, checks, grade
+from minizero.course.checks import lesson00, lesson01
 
 ROOT = Path(__file__).resolve().parent.parent
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
@@ -25,7 +26,7 @@ STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
 
 # -- generation ------------------------------------------------------------------------------------
 def test_committed_notebooks_match_their_sources():
-    assert course.stale(ROOT) == [], (
+    assert build.stale(ROOT) == [], (
         "run `python -m minizero lessons` and commit the notebooks (it refuses to overwrite a "
         "notebook edited by hand: move that one out of lessons/ or solutions/ first)"
     )
@@ -34,14 +35,14 @@ def test_committed_notebooks_match_their_sources():
 def test_every_lesson_has_both_notebooks_and_a_check_per_exercise():
     assert STEMS, "no lesson sources in course/"
     for stem in STEMS:
-        cells = course.parse((ROOT / "course" / f"{stem}.py").read_text(), stem)
+        cells = build.parse((ROOT / "course" / f"{stem}.py").read_text(), stem)
         assert any(c.check for c in cells), f"{stem} has no check cell"
-        for variant in course.VARIANTS:
+        for variant in build.VARIANTS:
             assert (ROOT / variant / f"{stem}.ipynb").exists()
 
 
 def test_generation_is_deterministic_valid_and_without_outputs():
-    first, second = course.generate(ROOT), course.generate(ROOT)
+    first, second = build.generate(ROOT), build.generate(ROOT)
     assert first == second
     for rel, text in first.items():
         nb = nbformat.reads(text, as_version=4)
@@ -56,8 +57,8 @@ def test_generation_is_deterministic_valid_and_without_outputs():
 
 def test_lessons_hide_the_solutions_and_solutions_hide_the_hints():
     for stem in STEMS:
-        lesson = json.loads(course.generate(ROOT)[Path("lessons") / f"{stem}.ipynb"])
-        solution = json.loads(course.generate(ROOT)[Path("solutions") / f"{stem}.ipynb"])
+        lesson = json.loads(build.generate(ROOT)[Path("lessons") / f"{stem}.ipynb"])
+        solution = json.loads(build.generate(ROOT)[Path("solutions") / f"{stem}.ipynb"])
         for lc, sc in zip(lesson["cells"], solution["cells"], strict=True):
             ltext, stext = "".join(lc["source"]), "".join(sc["source"])
             assert lc["metadata"] == sc["metadata"]
@@ -94,17 +95,17 @@ assert f(1) == 2
 
 
 def test_a_small_source_renders_to_both_variants():
-    cells = course.parse(SOURCE, "x.py")
+    cells = build.parse(SOURCE, "x.py")
     assert [c.kind for c in cells] == ["markdown", "code", "code"]
     assert cells[0].lines == ["# Title", "", "text"]
     assert cells[1].tags == ["exercise"] and cells[2].tags == ["check"] and cells[2].check == "f"
-    lesson = course.render_code(cells[1], "lessons")
-    solution = course.render_code(cells[1], "solutions")
+    lesson = build.render_code(cells[1], "lessons")
+    solution = build.render_code(cells[1], "solutions")
     assert lesson.endswith(
         '    # TODO: return x plus y\n    raise NotImplementedError("TODO: write f()")'
     )
     assert solution.endswith("    y = 1\n    return x + y")
-    nb = course.notebook(cells, "99_x", "lessons", "course/99_x.py")
+    nb = build.notebook(cells, "99_x", "lessons", "course/99_x.py")
     assert nb["cells"][2]["metadata"] == {"tags": ["check"], "minizero": {"check": "f"}}
 
 
@@ -130,8 +131,8 @@ def test_a_small_source_renders_to_both_variants():
     ],
 )
 def test_source_errors_name_file_and_line(text, message):
-    with pytest.raises(course.SourceError, match="^" + re.escape(message)):
-        course.parse(text, "x.py")
+    with pytest.raises(build.SourceError, match="^" + re.escape(message)):
+        build.parse(text, "x.py")
 
 
 # -- jupytext: an instructor edits a lesson as a notebook -------------------------------------
@@ -153,7 +154,7 @@ def test_jupytext_round_trip_leaves_sources_and_notebooks_identical(tmp_path):
     _jupytext("--to", "py:percent", *[s.replace(".py", ".ipynb") for s in sources], cwd=tmp_path)
     for src in sources:
         assert (tmp_path / src).read_text() == (ROOT / src).read_text(), src
-    assert course.generate(tmp_path) == course.generate(ROOT)
+    assert build.generate(tmp_path) == build.generate(ROOT)
 
 
 def test_a_lesson_edited_as_a_notebook_regenerates_with_the_edit_only(tmp_path):
@@ -182,8 +183,8 @@ def test_a_lesson_edited_as_a_notebook_regenerates_with_the_edit_only(tmp_path):
     assert "tags" not in text and "kernelspec" not in text and "\nout\n" not in text
     assert jupytext.reads(text, fmt="py:percent").cells[k + 1].metadata["check"]
 
-    new, old = course.generate(tmp_path), course.generate(ROOT)
-    for variant in course.VARIANTS:
+    new, old = build.generate(tmp_path), build.generate(ROOT)
+    for variant in build.VARIANTS:
         a = json.loads(new[Path(variant) / f"{stem}.ipynb"])["cells"]
         b = json.loads(old[Path(variant) / f"{stem}.ipynb"])["cells"]
         assert "".join(a[k]["source"]) == "A **new** paragraph."
@@ -195,7 +196,7 @@ def test_a_lesson_edited_as_a_notebook_regenerates_with_the_edit_only(tmp_path):
 
 def test_a_jupytext_header_before_the_first_cell_is_read():
     header = "# ---\n# jupyter:\n#   jupytext:\n#     formats: py:percent\n# ---\n\n"
-    with_header, plain = course.parse(header + SOURCE, "x.py"), course.parse(SOURCE, "x.py")
+    with_header, plain = build.parse(header + SOURCE, "x.py"), build.parse(SOURCE, "x.py")
     assert [c.line - 6 for c in with_header] == [c.line for c in plain] == [1, 6, 19]
     for c in with_header + plain:
         c.line = c.body = 0
@@ -204,17 +205,17 @@ def test_a_jupytext_header_before_the_first_cell_is_read():
 
 def test_lessons_check_names_the_stale_file(tmp_path, capsys):
     shutil.copytree(ROOT / "course", tmp_path / "course")
-    assert course.lessons_main(["--root", str(tmp_path)]) == 0
-    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 0
+    assert build.lessons_main(["--root", str(tmp_path)]) == 0
+    assert build.lessons_main(["--root", str(tmp_path), "--check"]) == 0
     src = tmp_path / "course" / f"{STEMS[0]}.py"
     src.write_text(src.read_text() + "\n# %%\nprint('new cell')\n")
     capsys.readouterr()
-    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 1
+    assert build.lessons_main(["--root", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert f"stale: lessons/{STEMS[0]}.ipynb (differs from its source)" in err
     assert f"stale: solutions/{STEMS[0]}.ipynb (differs from its source)" in err
     (tmp_path / "lessons" / "77_orphan.ipynb").write_text("{}")
-    assert course.lessons_main(["--root", str(tmp_path), "--check"]) == 1
+    assert build.lessons_main(["--root", str(tmp_path), "--check"]) == 1
     assert "lessons/77_orphan.ipynb (no source course/77_orphan.py)" in capsys.readouterr().err
 
 
@@ -223,7 +224,7 @@ def test_lessons_check_names_the_stale_file(tmp_path, capsys):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stem", STEMS)
 def test_lessons_fail_exactly_at_the_check_cells(stem):
-    runs = course.execute(ROOT / "lessons" / f"{stem}.ipynb")
+    runs = grade.execute(ROOT / "lessons" / f"{stem}.ipynb")
     failed = {r.index: r.error for r in runs if r.error}
     check_cells = {r.index for r in runs if r.check}
     assert set(failed) == check_cells, failed
@@ -243,10 +244,10 @@ def test_solutions_pass_under_nbval():
 @pytest.mark.slow
 def test_grade_prints_pass_and_fail_per_exercise(capsys):
     stem = STEMS[0]
-    assert course.grade_main([str(ROOT / "solutions" / f"{stem}.ipynb")]) == 0
+    assert grade.grade_main([str(ROOT / "solutions" / f"{stem}.ipynb")]) == 0
     out = capsys.readouterr().out
     assert "PASS  all_reduce_via_rs_ag" in out and "1/1 passed" in out
-    assert course.grade_main([str(ROOT / "lessons" / f"{stem}.ipynb")]) == 1
+    assert grade.grade_main([str(ROOT / "lessons" / f"{stem}.ipynb")]) == 1
     out = capsys.readouterr().out
     assert "FAIL  all_reduce_via_rs_ag" in out and "NotImplementedError: TODO: write" in out
 
@@ -256,7 +257,7 @@ def test_grade_prints_pass_and_fail_per_exercise(capsys):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stem", STEMS)
 def test_solutions_run_one_rank_per_gpu_over_nccl(stem):
-    runs = course.execute(ROOT / "solutions" / f"{stem}.ipynb")
+    runs = grade.execute(ROOT / "solutions" / f"{stem}.ipynb")
     assert [r for r in runs if r.error] == []
 
 
@@ -278,11 +279,11 @@ def _plain_all_reduce(t, group=None):
 
 def test_check_all_reduce_via_rs_ag_names_shape_element_and_padding():
     with pytest.raises(checks.CheckFailed) as e:
-        checks.check_all_reduce_via_rs_ag(_no_padding, 2)
+        lesson00.check_all_reduce_via_rs_ag(_no_padding, 2)
     assert str(e.value).startswith("wrong sum for a tensor of shape (1,) on rank 0 (world size 2)")
     assert "pad the flat tensor to a multiple of the world size (2)" in str(e.value)
     with pytest.raises(checks.CheckFailed, match=r"issued \['all_reduce'\]"):
-        checks.check_all_reduce_via_rs_ag(_plain_all_reduce, 2)
+        lesson00.check_all_reduce_via_rs_ag(_plain_all_reduce, 2)
 
 
 def _summed_not_averaged(model, group=None):
@@ -293,7 +294,7 @@ def _summed_not_averaged(model, group=None):
 
 def test_check_naive_ddp_names_step_parameter_and_factor():
     with pytest.raises(checks.CheckFailed) as e:
-        checks.check_allreduce_gradients(_summed_not_averaged, 2)
+        lesson01.check_allreduce_gradients(_summed_not_averaged, 2)
     msg = str(e.value)
     assert msg.startswith("step 0, rank 0, gradient of 'gain': max |yours - one process")
     assert "Yours is 2.00x the reference" in msg
@@ -348,8 +349,8 @@ class _AllAtTheEnd(torch.nn.Module):
 
 def test_check_bucketed_ddp_explains_the_hook_argument_and_missing_overlap():
     with pytest.raises(checks.CheckFailed) as e:
-        checks.check_bucketed_ddp(_HookArgumentAsGradient, 2)
+        lesson01.check_bucketed_ddp(_HookArgumentAsGradient, 2)
     assert "It is rank 0's own local gradient" in str(e.value)
     assert "hook receives the PARAMETER" in str(e.value)
     with pytest.raises(checks.CheckFailed, match="none overlaps backward"):
-        checks.check_bucketed_ddp(_AllAtTheEnd, 2)
+        lesson01.check_bucketed_ddp(_AllAtTheEnd, 2)

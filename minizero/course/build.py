@@ -1,7 +1,4 @@
-"""The course machinery: one source per lesson -> ``lessons/`` and ``solutions/``; the grader.
-
-``python -m minizero lessons [--check]``, ``python -m minizero start [FOLDER]`` and
-``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``.
+"""One source per lesson -> ``lessons/`` and ``solutions/``: ``python -m minizero lessons``.
 
 A lesson source is a percent-format Python file ``course/NN_name.py``, read with jupytext (so an
 instructor can open it in JupyterLab as a notebook and save it back). Cells start with a header:
@@ -31,15 +28,12 @@ import copy
 import hashlib
 import json
 import re
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the kit: course/, lessons/, solutions/
 VARIANTS = ("lessons", "solutions")
-STUDENT_DIR = Path("my-lessons")  # where `start` copies the lessons and `grade` looks by default
 _HEADER = re.compile(r"^#\s*%%")
 _BEGIN, _END, _HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# TODO:"
 _KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -344,188 +338,3 @@ def lessons_main(argv: list[str]) -> int:
         path.write_text(text)
         print(f"wrote {rel.as_posix()}")
     return 0
-
-
-# -- the student's own copies -------------------------------------------------------------------
-def start(folder: Path, root: Path = ROOT) -> int:
-    """Copy ``root/lessons/*.ipynb`` into ``folder``. A copy already there is kept when its owner
-    changed it (or ran and saved it), updated when it is an untouched older version."""
-    lessons = sorted((root / "lessons").glob("*.ipynb"))
-    if not lessons:
-        print(f"error: no lessons in {root / 'lessons'}: run `python -m minizero lessons` first")
-        return 2
-    dest = folder.resolve()
-    for variant in VARIANTS:
-        generated = (root / variant).resolve()
-        if dest == generated or generated in dest.parents:
-            print(
-                f"error: {folder} is inside {variant}/, which `python -m minizero lessons` "
-                "rewrites; pick a folder of your own, e.g. `python -m minizero start "
-                f"{STUDENT_DIR}`"
-            )
-            return 2
-    if dest.exists() and not dest.is_dir():
-        print(f"error: {folder} is a file; pick a folder, e.g. {STUDENT_DIR}")
-        return 2
-    dest.mkdir(parents=True, exist_ok=True)
-    kept = 0
-    for src in lessons:
-        target, shown, new = dest / src.name, folder / src.name, src.read_bytes()
-        if not target.exists():
-            target.write_bytes(new)
-            print(f"copied  {shown}")
-        elif target.read_bytes() == new:
-            print(f"same    {shown} (already the current lesson)")
-        elif not hand_edited(target):
-            target.write_bytes(new)
-            print(f"updated {shown} (you had not changed it; now the current lesson)")
-        else:
-            kept += 1
-            print(f"kept    {shown}: you have worked on it, it is left as it is")
-    if kept:
-        print(
-            f"To start a kept lesson over from the current version, rename your file (e.g. "
-            f"{folder / ('old-' + lessons[0].name)}) and run this command again."
-        )
-    grade = "" if folder == STUDENT_DIR else f" {folder}"
-    print(
-        f"Your lessons are in {folder}/. Work there: `jupyter lab {folder}/`; grade them with "
-        f"`python -m minizero grade{grade}`."
-    )
-    return 0
-
-
-def start_main(argv: list[str]) -> int:
-    """``python -m minizero start [FOLDER]``: your own copies of the lessons."""
-    p = argparse.ArgumentParser(
-        prog="minizero start",
-        description="Copy the lessons into a folder of your own and work there. Run it again "
-        "after an update: lessons you have not touched are updated, the ones you changed are "
-        "never overwritten. `python -m minizero grade` grades that folder.",
-    )
-    p.add_argument(
-        "folder", nargs="?", type=Path, default=STUDENT_DIR,
-        help=f"where your copies go (default: {STUDENT_DIR})",
-    )  # fmt: skip
-    p.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    return start(args.folder, args.root)
-
-
-# -- grading --------------------------------------------------------------------------------------
-@dataclass
-class CellRun:
-    index: int  # position among all cells of the notebook
-    check: str | None  # exercise name for check cells
-    error: str | None  # "ExcName: message" when the cell raised, else None
-    seconds: float  # wall time of the cell, from the kernel's timestamps
-
-
-def execute(path: Path, timeout: int = 600) -> list[CellRun]:
-    """Run every code cell of ``path`` in a fresh kernel (cwd: its folder), errors allowed."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb,
-        timeout=timeout,
-        allow_errors=True,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.resolve().parent)}},
-    )
-    client.execute(stderr=subprocess.DEVNULL)  # the kernel's own log; cell output is kept
-    runs = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        err = next((o for o in cell.outputs if o.output_type == "error"), None)
-        msg = f"{err.ename}: {err.evalue}" if err else None
-        runs.append(CellRun(i, cell.metadata.get("minizero", {}).get("check"), msg, _seconds(cell)))
-    return runs
-
-
-def _seconds(cell) -> float:
-    from datetime import datetime
-
-    t = cell.metadata.get("execution", {})
-    try:
-        start, end = t["iopub.execute_input"], t["shell.execute_reply"]
-    except KeyError:
-        return float("nan")
-    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))
-    return (parse(end) - parse(start)).total_seconds()
-
-
-def grade_paths(args: list[Path], root: Path = ROOT) -> list[Path]:
-    """The notebooks to grade: each path named (a folder stands for its notebooks), by default
-    those in ``my-lessons/`` (made by ``start``). Raises ``FileNotFoundError`` saying what to do."""
-    if not args:
-        if not STUDENT_DIR.is_dir():
-            raise FileNotFoundError(
-                f"no {STUDENT_DIR}/ folder here: run `python -m minizero start` to copy the "
-                "lessons into it (your own folder), or name what to grade, e.g. "
-                f"`python -m minizero grade {STUDENT_DIR / '01_ddp.ipynb'}`"
-            )
-        args = [STUDENT_DIR]
-    paths: list[Path] = []
-    for a in args:
-        if a.is_dir():
-            found = sorted(a.glob("*.ipynb"))
-            if not found:
-                raise FileNotFoundError(f"{a}/ holds no notebooks (*.ipynb) to grade")
-            paths += found
-        elif a.is_file():
-            paths.append(a)
-        else:
-            raise FileNotFoundError(f"{a}: no such notebook or folder")
-    return paths
-
-
-def grade_main(argv: list[str]) -> int:
-    """``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``: PASS/FAIL per exercise."""
-    p = argparse.ArgumentParser(
-        prog="minizero grade",
-        description="Run your lesson notebooks top to bottom in a fresh kernel (your file is not "
-        "modified) and report PASS/FAIL for every exercise, with the check's message.",
-    )
-    p.add_argument(
-        "notebooks", nargs="*", type=Path,
-        help=f"notebooks or folders (default: every notebook in {STUDENT_DIR}/, made by `start`)",
-    )  # fmt: skip
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
-    args = p.parse_args(argv)
-    try:
-        paths = grade_paths(args.notebooks)
-    except FileNotFoundError as e:
-        print(f"error: {e}")
-        return 2
-    generated = (ROOT / "lessons").resolve()
-    if any(generated in path.resolve().parents for path in paths):
-        print(
-            "note: lessons/ holds the generated lessons, not your work; work on your own copies "
-            f"(`python -m minizero start` puts them in {STUDENT_DIR}/)"
-        )
-    passed = total = 0
-    for path in paths:
-        t0 = time.perf_counter()
-        print(f"{path}: running ...", flush=True)
-        runs = execute(path, args.timeout)
-        for r in runs:
-            if r.check:
-                total += 1
-                passed += r.error is None
-                status = "PASS" if r.error is None else "FAIL"
-                print(
-                    f"  {status}  {r.check}" + (f"\n        {_indent(r.error)}" if r.error else "")
-                )
-            elif r.error:
-                total += 1
-                print(f"  ERROR cell {r.index} (not a check): {_indent(r.error)}")
-        print(f"  ({time.perf_counter() - t0:.0f} s)")
-    print(f"{passed}/{total} passed")
-    return 0 if passed == total else 1
-
-
-def _indent(s: str) -> str:
-    return s.replace("\n", "\n        ")

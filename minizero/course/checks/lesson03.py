@@ -1,19 +1,40 @@
-"""What the check cell of lesson 03's stage-2 exercise (03_zero2) calls: ``check_zero2``.
+"""What the check cells of lesson 03 (03_zero2) call: stage 2, and clipping on shards.
 
 The student's ``ZeRO2`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO2`` (:mod:`minizero.checks_zero`), in fp32 and again in bf16 against minizero's ``ZeRO2`` in
+``ZeRO2`` (:mod:`.common_zero`), in fp32 and again in bf16 against minizero's ``ZeRO2`` in
 bf16, with gradient accumulation in one step. Beyond the numbers it checks the structure: no full
 ``p.grad`` after backward, every reduce-scatter issued during backward, and no more full bucket
-buffers, nor bytes of them, alive at once than minizero's ``ZeRO2`` keeps.
+buffers, nor bytes of them, alive at once than minizero's ``ZeRO2`` keeps. The references and
+the step-by-step comparison: :mod:`.common_zero`.
+
+``check_clip_grad_norm`` runs the student's ``clip_grad_norm_(shards, valid, max_norm, group)``, a
+standalone function over this rank's gradient shards as a stage calls it between the
+reduce-scatter and the optimizer's step: the global L2 norm from partial sums of squares and one
+all-reduce, the padding left out; every shard scaled in place. It runs on real ranks on shards
+whose whole is known to every rank, is compared with one process
+(``torch.nn.utils.clip_grad_norm_``), and its collectives are counted with a ``CommLedger``.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.checks import CheckFailed, describe, guard, rank_device, report_pass
-from minizero.checks_zero import (
+from minizero import collectives as C
+from minizero.bucket import make_buckets
+from minizero.course.checks.common import (
+    CheckFailed,
+    describe,
+    guard,
+    launch_check,
+    rank_device,
+    report_pass,
+    run_info,
+)
+from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
@@ -173,4 +194,129 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         f"every reduce-scatter started during backward; at most {live} full bucket buffers "
         f"alive (not counting the backend's own copies); moved {volume} elements per step = "
         f"{volume / psi:.3f} Ψ"
+    )
+
+
+# -- clipping: the global gradient norm over shards, the padding left out --------------------------
+SHAPES = [(37, 13), (37,), (29, 37), (29,), (7, 29), (7,), (7,)]  # the MLP's, 1,837 elements
+CLIP_CAP_MB, PADDING_VALUE = 0.002, 3.0
+
+
+def _grads() -> list[torch.Tensor]:
+    """One fixed full (averaged) gradient per parameter of SHAPES, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return [0.1 * torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _chunks(grads: list[torch.Tensor], world: int, rank: int) -> tuple[list, list[int]]:
+    """Rank ``rank``'s (shard,) chunk of every bucket of ``grads`` (the MLP's shapes in 2 KiB
+    buckets), the padding filled with PADDING_VALUE; and how many elements of each are real."""
+    params = [torch.nn.Parameter(torch.empty(s)) for s in SHAPES]
+    of = {id(p): g for p, g in zip(params, grads, strict=True)}
+    shards, valid = [], []
+    for b in make_buckets(params, CLIP_CAP_MB, world):
+        n = max(0, min(b.shard, b.numel - rank * b.shard))  # real elements in this chunk
+        chunk = b.chunk(b.flatten([of[id(p)] for p in b.params]), rank).clone()
+        chunk[n:] = PADDING_VALUE  # memory no parameter owns: not guaranteed to be zero
+        shards.append(chunk)
+        valid.append(n)
+    return shards, valid
+
+
+def _clip_rank(fn) -> dict:
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    norm = torch.cat([g.reshape(-1) for g in _grads()]).norm().item()
+    out = {"info": run_info(), "norm": norm, "cases": []}
+    for max_norm in (0.5 * norm, 2.0 * norm):  # clips; does not
+        shards, valid = _chunks(_grads(), world, rank)
+        shards = [s.to(dev) for s in shards]
+        with C.CommLedger() as ledger:
+            got, err = guard(fn, shards, list(valid), max_norm, group=None)
+        case = {"max_norm": max_norm, "error": err, "ops": [r.op for r in ledger.records]}
+        if err is None:
+            case["norm"] = float(got) if got is not None else None
+            case["shards"] = [s[:n].cpu() for s, n in zip(shards, valid, strict=True)]
+        out["cases"].append(case)
+        if err:
+            break
+    return out
+
+
+def _clip_hint(got: float, norm: float, rank: int, world: int) -> str:
+    """Which wrong computation gives ``got``, from every rank's chunks (each rank knows them)."""
+    local, padded = [], []
+    for r in range(world):
+        shards, valid = _chunks(_grads(), world, r)
+        local.append(sum(float(s[:n].pow(2).sum()) for s, n in zip(shards, valid, strict=True)))
+        padded.append(sum(float(s.pow(2).sum()) for s in shards))
+    near = lambda x: math.isclose(got, x, rel_tol=1e-4)
+    if near(math.sqrt(local[rank])):
+        return (
+            f" It is the norm of rank {rank}'s own shards: add up the squares of every shard, "
+            "all-reduce that sum, then take the square root."
+        )
+    if near(math.sqrt(sum(padded))):
+        return (
+            " It counts the padding: only the first valid[i] elements of shards[i] are "
+            "gradient; the rest is memory no parameter owns."
+        )
+    if near(sum(math.sqrt(x) for x in local)):
+        return (
+            " It is the sum of the ranks' norms: norms do not add, squares do. All-reduce the "
+            "sum of squares, then take the square root."
+        )
+    if near(norm * norm):
+        return " It is the squared norm: take the square root of the all-reduced sum."
+    return ""
+
+
+def check_clip_grad_norm(fn, nprocs: int | None = None) -> None:
+    """Lesson 03: ``fn(shards, valid, max_norm, group=None)`` must return the L2 norm of the whole
+    gradient (every rank's real elements, no padding), the same on every rank, as
+    ``torch.nn.utils.clip_grad_norm_`` on the full gradient, scale every shard in place by
+    ``min(1, max_norm / (norm + 1e-6))``, and issue exactly one all-reduce."""
+    per_rank = launch_check(_clip_rank, nprocs, fn)
+    world = len(per_rank)
+    name = getattr(fn, "__name__", "your function")
+    for rank, res in enumerate(per_rank):
+        for case in res["cases"]:
+            where = f"on rank {rank} of {world}, max_norm {case['max_norm']:.4g}"
+            if case["error"]:
+                raise CheckFailed(f"{name} raised {where}: {case['error']}")
+            if case["ops"] != ["all_reduce"]:
+                raise CheckFailed(
+                    f"{name} issued {case['ops'] or 'no collective'} {where}: add up the squares "
+                    "of all this rank's shards into one number, then one all_reduce "
+                    "(minizero.collectives) sums the ranks' numbers"
+                )
+            params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]  # one process
+            for p, g in zip(params, _grads(), strict=True):
+                p.grad = g
+            want = float(torch.nn.utils.clip_grad_norm_(params, case["max_norm"]))
+            got = case["norm"]
+            if got is None or not math.isclose(got, want, rel_tol=1e-5):
+                hint = _clip_hint(got, want, rank, world) if got is not None else ""
+                raise CheckFailed(
+                    f"{name} returned norm {got} {where}; torch.nn.utils.clip_grad_norm_ on the "
+                    f"whole gradient gives {want:.6g}.{hint}"
+                )
+            ref, _ = _chunks([p.grad for p in params], world, rank)
+            for i, (g, w) in enumerate(zip(case["shards"], ref, strict=True)):
+                w = w[: g.numel()]
+                if not torch.allclose(g, w, rtol=1e-5, atol=1e-7):
+                    hint = (
+                        "scale every shard in place by max_norm / (norm + 1e-6)"
+                        if case["max_norm"] < want
+                        else "the norm is below max_norm: the coefficient is "
+                        "min(1, max_norm / (norm + 1e-6)), so nothing changes"
+                    )
+                    raise CheckFailed(
+                        f"{name} {where}: shard {i} after clipping differs from "
+                        f"torch.nn.utils.clip_grad_norm_'s by up to {(g - w).abs().max():.3g}: "
+                        f"{hint}"
+                    )
+    report_pass(
+        f"{name}: the global norm {per_rank[0]['norm']:.6g} and the clipped shards equal "
+        f"torch.nn.utils.clip_grad_norm_ on the whole gradient (clipping and not), padding left "
+        f"out, one all-reduce per call, {world} ranks ({describe(per_rank[0]['info'])})"
     )

@@ -1,7 +1,7 @@
 """What the check cells of lesson 04 (04_zero3) call: ``check_zero3_gather``, ``..._prefetch``.
 
 The student's ``ZeRO3`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO3`` (:mod:`minizero.checks_zero`). The gather check also probes ``_gather`` and ``_free``
+``ZeRO3`` (:mod:`.common_zero`). The gather check also probes ``_gather`` and ``_free``
 one unit at a time against an all-gather that is still in flight (a stand-in work object that
 records whether it was waited for): no training run is guaranteed to free a unit whose prefetch has
 not completed, and a ``_free`` that drops the storage under a running all-gather lets the backend
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.checks import CheckFailed, describe, rank_device, report_pass
-from minizero.checks_zero import (
+from minizero.course.checks.common import CheckFailed, describe, rank_device, report_pass
+from minizero.course.checks.common_zero import (
     STEPS,
     check_volume,
     compare,

@@ -1,20 +1,38 @@
-"""What the check cells of lesson 02 (02_zero1) call: the flat layout, and stage 1 itself.
+"""What the check cells of lesson 02 (02_zero1) call: the flat layout, stage 1, the fp16 step.
 
 ``check_bucket`` needs no ranks: it builds the student's bucket and minizero's
 (:class:`minizero.bucket.Bucket`) over the same parameters, for several world sizes, and compares
 the layout, the views and the flat buffers. ``check_zero1`` trains the student's ``ZeRO1``
-subclass on real ranks next to its references (:mod:`minizero.checks_zero`).
+subclass on real ranks next to its references (:mod:`.common_zero`).
+
+``check_fp16_step`` runs the student's ``fp16_step(optimizer, masters, scale, group)``, a
+standalone function over this rank's gradient shards as a stage calls it between the
+reduce-scatter and the optimizer's step: unscale, decide on every rank alike whether some rank saw
+an inf or a NaN, step or skip, return the next loss scale. It runs on real ranks on shards whose
+whole is known to every rank, is compared with one process (a plain SGD step), and its collectives
+are counted with a ``CommLedger``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from minizero import collectives as C
 from minizero.bucket import Bucket
-from minizero.checks import CheckFailed, describe, guard, rank_device, report_pass
-from minizero.checks_zero import (
+from minizero.course.checks.common import (
+    CheckFailed,
+    describe,
+    guard,
+    launch_check,
+    rank_device,
+    report_pass,
+    run_info,
+)
+from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
@@ -167,7 +185,7 @@ def check_bucket(cls) -> None:
     )
 
 
-# -- lesson 02: ZeRO-1 -----------------------------------------------------------------------------
+# -- ZeRO-1 ----------------------------------------------------------------------------------------
 def _zero1_rank(student) -> dict:
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     refs = {
@@ -225,4 +243,117 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
         f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
         f"Adam steps on {world} ranks ({describe(res['info'])}), and minizero's ZeRO1 in bf16; "
         f"moved {volume} elements per step = {volume / psi:.3f} Ψ (2Ψ, Ψ = {psi}, plus padding)"
+    )
+
+
+# -- the fp16 step, skipped on every rank when one rank saw an inf or a NaN ------------------------
+SHARD_SIZES = (5, 11, 3)  # this rank's (shard,) master tensors
+FP16_LR, SCALE = 0.5, 1024.0
+CASES = ("every gradient finite", "an inf in the last rank's shard", "a NaN in rank 0's shard")
+
+
+def _fp16_case(fn, case: int) -> dict:
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    g = torch.Generator().manual_seed(100 * case + rank)
+    masters = [torch.randn(n, generator=g).to(dev).requires_grad_() for n in SHARD_SIZES]
+    grads = [torch.randn(n, generator=g).to(dev) for n in SHARD_SIZES]  # the true gradients
+    bad_rank = {1: world - 1, 2: 0}.get(case)
+    if rank == bad_rank:
+        grads[1][3] = math.inf if case == 1 else math.nan
+    before = [m.detach().clone() for m in masters]
+    for m, t in zip(masters, grads, strict=True):
+        m.grad = t * SCALE  # what backward left: the gradient of loss * scale
+    opt = torch.optim.SGD(masters, lr=FP16_LR)
+    with C.CommLedger() as ledger:
+        scale, err = guard(fn, opt, masters, SCALE, group=None)
+    out = {"error": err, "ops": [r.op for r in ledger.records], "scale": scale}
+    out["after"] = [m.detach().cpu() for m in masters]
+    out["before"] = [b.cpu() for b in before]
+    out["stepped"] = [(b - FP16_LR * t).cpu() for b, t in zip(before, grads, strict=True)]
+    out["scaled"] = [(b - FP16_LR * SCALE * t).cpu() for b, t in zip(before, grads, strict=True)]
+    out["bad_rank"] = bad_rank
+    return out
+
+
+def _fp16_rank(fn) -> dict:
+    out = {"info": run_info(), "cases": []}
+    for case in range(len(CASES)):
+        res = _fp16_case(fn, case)
+        out["cases"].append(res)
+        if res["error"]:
+            break  # the other ranks may be out of step now; stop on every rank alike
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+def check_fp16_step(fn, nprocs: int | None = None) -> None:
+    """Lesson 02: ``fn(optimizer, masters, scale, group=None) -> next scale`` must unscale every
+    ``m.grad``, step only when no rank saw an inf or a NaN (one all-reduce decides, for all
+    shards), and return ``scale`` after a step, ``scale / 2`` after a skipped one."""
+    per_rank = launch_check(_fp16_rank, nprocs, fn)
+    world = len(per_rank)
+    name = getattr(fn, "__name__", "your function")
+    for case, what in enumerate(CASES):
+        for rank, res in enumerate(per_rank):
+            r = res["cases"][case]
+            where = f"with {what} (rank {rank} of {world}, scale {SCALE:g})"
+            if r["error"]:
+                raise CheckFailed(f"{name} raised {where}: {r['error']}")
+            if r["ops"].count("all_reduce") != 1 or len(r["ops"]) != 1:
+                hint = (
+                    "each rank sees only its own shards, so the ranks must agree before anyone "
+                    "steps: one all_reduce (minizero.collectives) of a found-inf flag"
+                    if not r["ops"]
+                    else "add up the flags of all shards locally, then all-reduce once"
+                )
+                raise CheckFailed(f"{name} issued {r['ops'] or 'no collective'} {where}: {hint}")
+            bad = r["bad_rank"]
+            if bad is None:
+                if _same(r["after"], r["stepped"]):
+                    pass
+                elif _same(r["after"], r["scaled"]):
+                    raise CheckFailed(
+                        f"{name} stepped with the scaled gradient {where}: divide every m.grad "
+                        "by scale first (in place), then step"
+                    )
+                elif _same(r["after"], r["before"]):
+                    raise CheckFailed(
+                        f"{name} skipped the step {where}: every rank's gradients were finite"
+                    )
+                else:
+                    raise CheckFailed(f"{name} {where}: the masters after the step are wrong")
+                if r["scale"] != SCALE:
+                    raise CheckFailed(
+                        f"{name} returned scale {r['scale']} {where}: after a good step keep it "
+                        f"({SCALE:g}); a scaler grows it only after many good steps in a row"
+                    )
+                continue
+            if not _same(r["after"], r["before"]):
+                kind = "inf" if case == 1 else "NaN"
+                if rank == bad:
+                    hint = (
+                        " torch.isinf does not see a NaN: test with torch.isfinite."
+                        if case == 2
+                        else " Test every shard with torch.isfinite before stepping."
+                    )
+                    msg = f"rank {rank} stepped with a {kind} in its own gradient shard.{hint}"
+                else:
+                    msg = (
+                        f"rank {rank} stepped although rank {bad}'s shard holds a {kind}: every "
+                        "rank must skip. Sum (or max) a found-inf flag over the ranks with one "
+                        "all_reduce, and skip where it is not zero"
+                    )
+                raise CheckFailed(f"{name} {where}: {msg}")
+            if r["scale"] != SCALE / 2:
+                raise CheckFailed(
+                    f"{name} returned scale {r['scale']} {where}: after a skipped step halve it "
+                    f"({SCALE / 2:g}), so that the next step's gradients fit in fp16"
+                )
+    report_pass(
+        f"{name}: unscaled, stepped and kept scale {SCALE:g} when every gradient was finite; "
+        f"skipped on every rank and halved the scale when one rank's shard held an inf or a NaN; "
+        f"one all-reduce per step; {world} ranks ({describe(per_rank[0]['info'])})"
     )

@@ -1,216 +1,28 @@
-"""What the lessons' check cells call. Used by lessons 00 (00_collectives) and 01 (01_ddp).
+"""The check cells of lesson 01 (01_ddp): ``check_allreduce_gradients``, ``check_bucketed_ddp``.
 
-A check runs the student's code on real ranks (``minizero.launch``, gloo on CPU or one rank per GPU
-over NCCL), next to the reference implementations: ``torch.distributed`` itself, PyTorch's
-``DistributedDataParallel``, minizero's own classes, and one process on the whole batch. It prints
-``PASS`` with what was compared, or raises :class:`CheckFailed` saying what differs: which tensor,
-which parameter, which step, on which rank, by how much, and what usually causes that.
-
-Each rank catches the student's exceptions and returns them as data, so that the check can say
-"your function raised NotImplementedError on rank 0" instead of showing the launcher's traceback.
+The student's gradient averaging (a function) and bucketed DDP (a class) train an MLP on real ranks
+next to PyTorch's ``DistributedDataParallel``, minizero's ``DDP`` and one process on the whole
+batch, step by step: gradients after the sync, parameters after each step, the volume moved, and
+for the buckets whether their all-reduces were issued during backward (overlap). The contract of
+every check: :mod:`.common`.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
-import traceback
-
 import torch
-import torch._dynamo  # noqa: F401  imported once here: forked ranks inherit it (else seconds each)
 import torch.distributed as dist
 
 from minizero import collectives as C
-from minizero.launch import LaunchError, gpu_count, launch
+from minizero.course.checks.common import (
+    CheckFailed,
+    describe,
+    guard,
+    launch_check,
+    rank_device,
+    report_pass,
+    run_info,
+)
 
-TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
-
-
-class CheckFailed(AssertionError):
-    """A lesson exercise does not match the reference; the message says where and by how much."""
-
-
-# -- what every lesson uses ------------------------------------------------------------------------
-def default_nprocs() -> int:
-    """One rank per GPU where there are at least two GPUs, else 2 ranks on the CPU (gloo)."""
-    n = gpu_count()
-    return n if n >= 2 else 2
-
-
-def rank_device() -> torch.device:
-    """Inside a rank: this rank's GPU under NCCL (the launcher has set it), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def run_info() -> dict:
-    """Inside a rank: where the measurement is made, for figure titles (see :func:`describe`)."""
-    dev = rank_device()
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    return {
-        "backend": dist.get_backend(),
-        "device": f"{dev.type} ({name})",
-        "world": dist.get_world_size(),
-    }
-
-
-def describe(info: dict) -> str:
-    """``"gloo · cpu (CPU) · world 2"``: what every figure's title names."""
-    return f"{info['backend']} · {info['device']} · world {info['world']}"
-
-
-class Progress:
-    """Passed to a rank function as ``progress``: rank 0 calls ``progress.tick()`` after each unit
-    of work and the notebook's bar (see :func:`launch_with_progress`) moves. Same machine only."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def tick(self, n: int = 1) -> None:
-        if dist.get_rank() == 0:
-            with open(self.path, "ab") as f:
-                f.write(b"." * n)
-
-
-def launch_with_progress(fn, nprocs: int, *args, total: int, desc: str = "", **kwargs) -> list:
-    """``minizero.launch(fn, nprocs, *args, progress=Progress(...), **kwargs)`` with a tqdm bar
-    (a widget in Jupyter, text elsewhere) that follows rank 0's ``progress.tick()`` calls."""
-    from tqdm.auto import tqdm
-
-    with tempfile.TemporaryDirectory(prefix="minizero-progress-") as tmp:
-        progress = Progress(os.path.join(tmp, "ticks"))
-        bar = tqdm(total=total, desc=desc)
-        stop = threading.Event()
-
-        def follow() -> None:  # a thread of the parent: the launch itself runs in the caller
-            while True:
-                done = stop.wait(0.2)
-                ticks = os.path.getsize(progress.path) if os.path.exists(progress.path) else 0
-                bar.update(min(ticks, total) - bar.n)
-                if done:
-                    return
-
-        watcher = threading.Thread(target=follow, daemon=True)
-        watcher.start()
-        try:
-            return launch(fn, nprocs, *args, progress=progress, **kwargs)
-        finally:
-            stop.set()
-            watcher.join()
-            bar.close()
-
-
-def guard(fn, *args, **kwargs):
-    """Run student code; return (value, None) or (None, short error text naming the line)."""
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)[1:]  # drop this frame
-        where = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
-        return None, f"{type(e).__name__}: {e}{where}"
-
-
-def launch_check(fn, nprocs: int | None, *args) -> list:
-    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed."""
-    nprocs = nprocs or default_nprocs()
-    try:
-        return launch(fn, nprocs, *args, timeout=TIMEOUT, verbose=False)
-    except LaunchError as e:
-        raise CheckFailed(
-            f"the ranks did not finish: {str(e).splitlines()[0]}\nEvery rank must issue the same "
-            "collectives in the same order, or they wait for each other forever."
-        ) from e
-
-
-def report_pass(msg: str) -> None:
-    """What a check prints when everything matched."""
-    print(f"PASS  {msg}")
-
-
-# -- lesson 00: all-reduce = reduce-scatter + all-gather -------------------------------------------
-SHAPES = [(1,), (2,), (7,), (12,), (1001,), (3, 5), (4097,)]
-
-
-def _rs_ag_rank(fn) -> dict:
-    rank, dev = dist.get_rank(), rank_device()
-    out = {"info": run_info(), "cases": []}
-    for i, shape in enumerate(SHAPES):
-        g = torch.Generator().manual_seed(1000 * i + rank)
-        # integer values: every summation order gives the same floats, so equality is exact
-        t = torch.randint(-50, 50, shape, generator=g).float().to(dev)
-        want = t.clone()
-        dist.all_reduce(want)  # the reference: torch.distributed itself
-        mine = t.clone()
-        with C.CommLedger() as ledger:
-            ret, err = guard(fn, mine, group=None)
-        ops = [r.op for r in ledger.records]
-        case = {"shape": shape, "error": err, "ops": ops, "volume": ledger.volume_elements}
-        if err is None:
-            case["same_object"] = ret is None or ret is mine
-            case["got"] = mine.cpu()
-            case["want"] = want.cpu()
-            case["ret_ok"] = ret is not None and torch.equal(ret.cpu(), want.cpu())
-        out["cases"].append(case)
-        if err is not None:
-            break  # the other ranks may now be out of step; stop here on every rank alike
-    return out
-
-
-def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
-    """Lesson 00: ``fn(t, group=None)`` must sum ``t`` over the ranks in place, exactly as
-    ``dist.all_reduce`` does, with one reduce-scatter and one all-gather (minizero.collectives)."""
-    results = launch_check(_rs_ag_rank, nprocs, fn)
-    world = len(results)
-    name = getattr(fn, "__name__", "your function")
-    for rank, res in enumerate(results):
-        for case in res["cases"]:
-            shape = tuple(case["shape"])
-            n = torch.Size(shape).numel()
-            where = f"for a tensor of shape {shape} on rank {rank} (world size {world})"
-            if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}")
-            got, want = case["got"], case["want"]
-            if not torch.equal(got, want):
-                if case["ret_ok"]:
-                    raise CheckFailed(
-                        f"{name} returned the right sum {where} but left `t` "
-                        "unchanged: like dist.all_reduce, it must update t in place "
-                        "(e.g. t.copy_(...))."
-                    )
-                if got.shape != want.shape:
-                    raise CheckFailed(f"{name} changed the shape of t {where}: {tuple(got.shape)}")
-                bad = (got != want).reshape(-1).nonzero().reshape(-1)
-                k = int(bad[0])
-                diff = (got - want).abs().max().item()
-                hint = ""
-                if n % world:
-                    hint = (
-                        f" {n} element(s) do not split evenly over {world} ranks: pad the flat "
-                        f"tensor to a multiple of the world size ({-(-n // world) * world}), "
-                        "then drop the padding."
-                    )
-                raise CheckFailed(
-                    f"wrong sum {where}: element {k} (flat index) is {got.reshape(-1)[k].item():g}"
-                    f", dist.all_reduce gives {want.reshape(-1)[k].item():g}; {len(bad)} of {n} "
-                    f"elements differ, max |difference| {diff:g}.{hint}"
-                )
-            if case["ops"] != ["reduce_scatter", "all_gather"]:
-                raise CheckFailed(
-                    f"{name} issued {case['ops'] or 'no collective'} {where} through "
-                    "minizero.collectives; expected exactly ['reduce_scatter', 'all_gather'] "
-                    "(call minizero.collectives.reduce_scatter and .all_gather, not "
-                    "torch.distributed, so that the CommLedger sees them)"
-                )
-    info = results[0]["info"]
-    report_pass(
-        f"{name} equals dist.all_reduce on {len(SHAPES)} shapes, {world} ranks "
-        f"({describe(info)}), each with one reduce_scatter + one all_gather"
-    )
-
-
-# -- lesson 01: data-parallel gradients ------------------------------------------------------------
 STEPS, ROWS_PER_RANK, LR = 3, 4, 0.1  # global batch: ROWS_PER_RANK * world
 
 

@@ -1,8 +1,9 @@
 """What the check cells of lesson 07 (07_checkpoints) call, and the lesson's crash helper.
 
-Same contract as :mod:`minizero.checks`: each check runs the student's function on real ranks next
-to minizero's own (and DCP's) and prints ``PASS`` with what was compared, or raises
-:class:`~minizero.checks.CheckFailed` naming the stage, the rank, the parameter and both answers.
+Same contract as :mod:`minizero.course.checks.common`: each check runs the student's function on
+real ranks next to minizero's own (and DCP's) and prints ``PASS`` with what was compared, or raises
+:class:`~minizero.course.checks.common.CheckFailed` naming the stage, the rank, the parameter and
+both answers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minizero.checks import CheckFailed, guard, launch_check, report_pass
+from minizero.course.checks.common import CheckFailed, guard, launch_check, report_pass
 from minizero.launch import LaunchError, launch
 from minizero.models import MLP, GPTConfig, TinyGPT
 

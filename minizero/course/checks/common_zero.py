@@ -1,8 +1,8 @@
 """What the ZeRO checks of lessons 02-04 share: training runs side by side, compared step by step.
 
-Same contract as :mod:`minizero.checks`: each check trains the student's class on real ranks
+Same contract as every check (:mod:`.common`): each check trains the student's class on real ranks
 (``minizero.launch``: gloo on CPU, or one rank per GPU over NCCL) next to its references, step by
-step, and prints ``PASS`` with what was compared, or raises :class:`~minizero.checks.CheckFailed`
+step, and prints ``PASS`` with what was compared, or raises :class:`~.common.CheckFailed`
 naming the step, the rank, the parameter (or the bucket element and the parameter it belongs to)
 and the size of the difference. The references: one process on the whole batch, minizero's own
 class for the stage, and PyTorch's peer (stage 1: ``ZeroRedundancyOptimizer``; stage 2: FSDP2
@@ -11,8 +11,8 @@ class for the stage, and PyTorch's peer (stage 1: ``ZeroRedundancyOptimizer``; s
 The student's class is a subclass of minizero's stage class with one or two methods rewritten,
 so the layout (buckets, chunks, masters) is the reference's and the gradient shards it hands to
 the optimizer can be compared element by element with minizero's. The checks themselves live
-beside their lessons: :mod:`minizero.checks_zero1` (02), :mod:`~minizero.checks_zero2` (03),
-:mod:`~minizero.checks_zero3` (04).
+beside their lessons: :mod:`.lesson02` (stage 1), :mod:`.lesson03` (stage 2), :mod:`.lesson04`
+(stage 3).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed.optim  # noqa: F401  (as above: seconds to import, once
 from torch import nn
 
 from minizero import collectives as C
-from minizero.checks import CheckFailed, guard, launch_check, rank_device, run_info
+from minizero.course.checks.common import CheckFailed, guard, launch_check, rank_device, run_info
 from minizero.data import synthetic_batch
 from minizero.models import MLP, count_params
 from minizero.optimizer import attach

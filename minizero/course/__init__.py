@@ -1,0 +1,31 @@
+"""The course machinery: what turns the library into lessons, checks them and grades them.
+
+A student reads the library (``minizero/*.py``: launch, collectives, DDP, the ZeRO stages, memory,
+simulate...); this package is what the course adds around it, kept apart as d2l and nbgrader keep
+theirs (a reader of ``minizero/zero2.py`` never meets notebook plumbing):
+
+===================  =========================================================================
+file                 what it does
+===================  =========================================================================
+build.py             ``python -m minizero lessons``: the sources ``course/NN_name.py`` (percent
+                     format, read with jupytext) -> ``lessons/`` and ``solutions/``;
+                     fingerprints, so that a notebook someone edited is never overwritten
+workflow.py          ``python -m minizero start``: the student's own copies (``my-lessons/``)
+grade.py             ``python -m minizero grade``: run notebooks, PASS/FAIL per check cell
+checks/              the check cells' code, one file per lesson: ``checks/lessonNN.py`` holds
+                     lesson NN's checks; ``checks/common.py`` what every check and lesson shares;
+                     ``checks/common_zero.py`` what the ZeRO checks of lessons 02-04 share
+plots.py             the lessons' figures of measured stages and of the paper's formulas
+plots_budget.py      lesson 05's memory budget figure and its ipywidgets calculator
+compare.py           every stage measured side by side (``profile_stages``, ``workload``) and
+                     ``python -m minizero compare``
+===================  =========================================================================
+
+Why the rest stays outside: ``budget.py`` (the memory budget of a step) and ``timeline.py`` (when
+each collective ran, from the profiler) are library a lesson calls, like ``memory.py``; the
+benchmarks (``bench.py``, ``bench_steps.py``), ``demo.py`` and ``doctor.py`` are tools for a
+command line, which no notebook needs; ``cli.py`` is what those commands' parsers share.
+
+Lessons import ``from minizero.course import checks`` (the helpers of ``checks/common.py``) and
+their own checks, e.g. ``from minizero.course.checks import lesson02``.
+"""

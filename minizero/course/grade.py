@@ -1,0 +1,136 @@
+"""Grading: ``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``.
+
+Each notebook runs top to bottom in a fresh kernel (nbclient; the student's file is read, never
+written) with errors allowed; every check cell (``metadata.minizero.check``, see
+:mod:`minizero.course.build`) reports PASS or FAIL with its check's message, and any other cell
+that raised is reported as an ERROR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from minizero.course.build import ROOT
+from minizero.course.workflow import STUDENT_DIR
+
+
+@dataclass
+class CellRun:
+    index: int  # position among all cells of the notebook
+    check: str | None  # exercise name for check cells
+    error: str | None  # "ExcName: message" when the cell raised, else None
+    seconds: float  # wall time of the cell, from the kernel's timestamps
+
+
+def execute(path: Path, timeout: int = 600) -> list[CellRun]:
+    """Run every code cell of ``path`` in a fresh kernel (cwd: its folder), errors allowed."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        allow_errors=True,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.resolve().parent)}},
+    )
+    client.execute(stderr=subprocess.DEVNULL)  # the kernel's own log; cell output is kept
+    runs = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        err = next((o for o in cell.outputs if o.output_type == "error"), None)
+        msg = f"{err.ename}: {err.evalue}" if err else None
+        runs.append(CellRun(i, cell.metadata.get("minizero", {}).get("check"), msg, _seconds(cell)))
+    return runs
+
+
+def _seconds(cell) -> float:
+    from datetime import datetime
+
+    t = cell.metadata.get("execution", {})
+    try:
+        start, end = t["iopub.execute_input"], t["shell.execute_reply"]
+    except KeyError:
+        return float("nan")
+    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))
+    return (parse(end) - parse(start)).total_seconds()
+
+
+def grade_paths(args: list[Path], root: Path = ROOT) -> list[Path]:
+    """The notebooks to grade: each path named (a folder stands for its notebooks), by default
+    those in ``my-lessons/`` (made by ``start``). Raises ``FileNotFoundError`` saying what to do."""
+    if not args:
+        if not STUDENT_DIR.is_dir():
+            raise FileNotFoundError(
+                f"no {STUDENT_DIR}/ folder here: run `python -m minizero start` to copy the "
+                "lessons into it (your own folder), or name what to grade, e.g. "
+                f"`python -m minizero grade {STUDENT_DIR / '01_ddp.ipynb'}`"
+            )
+        args = [STUDENT_DIR]
+    paths: list[Path] = []
+    for a in args:
+        if a.is_dir():
+            found = sorted(a.glob("*.ipynb"))
+            if not found:
+                raise FileNotFoundError(f"{a}/ holds no notebooks (*.ipynb) to grade")
+            paths += found
+        elif a.is_file():
+            paths.append(a)
+        else:
+            raise FileNotFoundError(f"{a}: no such notebook or folder")
+    return paths
+
+
+def grade_main(argv: list[str]) -> int:
+    """``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``: PASS/FAIL per exercise."""
+    p = argparse.ArgumentParser(
+        prog="minizero grade",
+        description="Run your lesson notebooks top to bottom in a fresh kernel (your file is not "
+        "modified) and report PASS/FAIL for every exercise, with the check's message.",
+    )
+    p.add_argument(
+        "notebooks", nargs="*", type=Path,
+        help=f"notebooks or folders (default: every notebook in {STUDENT_DIR}/, made by `start`)",
+    )  # fmt: skip
+    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    args = p.parse_args(argv)
+    try:
+        paths = grade_paths(args.notebooks)
+    except FileNotFoundError as e:
+        print(f"error: {e}")
+        return 2
+    generated = (ROOT / "lessons").resolve()
+    if any(generated in path.resolve().parents for path in paths):
+        print(
+            "note: lessons/ holds the generated lessons, not your work; work on your own copies "
+            f"(`python -m minizero start` puts them in {STUDENT_DIR}/)"
+        )
+    passed = total = 0
+    for path in paths:
+        t0 = time.perf_counter()
+        print(f"{path}: running ...", flush=True)
+        runs = execute(path, args.timeout)
+        for r in runs:
+            if r.check:
+                total += 1
+                passed += r.error is None
+                status = "PASS" if r.error is None else "FAIL"
+                print(
+                    f"  {status}  {r.check}" + (f"\n        {_indent(r.error)}" if r.error else "")
+                )
+            elif r.error:
+                total += 1
+                print(f"  ERROR cell {r.index} (not a check): {_indent(r.error)}")
+        print(f"  ({time.perf_counter() - t0:.0f} s)")
+    print(f"{passed}/{total} passed")
+    return 0 if passed == total else 1
+
+
+def _indent(s: str) -> str:
+    return s.replace("\n", "\n        ")
