@@ -18,7 +18,7 @@
 # reading the right ranges. You will write the two halves: what each rank owns, and how a rank
 # reads the ranges it owns *now* from pieces that other ranks saved.
 #
-#     python -m minizero grade lessons/07_checkpoints.ipynb
+#     python -m minizero grade my-lessons/07_checkpoints.ipynb
 
 # %%
 import json
