@@ -197,14 +197,15 @@ class DataParallel(nn.Module):
             self._hidden = False
 
     # -- the step: what the optimizer returned by parallelize() calls ------------------------------
-    def _grad_shards(self) -> list[torch.Tensor]:
-        """Per bucket, this rank's owned range of the averaged gradient, (owned,)."""
+    def _grad_shards(self) -> list[torch.Tensor | None]:
+        """Per bucket, this rank's owned range of the averaged gradient, (owned,); None for a
+        bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
 
-    def _step_grads(self) -> list[torch.Tensor]:
+    def _step_grads(self) -> list[torch.Tensor | None]:
         """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once."""
-        if self._step_grads_cache is None:
-            grads = [g.float() for g in self._grad_shards()]  # no copy when already fp32
+        if self._step_grads_cache is None:  # .float(): no copy when already fp32
+            grads = [None if g is None else g.float() for g in self._grad_shards()]
             self._step_grads_cache = grads
             self.grads_finite(grads)
         return self._step_grads_cache
@@ -224,7 +225,7 @@ class DataParallel(nn.Module):
             return False
         unused = self._globally_unused()
         for f, t in zip(self.fragments, self.frag_tensors, strict=True):
-            if id(f.param) in unused:
+            if id(f.param) in unused or grads[f.bucket] is None:
                 t.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
             elif t is not f.param:  # a master view: its gradient is the same range, in fp32
                 t.grad = grads[f.bucket][f.offset : f.offset + f.numel]
@@ -248,7 +249,8 @@ class DataParallel(nn.Module):
         if self.scaler is None:
             self._grads_ok = True
             return True
-        bad = torch.zeros(1, device=grads[0].device if grads else None)
+        grads = [g for g in grads if g is not None]
+        bad = torch.zeros(1, device=self.params[0].device)  # (1,) inf or NaN seen on some rank
         for g in grads:
             g.div_(self.scaler.scale)
             bad += (~torch.isfinite(g)).any()
@@ -270,7 +272,8 @@ class DataParallel(nn.Module):
         """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
         grads = self._step_grads()
         frags = [self.fragments[i] for i in self._frag_index.get(id(p), [])]
-        return [grads[f.bucket][f.offset : f.offset + f.numel] for f in frags]
+        return [grads[f.bucket][f.offset : f.offset + f.numel] for f in frags
+                if grads[f.bucket] is not None]  # fmt: skip
 
     def _grad_norm(self, p: nn.Parameter, ord_: float) -> torch.Tensor:
         """The norm of p's whole averaged gradient; the first call of a step computes every
@@ -306,7 +309,8 @@ class DataParallel(nn.Module):
         total = norms.max() if float(norm_type) == float("inf") else norms.pow(2).sum().sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._step_grads():
-            g.mul_(coef)
+            if g is not None:
+                g.mul_(coef)
         self._norms.clear()
         return total
 
