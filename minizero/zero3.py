@@ -126,6 +126,9 @@ class ZeRO3(ZeRO2):
         self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
 
     def _load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
+        if id(p) not in self._bucket_of:  # frozen: replicated in full, in the working dtype
+            p.data.copy_(full)
+            return
         flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
         for i in self._frag_index.get(id(p), []):
             f, t = self.fragments[i], self.frag_tensors[i]
