@@ -59,11 +59,11 @@ def _frozen_rank(stage: int, precision: str) -> dict:
         opt.step()
         opt.zero_grad()
     buckets = getattr(model, "buckets", [])
+    bucketed = {id(q) for b in buckets for q in b.params}
     masters = sum(m.numel() for m in getattr(model, "masters", []))
     out = {
         "grads": grads,
-        "in_buckets": [n for n, p in net.named_parameters() if not p.requires_grad and
-                       any(p is q for b in buckets for q in b.params)],  # fmt: skip
+        "in_buckets": [n for n, p in net.named_parameters() if id(p) in bucketed and p in frozen],
         "fragments": [f.name for f in model.fragments if not f.param.requires_grad],
         "states": [p for p in frozen if p in opt.state],
         "dtypes": {str(p.dtype) for p in frozen},
