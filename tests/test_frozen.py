@@ -63,7 +63,9 @@ def _frozen_rank(stage: int, precision: str) -> dict:
     masters = sum(m.numel() for m in getattr(model, "masters", []))
     out = {
         "grads": grads,
-        "in_buckets": [n for n, p in net.named_parameters() if id(p) in bucketed and p in frozen],
+        "in_buckets": [
+            n for n, p in net.named_parameters() if id(p) in bucketed and not p.requires_grad
+        ],
         "fragments": [f.name for f in model.fragments if not f.param.requires_grad],
         "states": [p for p in frozen if p in opt.state],
         "dtypes": {str(p.dtype) for p in frozen},
