@@ -35,12 +35,26 @@ from minizero.cli import Parser, positive_float, positive_int
 Build = Callable[[torch.nn.Module], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
+MODELS = {  # --model -> (model class name in minizero.models, GPTConfig preset, what it is)
+    "tiny": ("TinyGPT", "tiny", "TinyGPT tiny"),
+    "small": ("TinyGPT", "small", "TinyGPT small"),
+    "encoder-tiny": ("EncoderLM", "tiny", "EncoderLM tiny (torch nn.TransformerEncoderLayer)"),
+    "encoder": ("EncoderLM", "small", "EncoderLM small (torch nn.TransformerEncoderLayer)"),
+}
+
+
 def _config(name: str):
     from minizero.models import GPTConfig
 
-    if name not in ("tiny", "small"):
-        raise ValueError(f"--model must be tiny or small, got {name!r}")
-    return GPTConfig.tiny() if name == "tiny" else GPTConfig.small()
+    if name not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+    return getattr(GPTConfig, MODELS[name][1])()
+
+
+def _build_model(name: str) -> torch.nn.Module:
+    from minizero import models
+
+    return getattr(models, MODELS[name][0])(_config(name))
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -154,12 +168,12 @@ def _duel_rank(names: list[list[str]], builds: list[list[Build]], model_name: st
     ``progress.tick()`` after each contender's memory and after each of its rounds."""
     tick = progress.tick if progress is not None else lambda: None
     from minizero.data import synthetic_batch
-    from minizero.models import TinyGPT, count_params
+    from minizero.models import count_params
 
     dev, world, rank = device(), dist.get_world_size(), dist.get_rank()
     cfg = _config(model_name)
     torch.manual_seed(0)
-    base = TinyGPT(cfg)
+    base = _build_model(model_name)
     batches = [synthetic_batch("gpt", batch, s, rank=rank, world=world, vocab_size=cfg.vocab_size,
                                seq_len=cfg.block_size, device=dev) for s in range(4)]  # fmt: skip
     groups = []
@@ -205,8 +219,10 @@ def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="small",
-        choices=["tiny", "small"],
-        help="TinyGPT size: tiny ~0.11M parameters, small ~3.7M (default small)",
+        choices=list(MODELS),
+        help="TinyGPT tiny (~0.11M parameters) or small (~3.7M), or EncoderLM (torch's "
+        "nn.TransformerEncoderLayer, tied head) at the same sizes: encoder-tiny, encoder "
+        "(default small)",
     )
     p.add_argument(
         "--batch",
@@ -261,7 +277,7 @@ def _run_duels(a, title: str, names: list[list[str]], builds: list[list[Build]],
     n = ranks(a.nprocs)
     contenders = sum(len(g) for g in names)
     print(f"minizero bench {title}: {len(names)} pair{'s' * (len(names) > 1)} on {n} ranks, "
-          f"TinyGPT {a.model}; each contender: memory alone, {a.warmup} warmup + {rounds * a.k} "
+          f"{MODELS[a.model][2]}; each contender: memory alone, {a.warmup} warmup + {rounds * a.k} "
           "timed steps, taking turns", flush=True)  # fmt: skip
     per_rank = run_ranks(_duel_rank, n, a.timeout, names, builds, a.model, a.batch, a.warmup,
                          rounds, a.k, total=contenders * (2 + rounds), desc=title)  # fmt: skip
@@ -295,7 +311,7 @@ def _run_duels(a, title: str, names: list[list[str]], builds: list[list[Build]],
     if not printer():
         return out
     print(header(title, where))
-    print(f"model: TinyGPT {a.model}, Ψ = {psi:,} params; global batch {a.batch} sequences of "
+    print(f"model: {MODELS[a.model][2]}, Ψ = {psi:,} params; global batch {a.batch} sequences of "
           f"{_config(a.model).block_size} ({a.batch // where['world']} per rank); AdamW; "
           f"bucket_cap_mb {a.bucket_cap_mb:g}")  # fmt: skip
     for n in notes:
