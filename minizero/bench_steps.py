@@ -393,6 +393,10 @@ def bench_stages(argv: list[str]) -> int:
     names = [[f"minizero stage {s}", PEERS[s][0]] for s in stages]
     builds = [[_minizero(s, prec, cap), peers[s]] for s in stages]
     notes = [f"peer of stage {s}: {PEERS[s][1]}" for s in stages]
+    if 3 in stages:
+        notes.append("stage 3 frees the root's parameters after forward and gathers them again "
+                     "in backward (3Ψ per step, the paper's); FSDP2 keeps its root gathered "
+                     "(3Ψ - Ψ_root)")  # fmt: skip
     if prec == "fp32":
         notes.append("precision fp32 everywhere")
     else:

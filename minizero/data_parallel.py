@@ -76,6 +76,7 @@ class DataParallel(nn.Module):
         self._require_sync = True  # False inside no_sync()
         self._callback_queued = False
         self._used: set[int] = set()  # id(p) of parameters that got a gradient since zero_grad
+        self._grads_none = True  # zero_grad(set_to_none=True) (or none yet): every p.grad None
         self._step_grads_cache: list[torch.Tensor] | None = None  # this step's fp32 grads
         self._grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         self._norms: dict[float, dict[int, torch.Tensor]] = {}  # ord -> id(p) -> global norm
@@ -220,6 +221,11 @@ class DataParallel(nn.Module):
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
+        if self._grads_none and not self._used:  # no backward since zero_grad(): every p.grad
+            for f, t in zip(self.fragments, self.frag_tensors, strict=True):  # is None, and
+                if t is not f.param:  # torch's optimizers skip a parameter without a gradient
+                    t.grad = None
+            return True
         grads = self._step_grads()
         if not self._grads_ok:
             return False
@@ -260,6 +266,7 @@ class DataParallel(nn.Module):
         return self._grads_ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads_none = set_to_none or (self._grads_none and not self._used)  # None stays None
         self._used.clear()
         self._hidden = False
         self._zero_grad(set_to_none)
