@@ -29,6 +29,7 @@ ZeRO1                  minizero/zero1.py           02_zero1
 ZeRO2                  minizero/zero2.py           03_zero2
 ZeRO3                  minizero/zero3.py           04_zero3
 select_units           minizero/units.py           04_zero3
+ShardedParameterError  minizero/units.py           04_zero3
 ShardedGrad            minizero/sharded_grad.py    03_zero2
 Precision              minizero/precision.py       02_zero1
 model_state_bytes      minizero/memory.py          02_zero1 .. 05_all_stages
@@ -101,6 +102,7 @@ from minizero.models import MLP, GPTConfig, TinyGPT, count_params  # noqa: E402
 from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
 from minizero.precision import Precision  # noqa: E402
 from minizero.simulate import FlatModel, simulate, table1  # noqa: E402
+from minizero.units import ShardedParameterError  # noqa: E402
 from minizero.zero1 import ZeRO1  # noqa: E402
 from minizero.zero2 import ZeRO2  # noqa: E402
 from minizero.zero3 import ZeRO3  # noqa: E402
@@ -112,4 +114,5 @@ __all__ = [
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
     "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
     "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
+    "ShardedParameterError",
 ]  # fmt: skip

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
-from minizero.cli import Parser, positive_float, positive_int
+from minizero.cli import Parser, add_nprocs, positive_float, positive_int
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 LATENCY_BOUND = 2**20  # bytes: below this a collective's time is mostly its per-call latency
@@ -153,12 +153,7 @@ def _collectives_rank(sizes: list[int], ops: list[str], iters: int, warmup: int,
 
 
 def collectives_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument(
-        "--nprocs",
-        type=positive_int,
-        default=None,
-        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
-    )
+    add_nprocs(p)
     p.add_argument(
         "--min-bytes",
         type=positive_int,

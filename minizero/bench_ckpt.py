@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import bench
-from minizero.cli import Parser
+from minizero.cli import Parser, add_nprocs
 from minizero.memory import format_bytes
 
 
@@ -67,7 +67,7 @@ def _rank(stages: list[int], model_name: str, precision: str, repeat: int, root:
 
 def bench_checkpoint(argv: list[str] | None = None) -> dict:
     p = Parser(prog="minizero bench checkpoints", description=__doc__)
-    p.add_argument("--nprocs", type=int, default=None, help="default: GPUs if >= 2, else 2")
+    add_nprocs(p)
     p.add_argument("--model", default="small", choices=["tiny", "small"])
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--stages", default="0,1,2,3")

@@ -30,17 +30,30 @@ from minizero.bench import (
     sync,
     write_json,
 )
-from minizero.cli import Parser, positive_float, positive_int
+from minizero.cli import Parser, add_nprocs, positive_float, positive_int
 
 Build = Callable[[torch.nn.Module], tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+MODELS = {  # --model -> (model class name in minizero.models, GPTConfig preset, what it is)
+    "tiny": ("TinyGPT", "tiny", "TinyGPT tiny"),
+    "small": ("TinyGPT", "small", "TinyGPT small"),
+    "encoder-tiny": ("EncoderLM", "tiny", "EncoderLM tiny (torch nn.TransformerEncoderLayer)"),
+    "encoder": ("EncoderLM", "small", "EncoderLM small (torch nn.TransformerEncoderLayer)"),
+}
 
 
 def _config(name: str):
     from minizero.models import GPTConfig
 
-    if name not in ("tiny", "small"):
-        raise ValueError(f"--model must be tiny or small, got {name!r}")
-    return GPTConfig.tiny() if name == "tiny" else GPTConfig.small()
+    if name not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+    return getattr(GPTConfig, MODELS[name][1])()
+
+
+def _build_model(name: str) -> torch.nn.Module:
+    from minizero import models
+
+    return getattr(models, MODELS[name][0])(_config(name))
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -154,12 +167,12 @@ def _duel_rank(names: list[list[str]], builds: list[list[Build]], model_name: st
     ``progress.tick()`` after each contender's memory and after each of its rounds."""
     tick = progress.tick if progress is not None else lambda: None
     from minizero.data import synthetic_batch
-    from minizero.models import TinyGPT, count_params
+    from minizero.models import count_params
 
     dev, world, rank = device(), dist.get_world_size(), dist.get_rank()
     cfg = _config(model_name)
     torch.manual_seed(0)
-    base = TinyGPT(cfg)
+    base = _build_model(model_name)
     batches = [synthetic_batch("gpt", batch, s, rank=rank, world=world, vocab_size=cfg.vocab_size,
                                seq_len=cfg.block_size, device=dev) for s in range(4)]  # fmt: skip
     groups = []
@@ -196,17 +209,14 @@ def _duel_rank(names: list[list[str]], builds: list[list[Build]], model_name: st
 
 def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
     p = Parser(prog=f"minizero bench {prog}", description=COMMANDS[prog])
-    p.add_argument(
-        "--nprocs",
-        type=positive_int,
-        default=None,
-        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
-    )
+    add_nprocs(p)
     p.add_argument(
         "--model",
         default="small",
-        choices=["tiny", "small"],
-        help="TinyGPT size: tiny ~0.11M parameters, small ~3.7M (default small)",
+        choices=list(MODELS),
+        help="TinyGPT tiny (~0.11M parameters) or small (~3.7M), or EncoderLM (torch's "
+        "nn.TransformerEncoderLayer, tied head) at the same sizes: encoder-tiny, encoder "
+        "(default small)",
     )
     p.add_argument(
         "--batch",
@@ -218,12 +228,7 @@ def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--steps", type=positive_int, default=30, help="timed steps per contender (default 30)"
     )
-    p.add_argument(
-        "--k",
-        type=positive_int,
-        default=3,
-        help="steps in a row before the other contender's turn (default 3)",
-    )
+    p.add_argument("--k", type=positive_int, default=3, help="steps in a row per turn (default 3)")
     p.add_argument(
         "--bucket-cap-mb",
         type=positive_float,
@@ -261,7 +266,7 @@ def _run_duels(a, title: str, names: list[list[str]], builds: list[list[Build]],
     n = ranks(a.nprocs)
     contenders = sum(len(g) for g in names)
     print(f"minizero bench {title}: {len(names)} pair{'s' * (len(names) > 1)} on {n} ranks, "
-          f"TinyGPT {a.model}; each contender: memory alone, {a.warmup} warmup + {rounds * a.k} "
+          f"{MODELS[a.model][2]}; each contender: memory alone, {a.warmup} warmup + {rounds * a.k} "
           "timed steps, taking turns", flush=True)  # fmt: skip
     per_rank = run_ranks(_duel_rank, n, a.timeout, names, builds, a.model, a.batch, a.warmup,
                          rounds, a.k, total=contenders * (2 + rounds), desc=title)  # fmt: skip
@@ -295,7 +300,7 @@ def _run_duels(a, title: str, names: list[list[str]], builds: list[list[Build]],
     if not printer():
         return out
     print(header(title, where))
-    print(f"model: TinyGPT {a.model}, Ψ = {psi:,} params; global batch {a.batch} sequences of "
+    print(f"model: {MODELS[a.model][2]}, Ψ = {psi:,} params; global batch {a.batch} sequences of "
           f"{_config(a.model).block_size} ({a.batch // where['world']} per rank); AdamW; "
           f"bucket_cap_mb {a.bucket_cap_mb:g}")  # fmt: skip
     for n in notes:
@@ -377,6 +382,10 @@ def bench_stages(argv: list[str]) -> int:
     names = [[f"minizero stage {s}", PEERS[s][0]] for s in stages]
     builds = [[_minizero(s, prec, cap), peers[s]] for s in stages]
     notes = [f"peer of stage {s}: {PEERS[s][1]}" for s in stages]
+    if 3 in stages:
+        notes.append("stage 3 frees the root's parameters after forward and gathers them again "
+                     "in backward (3Ψ per step, the paper's); FSDP2 keeps its root gathered "
+                     "(3Ψ - Ψ_root)")  # fmt: skip
     if prec == "fp32":
         notes.append("precision fp32 everywhere")
     else:

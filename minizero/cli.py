@@ -39,3 +39,13 @@ def positive_float(text: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return x
+
+
+def add_nprocs(p: argparse.ArgumentParser) -> None:
+    """The ``--nprocs`` option every multi-rank command shares."""
+    p.add_argument(
+        "--nprocs",
+        type=positive_int,
+        default=None,
+        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
+    )

@@ -76,6 +76,7 @@ class DataParallel(nn.Module):
         self._require_sync = True  # False inside no_sync()
         self._callback_queued = False
         self._used: set[int] = set()  # id(p) of parameters that got a gradient since zero_grad
+        self._grads_none = True  # zero_grad(set_to_none=True) (or none yet): every p.grad None
         self._step_grads_cache: list[torch.Tensor] | None = None  # this step's fp32 grads
         self._grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         self._norms: dict[float, dict[int, torch.Tensor]] = {}  # ord -> id(p) -> global norm
@@ -197,14 +198,15 @@ class DataParallel(nn.Module):
             self._hidden = False
 
     # -- the step: what the optimizer returned by parallelize() calls ------------------------------
-    def _grad_shards(self) -> list[torch.Tensor]:
-        """Per bucket, this rank's owned range of the averaged gradient, (owned,)."""
+    def _grad_shards(self) -> list[torch.Tensor | None]:
+        """Per bucket, this rank's owned range of the averaged gradient, (owned,); None for a
+        bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
 
-    def _step_grads(self) -> list[torch.Tensor]:
+    def _step_grads(self) -> list[torch.Tensor | None]:
         """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once."""
-        if self._step_grads_cache is None:
-            grads = [g.float() for g in self._grad_shards()]  # no copy when already fp32
+        if self._step_grads_cache is None:  # .float(): no copy when already fp32
+            grads = [None if g is None else g.float() for g in self._grad_shards()]
             self._step_grads_cache = grads
             self.grads_finite(grads)
         return self._step_grads_cache
@@ -219,12 +221,17 @@ class DataParallel(nn.Module):
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
+        if self._grads_none and not self._used:  # no backward since zero_grad(): every p.grad
+            for f, t in zip(self.fragments, self.frag_tensors, strict=True):  # is None, and
+                if t is not f.param:  # torch's optimizers skip a parameter without a gradient
+                    t.grad = None
+            return True
         grads = self._step_grads()
         if not self._grads_ok:
             return False
         unused = self._globally_unused()
         for f, t in zip(self.fragments, self.frag_tensors, strict=True):
-            if id(f.param) in unused:
+            if id(f.param) in unused or grads[f.bucket] is None:
                 t.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
             elif t is not f.param:  # a master view: its gradient is the same range, in fp32
                 t.grad = grads[f.bucket][f.offset : f.offset + f.numel]
@@ -248,7 +255,8 @@ class DataParallel(nn.Module):
         if self.scaler is None:
             self._grads_ok = True
             return True
-        bad = torch.zeros(1, device=grads[0].device if grads else None)
+        grads = [g for g in grads if g is not None]
+        bad = torch.zeros(1, device=self.params[0].device)  # (1,) inf or NaN seen on some rank
         for g in grads:
             g.div_(self.scaler.scale)
             bad += (~torch.isfinite(g)).any()
@@ -258,6 +266,7 @@ class DataParallel(nn.Module):
         return self._grads_ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads_none = set_to_none or (self._grads_none and not self._used)  # None stays None
         self._used.clear()
         self._hidden = False
         self._zero_grad(set_to_none)
@@ -270,7 +279,8 @@ class DataParallel(nn.Module):
         """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
         grads = self._step_grads()
         frags = [self.fragments[i] for i in self._frag_index.get(id(p), [])]
-        return [grads[f.bucket][f.offset : f.offset + f.numel] for f in frags]
+        return [grads[f.bucket][f.offset : f.offset + f.numel] for f in frags
+                if grads[f.bucket] is not None]  # fmt: skip
 
     def _grad_norm(self, p: nn.Parameter, ord_: float) -> torch.Tensor:
         """The norm of p's whole averaged gradient; the first call of a step computes every
@@ -305,7 +315,7 @@ class DataParallel(nn.Module):
         norms = torch.stack([self._grad_norm(p, norm_type) for p in self.params])
         total = norms.max() if float(norm_type) == float("inf") else norms.pow(2).sum().sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self._step_grads():
+        for g in (g for g in self._step_grads() if g is not None):
             g.mul_(coef)
         self._norms.clear()
         return total
@@ -319,21 +329,16 @@ class DataParallel(nn.Module):
         out = {}
         for k, v in sd.items():
             if k in names:
-                p = names[k]
-                v = full[id(p)] if id(p) in full else p.detach().float()
+                v = full[id(names[k])] if id(names[k]) in full else names[k].detach().float()
             elif isinstance(v, torch.Tensor):
                 v = v.detach()
             out[prefix + k] = v
-        if destination is not None:
-            destination.update(out)
-            return destination
-        return out
+        return out if destination is None else destination.update(out) or destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (a plain model's, or this wrapper's): parameters go straight to
         the fp32 masters and the working copy, so the next step starts from exactly them."""
-        keys = list(state_dict)
-        if keys and all(k.startswith("module.") for k in keys):  # torch DDP's keys
+        if state_dict and all(k.startswith("module.") for k in state_dict):  # torch DDP's keys
             state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
@@ -352,11 +357,9 @@ class DataParallel(nn.Module):
         names = dict(self.module.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for k, v in state_dict.items():
-                if k not in own:
-                    continue
-                if k in names:
+                if k in names:  # (names are keys of own)
                     self._load_param(names[k], v.detach().to(torch.float32))
-                else:
+                elif k in own:
                     own[k].copy_(v)
         self._after_load()
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -185,7 +185,7 @@ def demo(nprocs: int | None = None, stage: int = 0, batch: int | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero demo [--nprocs N] [--stage S] [--batch B]``."""
     from minizero.bench import ranks
-    from minizero.cli import Parser, positive_int
+    from minizero.cli import Parser, add_nprocs, positive_int
 
     p = Parser(
         prog="minizero demo",
@@ -196,12 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "passes.",
     )
 
-    p.add_argument(
-        "--nprocs",
-        type=positive_int,
-        default=None,
-        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
-    )
+    add_nprocs(p)
     p.add_argument(
         "--stage",
         type=int,

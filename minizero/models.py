@@ -1,4 +1,5 @@
-"""The models every lesson trains: a nanoGPT-like ``TinyGPT`` and a small, awkwardly sized ``MLP``.
+"""The models every lesson trains: a nanoGPT-like ``TinyGPT`` and a small, awkwardly sized ``MLP``;
+and ``EncoderLM``, the same kind of LM from torch's own ``nn.TransformerEncoderLayer`` (benchmarks).
 
 Used from lesson 01_ddp onwards; the parameter count ``count_params`` is the paper's Ψ (ZeRO §3.1).
 
@@ -149,6 +150,68 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+
+
+class EncoderLM(nn.Module):
+    """A causal LM built from torch's own transformer modules: ``nn.TransformerEncoder`` of
+    ``n_layer`` ``nn.TransformerEncoderLayer`` (post-norm, or pre-norm with ``norm_first``), a final
+    LayerNorm, and an ``lm_head`` tied to the token embedding. Its ``nn.MultiheadAttention`` reads
+    ``out_proj.weight`` without calling ``out_proj``: the model that ZeRO-3 units must gather whole.
+    The same calling convention as ``TinyGPT``; ``blocks`` is ``encoder.layers`` (FSDP2's units).
+
+    Initialisation: GPT-2's (N(0, 0.02) weights, zero biases, as nanoGPT), not torch's default:
+    with N(0, 1) embeddings the key bias, whose gradient is exactly zero in exact arithmetic,
+    gets rounding noise as large as Adam's eps, and two correct implementations drift apart.
+    """
+
+    def __init__(self, config: GPTConfig, *, norm_first: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        C = config.n_embd
+        self.tok_emb = nn.Embedding(config.vocab_size, C)  # (V, C), shared with lm_head
+        self.pos_emb = nn.Embedding(config.block_size, C)  # (block_size, C)
+        layer = nn.TransformerEncoderLayer(
+            C, config.n_head, 4 * C, dropout=config.dropout, batch_first=True,
+            norm_first=norm_first, bias=config.bias,
+        )  # fmt: skip
+        # the encoder deep-copies ``layer`` into ``encoder.layers``, an nn.ModuleList
+        self.encoder = nn.TransformerEncoder(
+            layer, config.n_layer, norm=nn.LayerNorm(C, bias=config.bias),
+            enable_nested_tensor=False,
+        )  # fmt: skip
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, two uses
+        self.apply(_gpt2_init)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layers
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """``idx``: (B, T) token ids. Returns logits (B, T, V), or the mean cross-entropy when
+        ``targets`` (B, T) is given."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)  # (T, T)
+        x = self.encoder(x, mask=mask, is_causal=True)  # (B, T, C), final LayerNorm applied
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+
+
+def _gpt2_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.MultiheadAttention):  # its q, k, v projection is no nn.Linear
+        nn.init.normal_(module.in_proj_weight, mean=0.0, std=0.02)
+        if module.in_proj_bias is not None:
+            nn.init.zeros_(module.in_proj_bias)
 
 
 class MLP(nn.Module):

@@ -28,15 +28,19 @@ class ZeRO2(ZeRO1):
     only in bucket buffers, and at most two at a time: the one being filled and the one whose
     reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
     After backward ``p.grad`` is None; the gradient is in ``grad_shards``.
+
+    ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
+    frees its sharded gradients: between steps a rank keeps no gradient at all, and each shard is
+    allocated again when the next backward launches its bucket's reduce-scatter. (Stage 1 and
+    DDP keep their flat gradient buffers, as torch DDP keeps its reducer's buckets.)
     """
 
     stage = 2
 
     def _init_grads(self, dtype: torch.dtype) -> None:
-        # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards
-        self.grad_shards = [
-            torch.zeros(b.shard, dtype=dtype, device=b.params[0].device) for b in self.buckets
-        ]
+        # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards;
+        # None between zero_grad() and the bucket's next reduce-scatter (no gradient held)
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._filling: dict[int, torch.Tensor] = {}  # bucket -> (padded,) buffer being filled
         self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
         self._in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
@@ -70,6 +74,10 @@ class ZeRO2(ZeRO1):
 
     def _launch(self, b: Bucket) -> None:
         self._finish_in_flight()  # at most one reduce-scatter in flight
+        if self.grad_shards[b.index] is None:  # the first backward since zero_grad(): (shard,)
+            self.grad_shards[b.index] = torch.zeros(
+                b.shard, dtype=self.precision.reduce_dtype, device=b.params[0].device
+            )
         buf = self._filling.pop(b.index)
         out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
         if buf.dtype == torch.float16:  # divide before the sum, so that it cannot overflow fp16
@@ -100,15 +108,18 @@ class ZeRO2(ZeRO1):
         self._finish_in_flight()
         self._pending = [len(b.params) for b in self.buckets]
 
-    def _reduce_grads(self) -> list[torch.Tensor]:
-        return self.grad_shards  # already reduced during backward
+    def _reduce_grads(self) -> list[torch.Tensor | None]:
+        return self.grad_shards  # already reduced during backward (None: no backward since)
 
     def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return None  # the full gradient of p exists only while its bucket fills
 
     def _zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:  # freed; the next backward allocates them again
+            self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:
-            g.zero_()
+            if g is not None:
+                g.zero_()
         for p in self.params:
             p.grad = None
 
@@ -118,6 +129,6 @@ class ZeRO2(ZeRO1):
             live.append(self._in_flight[2])
         return {
             "params": self.flat_params + list(self.module.parameters()),
-            "grads": self.grad_shards,
+            "grads": [g for g in self.grad_shards if g is not None],
             "comm": live,
         }

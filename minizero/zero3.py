@@ -126,6 +126,9 @@ class ZeRO3(ZeRO2):
         self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
 
     def _load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
+        if id(p) not in self._bucket_of:  # frozen: replicated in full, in the working dtype
+            p.data.copy_(full)
+            return
         flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
         for i in self._frag_index.get(id(p), []):
             f, t = self.fragments[i], self.frag_tensors[i]
@@ -238,9 +241,32 @@ class ZeRO3(ZeRO2):
             if self._pending[i] != -1:  # not a unit whose backward is already over
                 self._gather(i, wait=False)
 
+    # -- gradients: kept as autograd made them until the unit's last one, as FSDP2 does ----------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        b = self._bucket_of[id(p)]
+        self._queue_backward_end()
+        self._pending[b.index] -= 1
+        if self._pending[b.index] == 0:
+            self._launch(b)
+
     def _launch(self, b: Bucket) -> None:
-        super()._launch(b)  # every gradient of the unit is in: reduce-scatter it...
-        self._release(b.index)  # ...and drop the full parameters again
+        """Every gradient of unit b is in (or backward is over): copy them into one (padded,)
+        buffer, reduce-scatter it, and drop the full parameters again. Stage 2 fills its buffer
+        from the first gradient on; here it is allocated only now, when the unit's activations
+        are gone, which keeps the peak at the start of a unit's backward as low as FSDP2's."""
+        self._finish_in_flight()  # the previous buffer is freed before this one exists
+        buf = self._filling.get(b.index)
+        if buf is None:
+            buf = self._filling[b.index] = torch.zeros(
+                b.padded, dtype=self.precision.reduce_dtype, device=b.params[0].device
+            )
+            self.max_live_buckets = max(self.max_live_buckets, len(self._filling))
+        for q in b.params:
+            if q.grad is not None:  # this backward's gradient; None: q was not used
+                b.view(buf, q).copy_(q.grad)
+                q.grad = None
+        super()._launch(b)  # reduce-scatter
+        self._release(b.index)
 
     def _backward_end(self) -> None:
         super()._backward_end()

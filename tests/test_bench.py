@@ -4,6 +4,7 @@ what it promises (JSON keys, exact model-state bytes, the paper's volumes). No t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ from minizero.__main__ import main
 from minizero.bench_steps import bench_ddp, bench_stages
 from minizero.collectives import BUSBW_FACTOR
 from minizero.demo import demo
-from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.models import EncoderLM, GPTConfig, TinyGPT, count_params
 
 PSI_TINY = count_params(TinyGPT(GPTConfig.tiny()))
 TINY = ["--nprocs", "2", "--model", "tiny", "--batch", "4", "--warmup", "1", "--steps", "2",
@@ -89,6 +90,31 @@ def test_bench_stages_json(tmp_path, capsys):
     assert states[1]["optimizer"] == half(8 * PSI_TINY) and states[1]["grads"] == 4 * PSI_TINY
     assert states[2]["grads"] == half(4 * PSI_TINY) and states[2]["params"] == 4 * PSI_TINY
     assert states[3]["params"] == half(4 * PSI_TINY)
+
+
+def test_bench_stages_on_torchs_transformer(tmp_path, capsys):
+    """--model encoder-tiny: EncoderLM (torch's nn.TransformerEncoderLayer, tied head); each
+    stage against its peer, FSDP2 on the same blocks; prints the four ratios (no timing assert)."""
+    out = tmp_path / "e.json"
+    argv = [*TINY, "--json", str(out)]
+    argv[argv.index("tiny")] = "encoder-tiny"
+    assert bench_stages(argv) == 0
+    text = capsys.readouterr().out
+    assert "4 pairs on 2 ranks, EncoderLM tiny (torch nn.TransformerEncoderLayer)" in text
+    psi = count_params(EncoderLM(GPTConfig.tiny()))
+    assert f"Ψ = {psi:,} params" in text
+    data = json.loads(out.read_text())
+    assert data["psi"] == psi and data["model"] == "encoder-tiny"
+    peers = ["torch DDP", "DDP + ZeroRedundancyOpt", "FSDP2 no reshard", "FSDP2 reshard"]
+    for s, (g, peer) in enumerate(zip(data["groups"], peers, strict=True)):
+        assert [r["name"] for r in g["rows"]] == [f"minizero stage {s}", peer]
+        assert g["max_param_diff"] <= 1e-5 and g["ratio"] > 0
+        assert re.search(rf"minizero stage {s} / {re.escape(peer)}: \d+\.\d{{3}} wall", text)
+    states = [g["rows"][0]["state_bytes"] for g in data["groups"]]
+    assert states[0] == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    assert states[3]["params"] == pytest.approx(2 * psi, rel=0.01)  # a shard of N=2
+    fsdp2 = data["groups"][3]["rows"][1]["state_bytes"]
+    assert states[3] == pytest.approx(fsdp2, rel=0.01)  # the same units: the same shards
 
 
 @pytest.mark.parametrize(("stage", "volume"), [(0, "2.00"), (3, "3.0")])

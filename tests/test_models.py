@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from minizero.data import synthetic_batch
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, EncoderLM, GPTConfig, TinyGPT, count_params
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> TinyGPT:
@@ -102,6 +103,27 @@ def test_gpt_runs_in_bf16():
     loss = model(idx, targets)
     assert loss.dtype == torch.bfloat16
     loss.backward()
+
+
+def test_encoder_lm_is_torchs_encoder_with_a_tied_head_and_the_gpt_convention():
+    cfg = GPTConfig.tiny(n_embd=32, block_size=8)
+    torch.manual_seed(0)
+    model = EncoderLM(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight  # one Parameter, counted once
+    assert all(isinstance(b, nn.TransformerEncoderLayer) for b in model.blocks)
+    assert model.blocks is model.encoder.layers and len(model.blocks) == cfg.n_layer
+    idx, targets = synthetic_batch("gpt", 3, step=0, seq_len=8)
+    logits = model(idx)  # (B, T, V)
+    assert logits.shape == (3, 8, cfg.vocab_size)
+    loss = model(idx, targets)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    cut = model(idx[:, :5])  # causal: a prefix's logits do not see the tokens after it
+    torch.testing.assert_close(cut, logits[:, :5], atol=1e-5, rtol=0)
+    with torch.device("meta"):
+        big = EncoderLM(GPTConfig.small())
+    assert count_params(big) == gpt_params(GPTConfig.small())  # 12C^2 + 13C per layer, as GPT
+    with pytest.raises(ValueError, match="sequence length 9 exceeds block_size 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_mlp_sizes_need_padding():

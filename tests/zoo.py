@@ -3,10 +3,11 @@
 Each entry of :data:`ZOO` is a model built the way its own library builds it, deterministic from a
 seed and small enough for a 2-core CPU test:
 
-- ``"encoder_lm"`` / ``"encoder_lm_prenorm"``: torch's ``nn.TransformerEncoder`` of two
-  ``nn.TransformerEncoderLayer`` (post-norm / ``norm_first=True``), a final LayerNorm, and an
-  ``lm_head`` tied to the embedding. ``nn.MultiheadAttention`` reads ``out_proj.weight`` without
-  calling ``out_proj``: the case that ZeRO-3 per-module gathering breaks on.
+- ``"encoder_lm"`` / ``"encoder_lm_prenorm"``: ``minizero.models.EncoderLM``, torch's
+  ``nn.TransformerEncoder`` of two ``nn.TransformerEncoderLayer`` (post-norm / ``norm_first=True``),
+  a final LayerNorm, and an ``lm_head`` tied to the embedding. ``nn.MultiheadAttention`` reads
+  ``out_proj.weight`` without calling ``out_proj``: the case that ZeRO-3 per-module gathering
+  breaks on.
 - ``"resnet18"``: torchvision's ``resnet18(num_classes=10)`` on 3x32x32 images: BatchNorm, running
   statistics, ``nn.Sequential`` stages of ``BasicBlock``.
 - ``"gpt2"``: Hugging Face ``GPT2LMHeadModel`` from a small ``GPT2Config`` (random init, nothing
@@ -38,7 +39,9 @@ import torch.nn.functional as F
 from harness import GLOBAL_BATCH, STEPS, snapshot
 from torch import nn
 
+from minizero import models
 from minizero.data import synthetic_batch
+from minizero.models import GPTConfig
 
 VOCAB = 101  # prime: no size divides by 2 or 3
 SEQ_LEN = 16
@@ -87,50 +90,12 @@ def import_torchvision() -> Any:
 
 
 # -- the models ----------------------------------------------------------------------------------
-def _gpt2_init(module: nn.Module) -> None:
-    """N(0, 0.02) weights and zero biases, for ``model.apply`` (see EncoderLM for why)."""
-    if isinstance(module, nn.Linear | nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.MultiheadAttention):  # its q, k, v projection is no nn.Linear
-        nn.init.normal_(module.in_proj_weight, mean=0.0, std=0.02)
-        nn.init.zeros_(module.in_proj_bias)
-
-
-class EncoderLM(nn.Module):
-    """A causal LM on torch's own transformer modules: tokens (B, T) -> logits (B, T, VOCAB)."""
-
-    def __init__(self, norm_first: bool = False):
-        super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB, D_MODEL)
-        self.pos_emb = nn.Embedding(SEQ_LEN, D_MODEL)
-        layer = nn.TransformerEncoderLayer(
-            D_MODEL, N_HEAD, 4 * D_MODEL, dropout=0.0, batch_first=True, norm_first=norm_first
-        )
-        # The encoder deep-copies ``layer`` into ``encoder.layers``, an nn.ModuleList.
-        self.encoder = nn.TransformerEncoder(
-            layer, N_LAYER, norm=nn.LayerNorm(D_MODEL), enable_nested_tensor=False
-        )
-        self.lm_head = nn.Linear(D_MODEL, VOCAB, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied: one parameter, used twice
-        # GPT-2's init, as nanoGPT's ``_init_weights`` does it, not torch's default. Why: the key
-        # bias (``in_proj_bias[C:2C]``) has a gradient that is exactly zero in exact arithmetic
-        # (softmax ignores a constant added to a row of scores), so what it gets is rounding noise.
-        # Under torch's default init (N(0, 1) embeddings, xavier ``in_proj_weight``) that noise is
-        # ~1e-8, the size of AdamW's eps: Adam then moves the key bias by ~lr in a direction set by
-        # rounding alone, and any two correct implementations (torch DDP and one process included)
-        # differ by ~1e-3 after a few steps. With N(0, 0.02) it is ~1e-13, and 1e-5 separates right
-        # from wrong.
-        self.apply(_gpt2_init)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
-        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)  # (T, T)
-        x = self.encoder(x, mask=mask, is_causal=True)  # (B, T, C), final LayerNorm applied
-        return self.lm_head(x)  # (B, T, VOCAB)
+def EncoderLM(norm_first: bool = False) -> nn.Module:
+    """``minizero.models.EncoderLM`` at the zoo's size: tokens (B, T) -> logits (B, T, VOCAB).
+    GPT-2's init, not torch's default: its docstring says why 1e-5 needs it."""
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ_LEN, n_layer=N_LAYER, n_head=N_HEAD,
+                       n_embd=D_MODEL)  # fmt: skip
+    return models.EncoderLM(config, norm_first=norm_first)
 
 
 def _lm_batch(step: int, rank: int, world: int, seed: int) -> Batch:

@@ -235,7 +235,7 @@ def compare_stages(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero compare [--nprocs N] [--precision bf16] [--out runs/stages.png]``."""
-    from minizero.cli import Parser, positive_int
+    from minizero.cli import Parser, add_nprocs, positive_int
 
     p = Parser(
         prog="minizero compare",
@@ -244,12 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "the step's peak memory, the volume moved, the collectives' bandwidth and the step time; "
         "save the same as one figure.",
     )
-    p.add_argument(
-        "--nprocs",
-        type=positive_int,
-        default=None,
-        help="ranks (default: one per GPU with 2 or more GPUs, else 2 on the CPU)",
-    )
+    add_nprocs(p)
     p.add_argument(
         "--precision",
         default="bf16",
