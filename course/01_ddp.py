@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 import minizero
 from minizero import collectives as C
-from minizero import timeline
+from minizero.analysis import timeline
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
 from minizero.course import checks
 from minizero.course.checks import lesson01
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
 
 NPROCS = checks.default_nprocs()
@@ -279,7 +279,7 @@ lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 # *issued*, not overlap. The backend knows when it ran each one: gloo runs a collective on a
 # worker thread, which `torch.profiler` records as `gloo:all_reduce`, from the moment the thread
 # starts it to the moment it completes; NCCL runs a kernel on the GPU, which the profiler records
-# on the device's clock. `minizero.timeline.profile_step(step)` runs one step under the profiler
+# on the device's clock. `minizero.analysis.timeline.profile_step(step)` runs one step under the profiler
 # and returns, for every all-reduce, when it was issued, started and completed, beside the marks
 # `"forward start"`, `"backward start"` and `"backward end"` (the last made when autograd has
 # computed every gradient, before DDP waits). The cell trains `TinyGPT` for 6 steps at three

@@ -42,7 +42,7 @@ from minizero.bucket import make_buckets, trainable_parameters
 from minizero.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.course import checks
 from minizero.course.checks import lesson02
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
     TABLE1_PSI,

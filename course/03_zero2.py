@@ -30,7 +30,7 @@ from minizero import collectives as C
 from minizero.collectives import all_reduce
 from minizero.course import checks
 from minizero.course.checks import lesson03
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.models import GPTConfig, TinyGPT, count_params
 from minizero.zero2 import ZeRO2

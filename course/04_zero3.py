@@ -38,7 +38,7 @@ import minizero
 from minizero.collectives import all_gather, mark
 from minizero.course import checks
 from minizero.course.checks import lesson04
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 from minizero.units import assign_params, select_units

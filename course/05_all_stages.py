@@ -40,12 +40,12 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import minizero
-from minizero import budget
+from minizero.analysis import budget
 from minizero.course import checks, compare, plots, plots_budget
 from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
 from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
-from minizero.simulate import FlatModel, format_table1, simulate, table1
+from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
 
 NPROCS = checks.default_nprocs()
 INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
@@ -379,11 +379,11 @@ check_predict_peak(predict_peak, NPROCS, CASES)
 # this machine's attention kernel; a GPU's flash kernel keeps about the same 32 sbh):
 
 # %%
-try:  # in lessons/, until you write it, the table uses minizero.budget.step_budget instead
+try:  # in lessons/, until you write it, the table uses minizero.analysis.budget.step_budget instead
     predict_peak(PeakCase(cfg=BIG, micro_batch=BIG_B, stage=0, checkpointing=False, world=BIG_N))
     mine = True
 except NotImplementedError:
-    print("predict_peak is not written yet (§6): below, minizero.budget.step_budget answers")
+    print("predict_peak is not written yet (§6): below, minizero.analysis.budget.step_budget answers")
     mine = False
 
 

@@ -36,7 +36,7 @@ import minizero
 from minizero import collectives as C
 from minizero.course import checks, compare, plots
 from minizero.course.checks.lesson06 import check_owned_tensors
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
 from minizero.parallelize import full_state_dict, parallelize

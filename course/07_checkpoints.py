@@ -35,8 +35,8 @@ import minizero
 from minizero.checkpoint import CheckpointError, checkpoint_bytes
 from minizero.course import checks
 from minizero.course.checks import lesson07
-from minizero.data import synthetic_batch
-from minizero.launch import LaunchError
+from minizero.models import synthetic_batch
+from minizero.launcher import LaunchError
 from minizero.models import GPTConfig, TinyGPT, count_params
 
 NPROCS = checks.default_nprocs()
@@ -137,7 +137,7 @@ def owned_ranges(model) -> dict[str, tuple[int, int]]:
 lesson07.check_owned_ranges(owned_ranges, NPROCS)
 
 # %% [markdown]
-# `minizero.checkpoint_layout.owned_ranges(model)` is the same function, read off the fragments.
+# `minizero.checkpoint.layout.owned_ranges(model)` is the same function, read off the fragments.
 #
 # ## 2. A checkpoint on disk
 #
@@ -390,7 +390,7 @@ print(f"(2 + 12)Ψ/N = {(2 + 12) * PSI / NPROCS:,.0f} B; the full working copy 2
 
 # %% [markdown]
 # Save and load times depend on the file system more than on anything else here, so the lesson
-# does not show them; `python -m minizero.bench_ckpt` measures them for the benchmark model,
+# does not show them; `python -m minizero.tools.bench_ckpt` measures them for the benchmark model,
 # stage by stage, and prints the file system it wrote to. Under NCCL each rank first copies its
 # shards from its GPU; the collectives of a save (DCP's plan, the commit) carry a few kilobytes
 # under either backend.

@@ -6,7 +6,7 @@ import argparse
 import sys
 from importlib import import_module
 
-from minizero.cli import Parser
+from minizero.tools.cli import Parser
 
 
 class CommandList(argparse.HelpFormatter):
@@ -25,16 +25,16 @@ class CommandList(argparse.HelpFormatter):
 # Every command hands its arguments to a function of its own, which parses them (and --help):
 # name -> ("module:function" under minizero, one line for the command list)
 PASS_THROUGH = {
-    "demo": ("demo:main", "DDP or a ZeRO stage on 2 CPU ranks (or one per GPU), checked against "
-             "PyTorch and one process; volume and memory against the paper"),
-    "doctor": ("doctor:main", "is this machine ready? torch, CUDA/NCCL, GPUs and links, how the "
-               "ranks will run, a 2-second all-reduce probe, Jupyter"),
+    "demo": ("tools.demo:main", "DDP or a ZeRO stage on 2 CPU ranks (or one per GPU), checked "
+             "against PyTorch and one process; volume and memory against the paper"),
+    "doctor": ("tools.doctor:main", "is this machine ready? torch, CUDA/NCCL, GPUs and links, how "
+               "the ranks will run, a 2-second all-reduce probe, Jupyter"),
     "compare": ("course.compare:main", "every stage measured side by side: a table and one figure"),
-    "simulate": ("simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real stage code "
-                 "on meta tensors"),
-    "bench": ("bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
+    "simulate": ("analysis.simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real "
+                 "stage code on meta tensors"),
+    "bench": ("tools.bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
               "own), checkpoints"),
-    "run": ("launch_ranks:torchrun_main", "run a script under torchrun (one rank per GPU, "
+    "run": ("launcher.ranks:torchrun_main", "run a script under torchrun (one rank per GPU, "
             "multi-node)"),
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
               "(my-lessons/)"),

@@ -36,6 +36,7 @@ BUSBW_FACTOR = {
 }
 # ZeRO paper §7.1: elements moved per element of payload S.
 PAPER_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+LATENCY_BOUND = 2**20  # bytes: below this a collective's time is mostly its per-call latency
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

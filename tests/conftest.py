@@ -5,7 +5,7 @@ initialising CUDA, so that forked ranks can still use CUDA afterwards."""
 import pytest
 import torch.distributed as dist
 
-from minizero.launch import gpu_count
+from minizero.launcher import gpu_count
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

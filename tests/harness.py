@@ -21,7 +21,7 @@ from torch import nn
 
 import minizero
 from minizero import collectives as C
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP, NaiveDDP
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from minizero.__main__ import main
-from minizero.bench_steps import bench_ddp, bench_stages
+from minizero.tools.bench_steps import bench_ddp, bench_stages
 from minizero.collectives import BUSBW_FACTOR
-from minizero.demo import demo
+from minizero.tools.demo import demo
 from minizero.models import EncoderLM, GPTConfig, TinyGPT, count_params
 
 PSI_TINY = count_params(TinyGPT(GPTConfig.tiny()))

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from harness import TINY_BUCKET_MB, build, local_batch, snapshot
 
 import minizero
-from minizero import checkpoint_layout
+from minizero.checkpoint import layout as checkpoint_layout
 from minizero.checkpoint import CheckpointError, checkpoint_bytes, consolidate
-from minizero.launch import launch
+from minizero.launcher import launch
 
 pytestmark = pytest.mark.timeout(240)
 N, M = 3, 2  # steps before the save, steps after it

@@ -1,4 +1,4 @@
-"""The memory budget (minizero.budget) and the checks of lessons 05 and 06 (minizero.course.checks):
+"""The memory budget (minizero.analysis.budget) and the checks of lessons 05 and 06 (minizero.course.checks):
 formulas against the models and the paper, activations measured against the formula, and each
 check passing the lesson's solution and rejecting plausible wrong ones with a message naming what
 is wrong."""
@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 import minizero
-from minizero import budget
+from minizero.analysis import budget
 from minizero.course.checks import CheckFailed
 from minizero.course.checks.lesson05 import check_predict_peak, measure_peaks, peak_cases
 from minizero.course.checks.lesson06 import check_owned_tensors

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
-from minizero.launch import launch
+from minizero.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 60  # seconds per launch

@@ -15,7 +15,7 @@ from harness import (
     wrap,
 )
 
-from minizero.launch import launch
+from minizero.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 60  # seconds per launch (a test needs < 10): a hang fails the test instead of stalling it

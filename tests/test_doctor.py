@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero import doctor
+from minizero.tools import doctor
 from minizero.course.checks import common
 
 pytestmark = pytest.mark.timeout(180)
-L = importlib.import_module("minizero.launch")  # the module (minizero.launch is the function)
+L = importlib.import_module("minizero.launcher")  # the module (minizero.launch is the function)
 
 H100 = "".join(f"{i}, NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15\n" for i in range(2))
 TOPO_NVLINK = (

@@ -18,7 +18,7 @@ import zoo
 from zoo import difference, train_rank, train_reference
 
 import minizero
-from minizero.launch import launch
+from minizero.launcher import launch
 from minizero.memory import model_state_bytes
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,7 @@ from harness import build, local_batch, snapshot
 from torch import nn
 
 import minizero
-from minizero.launch import LaunchError, launch
+from minizero.launcher import LaunchError, launch
 
 pytestmark = pytest.mark.timeout(180)
 STAGES = [0, 1, 2, 3]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.launch import LaunchError, LaunchTimeout, gpu_count, launch
+from minizero.launcher import LaunchError, LaunchTimeout, gpu_count, launch
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,7 +315,7 @@ def test_watchdog_kills_the_process_when_its_parent_dies(tmp_path):
     """Where there is no parent-death signal (not Linux), a thread watches the parent instead."""
     child = """
         import os, sys, time
-        from minizero.launch_ranks import die_with_parent
+        from minizero.launcher.ranks import die_with_parent
         sys.platform = "darwin"  # take the watchdog path here, on Linux too
         die_with_parent()
         sys.platform = "linux"
@@ -353,7 +353,7 @@ def test_watchdog_kills_the_process_when_its_parent_dies(tmp_path):
 @pytest.mark.slow
 def test_function_defined_in_main(tmp_path):
     code = """
-        from minizero.launch import LaunchError  # importing the module must not hide the function
+        from minizero.launcher import LaunchError  # importing the module must not hide the function
         import torch.distributed as dist
         import minizero
 

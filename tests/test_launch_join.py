@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-L = importlib.import_module("minizero.launch")  # the module (minizero.launch is the function)
+L = importlib.import_module("minizero.launcher")  # the module (minizero.launch is the function)
 LaunchError, launch = L.LaunchError, L.launch
 
 pytestmark = pytest.mark.timeout(120)

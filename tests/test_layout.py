@@ -42,7 +42,7 @@ def private(name: str) -> bool:
 
 def minizero_modules(tree: ast.AST) -> dict[str, str]:
     """Local names bound to minizero modules: ``from minizero import collectives as C``,
-    ``import minizero.x as y``, ``L = importlib.import_module("minizero.launch")``."""
+    ``import minizero.x as y``, ``L = importlib.import_module("minizero.launcher")``."""
     bound = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -154,14 +154,14 @@ def test_no_module_uses_another_modules_private_names():
 def test_the_private_name_check_sees_both_forms():
     tree = ast.parse(
         "import importlib\nfrom minizero import collectives as C\n"
-        "from minizero.launch import _seconds, launch\n"
-        "L = importlib.import_module('minizero.launch')\n"
+        "from minizero.launcher import _seconds, launch\n"
+        "L = importlib.import_module('minizero.launcher')\n"
         "C._sizes(1)\nC.all_reduce\nL._JOIN\nself._x\n"
     )
-    assert private_uses(tree, "minizero.demo") == [
-        "minizero.demo:3 imports minizero.launch._seconds",
-        "minizero.demo:5 uses minizero.collectives._sizes",
-        "minizero.demo:7 uses minizero.launch._JOIN",
+    assert private_uses(tree, "minizero.tools.demo") == [
+        "minizero.tools.demo:3 imports minizero.launch._seconds",
+        "minizero.tools.demo:5 uses minizero.collectives._sizes",
+        "minizero.tools.demo:7 uses minizero.launch._JOIN",
     ]
     assert private_uses(tree, "minizero.launch") == [
         "minizero.launch:5 uses minizero.collectives._sizes"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
     TABLE1_DP,

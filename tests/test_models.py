@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.models import MLP, EncoderLM, GPTConfig, TinyGPT, count_params
 
 

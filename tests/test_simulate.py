@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.data import synthetic_batch
-from minizero.launch import launch
+from minizero.models import synthetic_batch
+from minizero.launcher import launch
 from minizero.memory import (
     PAPER_TABLE1,
     TABLE1_DP,
@@ -20,7 +20,7 @@ from minizero.memory import (
 )
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params
 from minizero.parallelize import parallelize
-from minizero.simulate import FlatModel, format_table1, main, printed_as, simulate, table1
+from minizero.analysis.simulate import FlatModel, format_table1, main, printed_as, simulate, table1
 
 pytestmark = pytest.mark.timeout(240)
 BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}  # params, grads, optimizer (Adam) per element

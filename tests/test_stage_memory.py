@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.memory import model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 

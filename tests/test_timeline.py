@@ -1,4 +1,4 @@
-"""minizero.timeline: the profiler's view of a step pairs every collective the ledger saw with the
+"""minizero.analysis.timeline: the profiler's view of a step pairs every collective the ledger saw with the
 backend's run of it, and hidden_fraction does the interval arithmetic lesson 01 reports."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import timeline
+from minizero.analysis import timeline
 from minizero.collectives import mark
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.ddp import DDP
 from minizero.models import MLP
 

@@ -20,7 +20,7 @@ from harness import (
 )
 
 import minizero
-from minizero.launch import LaunchError, launch
+from minizero.launcher import LaunchError, launch
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 60  # seconds per launch (a test needs < 10)

@@ -26,7 +26,7 @@ from zero3_lm import (
     wrap,
 )
 
-from minizero.launch import LaunchError, LaunchTimeout
+from minizero.launcher import LaunchError, LaunchTimeout
 from minizero.models import MLP, GPTConfig, TinyGPT
 from minizero.units import ShardedParameterError, assign_params, select_units
 

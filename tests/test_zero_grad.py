@@ -16,7 +16,7 @@ from harness import build, local_batch, snapshot
 from torch import nn
 
 import minizero
-from minizero.launch import launch
+from minizero.launcher import launch
 from minizero.memory import MemoryMeter, model_state_bytes, state_tensors
 from minizero.models import count_params
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import zoo
 from harness import GLOBAL_BATCH
 
-from minizero.launch import launch
+from minizero.launcher import launch
 
 pytestmark = pytest.mark.timeout(600)
 NAMES = list(zoo.ZOO)

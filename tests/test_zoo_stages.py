@@ -10,7 +10,7 @@ import zoo
 from zoo import difference, train_rank, train_reference
 
 import minizero
-from minizero.launch import launch
+from minizero.launcher import launch
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 CLIP = 0.5

@@ -40,7 +40,7 @@ from harness import GLOBAL_BATCH, STEPS, snapshot
 from torch import nn
 
 from minizero import models
-from minizero.data import synthetic_batch
+from minizero.models import synthetic_batch
 from minizero.models import GPTConfig
 
 VOCAB = 101  # prime: no size divides by 2 or 3

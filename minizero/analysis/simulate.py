@@ -263,7 +263,7 @@ def print_table1(**kwargs) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero simulate [--stages 0 1 2 3] [--worlds 1 4 ...] [--psis 7.5e9 ...]``."""
-    from minizero.cli import Parser
+    from minizero.tools.cli import Parser
 
     p = Parser(
         prog="minizero simulate",
@@ -323,7 +323,10 @@ def _in_subprocess(fn, *args, timeout: float = 600, **kwargs):
             **os.environ,
             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
         }
-        code = "import sys; from minizero.simulate import _child; _child(sys.argv[1], sys.argv[2])"
+        code = (
+            "import sys; from minizero.analysis.simulate import _child; "
+            "_child(sys.argv[1], sys.argv[2])"
+        )
         try:
             proc = subprocess.run([sys.executable, "-c", code, str(job), str(result)], env=env,
                                   capture_output=True, text=True, timeout=timeout)  # fmt: skip

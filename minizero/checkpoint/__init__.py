@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero import checkpoint_files as F
-from minizero.checkpoint_files import CheckpointError, checkpoint_bytes, open_checkpoint
+from minizero.checkpoint import files as F
+from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
@@ -66,7 +66,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from minizero import checkpoint_layout as L
+    from minizero.checkpoint import layout as L
 
     _check_pair(model, optimizer, "save_checkpoint")
     path, group, rank = Path(path), model.group, model.rank
@@ -105,7 +105,7 @@ def save_checkpoint(
 def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
     """What the commit record says about the run: enough to check a model and optimizer against
     the checkpoint before loading, and to consolidate it without them."""
-    from minizero import checkpoint_layout as L
+    from minizero.checkpoint import layout as L
 
     module = model.module
     names = L.canonical_names(module)
@@ -141,7 +141,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from minizero import checkpoint_layout as L
+    from minizero.checkpoint import layout as L
 
     _check_pair(model, optimizer, "load_checkpoint")
     group, rank, world = model.group, model.rank, model.world
@@ -181,7 +181,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 def _match(record: dict, model: DataParallel, optimizer) -> dict[str, str]:
     """Check the checkpoint against this model and optimizer; return {model name: stored name}."""
-    from minizero import checkpoint_layout as L
+    from minizero.checkpoint import layout as L
 
     saved = {k[0]: k for k in record["keys"]}
     params = record["params"]
@@ -281,7 +281,7 @@ def consolidate(path: str | os.PathLike, *, working: bool = False) -> dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from minizero import checkpoint_layout as L
+    from minizero.checkpoint import layout as L
 
     path, record = open_checkpoint(path)
     F.verify_files(path, record, sorted(record["files"]))

@@ -150,7 +150,7 @@ def write_json(f: Path, data: dict) -> None:
     """Write ``data`` to ``f`` whole or not at all: a temporary file, fsync, rename."""
     tmp = f.with_name(f.name + ".tmp")
     with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1)
+        json.dump(data, fh, indent=1, default=str)
         fh.flush()
         os.fsync(fh.fileno())
     tmp.rename(f)

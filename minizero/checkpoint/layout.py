@@ -174,7 +174,7 @@ class Writer(FileSystemWriter):
         self._rank = rank
 
     def write_data(self, plan, planner):
-        from minizero.checkpoint_files import file_info, write_json
+        from minizero.checkpoint.files import file_info, write_json
 
         done = super().write_data(plan, planner)
         files = sorted({r.storage_data.relative_path for r in done.wait()})

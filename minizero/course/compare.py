@@ -40,8 +40,7 @@ def workload(name: str, rows: int, dev: torch.device, precision: str = "fp32"):
     ``rows`` rows of that step's global batch on ``dev`` (float inputs in the working dtype of
     ``precision``). ``name``: "gpt" (TinyGPT tiny, tied embedding) or "mlp" (``models.MLP`` with
     sizes ``MLP_SIZES``, whose flat buffers need no padding at N = 2, 4, 8)."""
-    from minizero.data import synthetic_batch
-    from minizero.models import MLP, GPTConfig, TinyGPT
+    from minizero.models import MLP, GPTConfig, TinyGPT, synthetic_batch
     from minizero.precision import resolve
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -161,7 +160,7 @@ def stage_table(by_model: dict[str, list[dict]], info: dict) -> str:
     """The numbers behind :func:`compare_stages`'s figure, one block per model, one row per stage:
     model states against the paper's formula, the step's peak, volume moved, collectives, median
     busbw and message size (marked ~ when latency-bound), and the median step time."""
-    from minizero.bench import LATENCY_BOUND
+    from minizero.collectives import LATENCY_BOUND
 
     out = [
         f"measured on {measured_where(info)} (memory: {meter_name(info)}), rank 0",
@@ -235,7 +234,7 @@ def compare_stages(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero compare [--nprocs N] [--precision bf16] [--out runs/stages.png]``."""
-    from minizero.cli import Parser, add_nprocs, positive_int
+    from minizero.tools.cli import Parser, add_nprocs, positive_int
 
     p = Parser(
         prog="minizero compare",

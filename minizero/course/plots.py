@@ -148,7 +148,7 @@ def bandwidth_axes(ax, profiles: list[dict], info: dict) -> None:
     """Median busbw of each op in one step, per stage (asynchronous ops: issue to wait), with the
     median message size on each bar. Bars of messages under ``LATENCY_BOUND`` are hatched and the
     title says that they measure per-call latency, not the link's bandwidth."""
-    from minizero.bench import LATENCY_BOUND
+    from minizero.collectives import LATENCY_BOUND
 
     width = 0.8 / len(OPS)
     small, top = [], 0.0  # median message sizes under LATENCY_BOUND; the highest bar

@@ -1,6 +1,6 @@
 """The memory budget of one training step, drawn: lesson 05 (05_all_stages).
 
-* ``budget_figure``: :func:`minizero.budget.step_budget` at every stage, without and with
+* ``budget_figure``: :func:`minizero.analysis.budget.step_budget` at every stage, without and with
   activation checkpointing, against the GPU's memory;
 * ``calculator()``: ipywidgets sliders (the model's shape, s, b, N, GPU memory, checkpointing,
   attention kernel) that redraw ``budget_figure``; built only where a widget front end can show
@@ -25,8 +25,9 @@ def widgets_available() -> bool:
 
 
 def budget_axes(ax, rows: list[tuple[str, dict[str, float]]], capacity_gb: float, title: str):
-    """Stacked bars of :func:`minizero.budget.step_budget` parts (GB), one per ``(label, parts)``,
-    and a line at the GPU's memory; each bar says its total, red where it does not fit."""
+    """Stacked bars of :func:`minizero.analysis.budget.step_budget` parts (GB), one per
+    ``(label, parts)``, and a line at the GPU's memory; each bar says its total, red where it does
+    not fit."""
     for i, (_, parts) in enumerate(rows):
         top = stack(ax, i, {k: v / 1e9 for k, v in parts.items()}, 0.7, labelled=i == 0)
         fits = top <= capacity_gb
@@ -62,7 +63,7 @@ def budget_figure(
     measured, for the title."""
     import matplotlib.pyplot as plt
 
-    from minizero.budget import gpt_params, step_budget
+    from minizero.analysis.budget import gpt_params, step_budget
 
     fig = None
     if ax is None:

@@ -28,7 +28,7 @@ ignored in favour of ``WORLD_SIZE`` (with a note when they differ).
 This file is what the caller meets: ``launch``, ``plan``, the errors, and the parent's side of a
 launch (watch the ranks, relay their output, name the rank that failed). The ranks' processes
 (starting them by fork or torchrun, what each runs, stopping them) are in
-:mod:`minizero.launch_ranks`.
+:mod:`minizero.launcher.ranks`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import multiprocessing
 import numbers
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from minizero.launch_ranks import GRACE, POLL, Ranks, start_fork, start_torchrun
+import torch
+import torch.distributed as dist
+
+from minizero.launcher.ranks import GRACE, POLL, Ranks, gpu_count, start_fork, start_torchrun
 
 _STARTUP = 120.0  # seconds allowed for starting the ranks, on top of the timeout
 _JOIN = 60.0  # seconds the started ranks have to join the process group, before fn runs
@@ -76,23 +78,17 @@ class LaunchTimeout(LaunchError, TimeoutError):
         self.ranks = ranks
 
 
-def gpu_count() -> int:
-    """GPUs visible to this process, counted through NVML so that CUDA is NOT initialised here
-    (a parent that initialised CUDA cannot fork ranks that use it)."""
-    import torch
+def default_nprocs() -> int:
+    """One rank per GPU where there are at least two GPUs, else 2 ranks on the CPU (gloo)."""
+    n = gpu_count()
+    return n if n >= 2 else 2
 
-    if not hasattr(torch._C, "_cuda_getDeviceCount"):  # CPU-only build
-        return 0
-    if torch.cuda.is_initialized():
-        return torch.cuda.device_count()
-    name = "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml"
-    n = getattr(torch.cuda, name, lambda: -1)()  # private, but the only fork-safe count
-    if n >= 0:
-        return n
-    # NVML unusable: ask a throwaway process, so that this one stays fork-safe.
-    code = "import torch; print(torch.cuda.device_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return int(out.stdout.strip() or 0)
+
+def rank_device() -> torch.device:
+    """Inside a rank: this rank's GPU under NCCL (the launcher has set it), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def launch(

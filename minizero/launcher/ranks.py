@@ -36,11 +36,30 @@ from pathlib import Path
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping ranks
 POLL = 0.02  # seconds between looks at the ranks
 # What torchrun's process and each of its workers run (python -c): torchrun_agent, torchrun_worker.
-AGENT = "import sys, minizero.launch_ranks as m; sys.exit(m.torchrun_agent(sys.argv[1:]))"
-WORKER = "import sys, minizero.launch_ranks as m; sys.exit(m.torchrun_worker(sys.argv[1]))"
+AGENT = "import sys, minizero.launcher.ranks as m; sys.exit(m.torchrun_agent(sys.argv[1:]))"
+WORKER = "import sys, minizero.launcher.ranks as m; sys.exit(m.torchrun_worker(sys.argv[1]))"
 
 
 # ---------------------------------------------------------------- the running ranks
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process, counted through NVML so that CUDA is NOT initialised here
+    (a parent that initialised CUDA cannot fork ranks that use it)."""
+    import torch
+
+    if not hasattr(torch._C, "_cuda_getDeviceCount"):  # CPU-only build
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    name = "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml"
+    n = getattr(torch.cuda, name, lambda: -1)()  # private, but the only fork-safe count
+    if n >= 0:
+        return n
+    # NVML unusable: ask a throwaway process, so that this one stays fork-safe.
+    code = "import torch; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip() or 0)
 
 
 class Ranks:
@@ -381,7 +400,5 @@ def torchrun_main(argv: list[str]) -> int:
     given = lambda pattern: any(re.match(rf"--({pattern})\b", a) for a in argv)
     extra = [] if given(r"nnodes|standalone|rdzv[-_]\w+|master[-_]\w+") else ["--standalone"]
     if not given(r"nproc[-_]per[-_]node"):
-        from minizero.launch import gpu_count
-
         extra.append(f"--nproc-per-node={gpu_count() or 2}")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", *extra, *argv])

@@ -17,90 +17,29 @@ Times are per-rank medians, then the slowest rank (a step ends when every rank h
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
-from minizero.cli import Parser, add_nprocs, positive_float, positive_int
+from minizero.launcher import rank_device as device
+from minizero.tools.cli import Parser, add_nprocs, positive_float, positive_int
+from minizero.tools.report import (
+    COMMANDS,
+    header,
+    measured_on,
+    printer,
+    ranks,
+    run_ranks,
+    sync,
+    write_json,
+)
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-LATENCY_BOUND = 2**20  # bytes: below this a collective's time is mostly its per-call latency
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# ---------------------------------------------------------------- shared pieces
-
-
-def device() -> torch.device:
-    """Inside a rank: this rank's GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def measured_on() -> dict:
-    """Inside a rank: what these figures were measured on (backend, device, world, torch)."""
-    dev = device()
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    else:
-        name = "CPU"
-        try:
-            lines = Path("/proc/cpuinfo").read_text().splitlines()
-            name = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        name = f"{name}, {os.cpu_count()} cores"
-    return dict(backend=dist.get_backend(), device=name, world=dist.get_world_size(),
-                torch=torch.__version__)  # fmt: skip
-
-
-def header(title: str, where: dict) -> str:
-    return (f"minizero bench {title}: {where['world']} ranks, {where['backend']} on "
-            f"{where['device']}, torch {where['torch']}")  # fmt: skip
-
-
-def printer() -> bool:
-    """Under torchrun every rank gets the results; only global rank 0 prints them."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def write_json(path: str, data: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
-    print(f"wrote {path}")
-
-
-def ranks(nprocs: int | None) -> int:
-    """``nprocs``, or the default: one rank per GPU with 2 or more GPUs, else 2 on the CPU."""
-    from minizero.launch import gpu_count
-
-    gpus = gpu_count()
-    return nprocs or (gpus if gpus >= 2 else 2)
-
-
-def run_ranks(fn: Callable, n: int, timeout: float, *args, total: int, desc: str) -> list:
-    """``launch(fn, n, *args)`` with a progress bar (stderr) that follows rank 0's ticks."""
-    from minizero.course.checks import launch_with_progress
-    from minizero.launch import gpu_count
-
-    if n > gpu_count():  # gloo ranks are forked from this process: import once what they need
-        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first one imports torch._dynamo
-    return launch_with_progress(fn, n, *args, total=total, desc=desc, timeout=timeout,
-                                verbose=False)  # fmt: skip
 
 
 # ---------------------------------------------------------------- collectives
@@ -237,7 +176,7 @@ def bench_collectives(argv: list[str]) -> int:
     print(f"{a.iters} timed calls per row after {a.warmup} warmup; time = median over calls, "
           f"slowest rank. S = full size (nccl-tests), busbw = algbw x factor(n)")  # fmt: skip
     print("torch(us): the same call on torch.distributed directly, interleaved with minizero's")
-    print(f"rows marked ~ are under {LATENCY_BOUND // 2**20} MiB: their time is mostly per-call "
+    print(f"rows marked ~ are under {C.LATENCY_BOUND // 2**20} MiB: their time is mostly per-call "
           "latency, so their busbw says little about the link's bandwidth")  # fmt: skip
     for op in ops:
         gloo_rs = op == "reduce_scatter" and where["backend"] == "gloo"
@@ -246,7 +185,7 @@ def bench_collectives(argv: list[str]) -> int:
         print(f"{'size(B)':>12}{'count':>12}{'type':>10}{'time(us)':>11}{'algbw(GB/s)':>13}"
               f"{'busbw(GB/s)':>13}{'torch(us)':>11}{'minizero/torch':>16}")  # fmt: skip
         for r in (r for r in rows if r["op"] == op):
-            tilde = "~" if r["nbytes"] < LATENCY_BOUND else " "
+            tilde = "~" if r["nbytes"] < C.LATENCY_BOUND else " "
             print(f"{r['nbytes']:>12}{r['count']:>12}{a.dtype:>10}{r['seconds'] * 1e6:>11.1f}"
                   f"{r['algbw'] / 1e9:>13.3f}{tilde}{r['busbw'] / 1e9:>12.3f}"
                   f"{r['torch_seconds'] * 1e6:>11.1f}{r['ratio']:>16.2f}")  # fmt: skip
@@ -282,24 +221,11 @@ def all_reduce_probe(seconds: float, nbytes: int) -> dict:
 
 # ---------------------------------------------------------------- the command line
 
-COMMANDS = {
-    "checkpoints": "minizero.save_checkpoint / load_checkpoint at each stage: save and load time "
-    "(median, slowest rank) and the bytes each rank wrote, beside (P + K)Ψ/N.",
-    "collectives": "An nccl-tests-like table of all_reduce, reduce_scatter, all_gather and "
-    "broadcast over message sizes (time, algbw, busbw), each through minizero and through "
-    "torch.distributed directly, interleaved call by call.",
-    "ddp": "minizero's DDP next to torch's DistributedDataParallel on the same model and ranks, "
-    "alternating a few steps each: step time, CPU time, memory per rank, and whether both end "
-    "with the same parameters.",
-    "stages": "Each minizero stage next to its PyTorch peer, alternating a few steps each: "
-    "stage 0 vs DistributedDataParallel, 1 vs DDP + ZeroRedundancyOptimizer, 2 vs FSDP2 "
-    "(reshard_after_forward=False), 3 vs FSDP2 (True): step time and memory per rank.",
-}
-
 
 def main(argv: list[str]) -> int:
     """``python -m minizero bench collectives|ddp|stages [options]``."""
-    from minizero import bench_steps
+    from minizero.tools import bench_steps
+    from minizero.tools.bench_ckpt import bench_checkpoint
 
     p = Parser(
         prog="minizero bench",
@@ -321,8 +247,6 @@ def main(argv: list[str]) -> int:
         p.error("say what to measure: collectives, ddp, stages or checkpoints"
                 "; e.g. python -m minizero bench collectives")  # fmt: skip
     if a.what == "checkpoints":
-        from minizero.bench_ckpt import bench_checkpoint
-
         bench_checkpoint(argv[1:])
         return 0
     run = {"collectives": bench_collectives, "ddp": bench_steps.bench_ddp,

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: save and load time, bytes per rank, per stage. Lesson 07.
 
-    python -m minizero.bench_ckpt [--model small] [--precision bf16] [--nprocs N] [--dir DIR]
+    python -m minizero.tools.bench_ckpt [--model small] [--precision bf16] [--nprocs N] [--dir DIR]
 
 The bench model of ``python -m minizero bench`` (TinyGPT, AdamW) is trained one step at each
 stage, then saved and loaded ``--repeat`` times; times are medians of the slowest rank, bytes are
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minizero import bench
-from minizero.cli import Parser, add_nprocs
 from minizero.memory import format_bytes
+from minizero.tools import report as bench
+from minizero.tools.cli import Parser, add_nprocs
 
 
 def _rank(stages: list[int], model_name: str, precision: str, repeat: int, root: str,

@@ -19,9 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from minizero.bench import (
+from minizero.launcher import rank_device as device
+from minizero.tools.cli import Parser, add_nprocs, positive_float, positive_int
+from minizero.tools.report import (
     COMMANDS,
-    device,
     header,
     measured_on,
     printer,
@@ -30,7 +31,6 @@ from minizero.bench import (
     sync,
     write_json,
 )
-from minizero.cli import Parser, add_nprocs, positive_float, positive_int
 
 Build = Callable[[torch.nn.Module], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
@@ -166,8 +166,7 @@ def _duel_rank(names: list[list[str]], builds: list[list[Build]], model_name: st
     """Inside a rank: for each group of contenders, memory alone, then alternating timed steps.
     ``progress.tick()`` after each contender's memory and after each of its rounds."""
     tick = progress.tick if progress is not None else lambda: None
-    from minizero.data import synthetic_batch
-    from minizero.models import count_params
+    from minizero.models import count_params, synthetic_batch
 
     dev, world, rank = device(), dist.get_world_size(), dist.get_rank()
     cfg = _config(model_name)

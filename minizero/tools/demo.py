@@ -34,12 +34,12 @@ def _rank(stage: int, global_batch: int, progress=None) -> dict:
     """One rank: train minizero, torch DDP and (here too) one process on the global batch."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from minizero.bench import device, measured_on
     from minizero.collectives import CommLedger
-    from minizero.data import synthetic_batch
+    from minizero.launcher import rank_device as device
     from minizero.memory import model_state_bytes
-    from minizero.models import GPTConfig, TinyGPT, count_params
+    from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
     from minizero.parallelize import full_state_dict, parallelize
+    from minizero.tools.report import measured_on
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
@@ -106,8 +106,8 @@ def demo(nprocs: int | None = None, stage: int = 0, batch: int | None = None) ->
 
     ``batch``: global batch in sequences, a multiple of the ranks (default: 16, rounded up to one).
     """
-    from minizero.bench import ranks, run_ranks
     from minizero.memory import format_bytes, paper_model_state_bytes
+    from minizero.tools.report import ranks, run_ranks
 
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
@@ -184,8 +184,8 @@ def demo(nprocs: int | None = None, stage: int = 0, batch: int | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m minizero demo [--nprocs N] [--stage S] [--batch B]``."""
-    from minizero.bench import ranks
-    from minizero.cli import Parser, add_nprocs, positive_int
+    from minizero.tools.cli import Parser, add_nprocs, positive_int
+    from minizero.tools.report import ranks
 
     p = Parser(
         prog="minizero demo",

@@ -33,11 +33,11 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from minizero.cli import Parser, positive_int
+from minizero.tools.cli import Parser, positive_int
 
 TESTED_TORCH = "2.13.0"  # requirements.txt
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-_L = importlib.import_module("minizero.launch")  # the module: `minizero.launch` is the function
+_L = importlib.import_module("minizero.launcher")  # the module: `minizero.launch` is the function
 
 
 @dataclass
@@ -173,7 +173,7 @@ def _shm_bytes() -> int | None:
 # -- 3. how launch will run the lessons -----------------------------------------------------------
 def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str | None]:
     """What ``minizero.launch`` picks for the lessons' ranks; returns (findings, ranks, backend)."""
-    from minizero.course.checks import default_nprocs
+    from minizero.launcher import default_nprocs
 
     n = nprocs or default_nprocs()
     how = "as asked" if nprocs else "the lessons' default: one per GPU with 2 or more, else 2"
@@ -202,9 +202,9 @@ def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str 
 
 # -- 4. the all-reduce probe -----------------------------------------------------------------------
 def probe_findings(n: int, backend: str, seconds: float = 2.0, mib: float | None = None):
-    from minizero.bench import all_reduce_probe
     from minizero.collectives import BUSBW_FACTOR
-    from minizero.launch import LaunchError
+    from minizero.launcher import LaunchError
+    from minizero.tools.bench import all_reduce_probe
 
     mib = mib or (256 if backend == "nccl" else 8)
     nbytes = int(mib * 2**20) // 4 * 4

@@ -4,8 +4,9 @@
 file              checks                                                      lesson
 ================  ==========================================================  ===============
 common.py         what every check shares (``CheckFailed``, ``guard``, ...)   every lesson
-                  and the helpers lessons call (``rank_device``, ``run_info``,
-                  ``describe``, ``default_nprocs``, ``launch_with_progress``)
+                  and the helpers lessons call (``run_info``, ``describe``; and,
+                  from minizero.launcher, ``rank_device``, ``default_nprocs``,
+                  ``launch_with_progress``)
 lesson00.py       ``check_all_reduce_via_rs_ag``                              00_collectives
 lesson01.py       ``check_allreduce_gradients``, ``check_bucketed_ddp``       01_ddp
 common_zero.py    the ZeRO checks' runs side by side, compared step by step   02, 03, 04
@@ -14,6 +15,7 @@ lesson03.py       ``check_zero2``, ``check_clip_grad_norm``                   03
 lesson04.py       ``check_zero3_gather``, ``check_zero3_prefetch``            04_zero3
 lesson05.py       ``check_predict_peak``                                      05_all_stages
 lesson06.py       ``check_owned_tensors``                                     06_myths
+lesson07.py       ``check_owned_ranges``, ``check_read_plan``                 07_checkpoints
 ================  ==========================================================  ===============
 
 A lesson imports ``from minizero.course import checks`` for the shared helpers
@@ -25,16 +27,14 @@ then ``lesson02.check_zero1(MyZeRO1)``.
 from minizero.course.checks.common import (
     TIMEOUT,
     CheckFailed,
-    Progress,
-    default_nprocs,
     describe,
     guard,
     launch_check,
-    launch_with_progress,
-    rank_device,
     report_pass,
     run_info,
 )
+from minizero.launcher import default_nprocs, rank_device
+from minizero.launcher.progress import Progress, launch_with_progress
 
 __all__ = [
     "TIMEOUT", "CheckFailed", "Progress", "default_nprocs", "describe", "guard", "launch_check",

@@ -17,16 +17,13 @@ The lessons' own cells use the rest: how many ranks (:func:`default_nprocs`), th
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
 import traceback
 
 import torch
 import torch._dynamo  # noqa: F401  imported once here: forked ranks inherit it (else seconds each)
 import torch.distributed as dist
 
-from minizero.launch import LaunchError, gpu_count, launch
+from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
 
@@ -36,19 +33,6 @@ class CheckFailed(AssertionError):
 
 
 # -- what every lesson uses ------------------------------------------------------------------------
-def default_nprocs() -> int:
-    """One rank per GPU where there are at least two GPUs, else 2 ranks on the CPU (gloo)."""
-    n = gpu_count()
-    return n if n >= 2 else 2
-
-
-def rank_device() -> torch.device:
-    """Inside a rank: this rank's GPU under NCCL (the launcher has set it), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def run_info() -> dict:
     """Inside a rank: where the measurement is made, for figure titles (see :func:`describe`)."""
     dev = rank_device()
@@ -63,47 +47,6 @@ def run_info() -> dict:
 def describe(info: dict) -> str:
     """``"gloo · cpu (CPU) · world 2"``: what every figure's title names."""
     return f"{info['backend']} · {info['device']} · world {info['world']}"
-
-
-class Progress:
-    """Passed to a rank function as ``progress``: rank 0 calls ``progress.tick()`` after each unit
-    of work and the notebook's bar (see :func:`launch_with_progress`) moves. Same machine only."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def tick(self, n: int = 1) -> None:
-        if dist.get_rank() == 0:
-            with open(self.path, "ab") as f:
-                f.write(b"." * n)
-
-
-def launch_with_progress(fn, nprocs: int, *args, total: int, desc: str = "", **kwargs) -> list:
-    """``minizero.launch(fn, nprocs, *args, progress=Progress(...), **kwargs)`` with a tqdm bar
-    (a widget in Jupyter, text elsewhere) that follows rank 0's ``progress.tick()`` calls."""
-    from tqdm.auto import tqdm
-
-    with tempfile.TemporaryDirectory(prefix="minizero-progress-") as tmp:
-        progress = Progress(os.path.join(tmp, "ticks"))
-        bar = tqdm(total=total, desc=desc)
-        stop = threading.Event()
-
-        def follow() -> None:  # a thread of the parent: the launch itself runs in the caller
-            while True:
-                done = stop.wait(0.2)
-                ticks = os.path.getsize(progress.path) if os.path.exists(progress.path) else 0
-                bar.update(min(ticks, total) - bar.n)
-                if done:
-                    return
-
-        watcher = threading.Thread(target=follow, daemon=True)
-        watcher.start()
-        try:
-            return launch(fn, nprocs, *args, progress=progress, **kwargs)
-        finally:
-            stop.set()
-            watcher.join()
-            bar.close()
 
 
 def guard(fn, *args, **kwargs):

@@ -27,8 +27,7 @@ from torch import nn
 
 from minizero import collectives as C
 from minizero.course.checks.common import CheckFailed, guard, launch_check, rank_device, run_info
-from minizero.data import synthetic_batch
-from minizero.models import MLP, count_params
+from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
 from minizero.zero3 import ZeRO3
 

@@ -38,7 +38,7 @@ def _train(make, rank: int, world: int, dev: torch.device, sync=None, grad_marks
 
     ``grad_marks``: mark "grad NAME" on the ledger's timeline as each gradient becomes ready
     (hooks registered after the model's own, so they run just after them)."""
-    from minizero.data import synthetic_batch
+    from minizero.models import synthetic_batch
 
     model = make(_mlp(dev))
     inner = getattr(model, "module", model)

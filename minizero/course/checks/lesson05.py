@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minizero.budget import checkpoint_blocks
+from minizero.analysis.budget import checkpoint_blocks
 from minizero.course.checks.common import (
     CheckFailed,
     default_nprocs,
@@ -25,7 +25,7 @@ from minizero.course.checks.common import (
     rank_device,
     run_info,
 )
-from minizero.launch import gpu_count
+from minizero.launcher import gpu_count
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 

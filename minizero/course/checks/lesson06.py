@@ -67,8 +67,8 @@ def _check_owners(assign_owners, numels: list[int], world: int, name: str) -> li
 def _owned_rank(owned_step, owners: list[int], opt_name: str) -> dict:
     """Inside a rank: TinyGPT tiny, gradients averaged by an all-reduce per tensor (DDP's 2Ψ), then
     the student's ``owned_step``; one process on the whole batch beside it."""
-    from minizero.data import synthetic_batch
     from minizero.memory import model_state_bytes
+    from minizero.models import synthetic_batch
 
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     make = OWNED_OPTIMIZERS[opt_name]

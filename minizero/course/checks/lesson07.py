@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from minizero.course.checks.common import CheckFailed, guard, launch_check, report_pass
-from minizero.launch import LaunchError, launch
+from minizero.launcher import LaunchError, launch
 from minizero.models import MLP, GPTConfig, TinyGPT
 
 TIMEOUT = 120.0
@@ -140,7 +140,7 @@ def _reshard_rank(fn, path: str) -> dict:
     """Load ``path`` (saved elsewhere) at stage 3 here; rebuild each owned master range from the
     saved pieces with ``fn`` and compare it with what ``load_checkpoint`` read."""
     import minizero
-    from minizero.checkpoint_files import open_checkpoint
+    from minizero.checkpoint.files import open_checkpoint
 
     torch.manual_seed(0)
     model, opt = minizero.parallelize(_models()["TinyGPT (lm_head tied to wte)"](), 3,
@@ -216,7 +216,8 @@ def check_read_plan(fn) -> None:
 def crash_during_next_save(message: str = "this rank lost power") -> None:
     """In this rank only: the next ``save_checkpoint`` raises ``RuntimeError(message)`` here while
     writing, once every other rank has finished its part (so the rank to blame is this one)."""
-    from minizero import checkpoint_layout
+
+    from minizero.checkpoint import layout as checkpoint_layout
 
     me, world = dist.get_rank(), dist.get_world_size()
 
