@@ -32,8 +32,7 @@ from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
 from minizero.course import checks
 from minizero.course.checks import lesson01
-from minizero.models import synthetic_batch
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 
 NPROCS = checks.default_nprocs()
 INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
@@ -193,7 +192,7 @@ lin(torch.randn(4, 3)).sum().backward()
 # and `_finish()`, queued to run once when backward is over, which marks `"backward end"` on the
 # ledger's timeline.
 #
-# * `_on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer;
+# * `on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer;
 #   decrement the bucket's count; when it reaches 0, start the bucket's all-reduce with
 #   `all_reduce(flat, group=self.group, async_op=True, tag=...)` and keep `(bucket, work)` in
 #   `self.works`.
@@ -221,12 +220,12 @@ class BucketedDDP(torch.nn.Module):
         self.works = []  # (bucket, async work) of the all-reduces in flight
         self._finish_queued = False
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Autograd calls this when ``param.grad`` holds this backward's gradient."""
         if not self._finish_queued:  # run self._finish() once, when backward is over
             self._finish_queued = True
@@ -273,18 +272,18 @@ lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 # (as with torch DDP's `gradient_as_bucket_view=True`), so it holds one copy of the gradients
 # where your class holds two (section 6 measures minizero's at exactly one copy).
 #
-# A `CommLedger` cannot say when a bucket's all-reduce ran: it times an asynchronous collective
-# from its issue to the end of its `wait()`, and DDP waits for every bucket at the end of
-# backward, so every such bar would end there. That shows the order in which buckets were
-# *issued*, not overlap. The backend knows when it ran each one: gloo runs a collective on a
-# worker thread, which `torch.profiler` records as `gloo:all_reduce`, from the moment the thread
-# starts it to the moment it completes; NCCL runs a kernel on the GPU, which the profiler records
-# on the device's clock. `minizero.analysis.timeline.profile_step(step)` runs one step under the profiler
-# and returns, for every all-reduce, when it was issued, started and completed, beside the marks
-# `"forward start"`, `"backward start"` and `"backward end"` (the last made when autograd has
-# computed every gradient, before DDP waits). The cell trains `TinyGPT` for 6 steps at three
-# bucket sizes; after a warm-up step, it keeps, for each size, the step whose overlap is the
-# median of the five (one step on a shared machine can be an outlier).
+# A `CommLedger` cannot say when a bucket's all-reduce ran: it times an asynchronous collective from
+# its issue to the end of its `wait()`, and DDP waits for every bucket at the end of backward, so
+# every such bar would end there. That shows the order in which buckets were *issued*, not overlap.
+# The backend knows when it ran each one: gloo runs a collective on a worker thread, which
+# `torch.profiler` records as `gloo:all_reduce`, from the moment the thread starts it to the moment
+# it completes; NCCL runs a kernel on the GPU, which the profiler records on the device's clock.
+# `minizero.analysis.timeline.profile_step(step)` runs one step under the profiler and returns, for
+# every all-reduce, when it was issued, started and completed, beside the marks `"forward start"`,
+# `"backward start"` and `"backward end"` (the last made when autograd has computed every gradient,
+# before DDP waits). The cell trains `TinyGPT` for 6 steps at three bucket sizes; after a warm-up
+# step, it keeps, for each size, the step whose overlap is the median of the five (one step on a
+# shared machine can be an outlier).
 
 # %%
 CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT

@@ -42,7 +42,6 @@ from minizero.bucket import make_buckets, trainable_parameters
 from minizero.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.course import checks
 from minizero.course.checks import lesson02
-from minizero.models import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
     TABLE1_PSI,
@@ -52,7 +51,7 @@ from minizero.memory import (
     print_states_per_rank,
     table1_gb,
 )
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
 NPROCS = checks.default_nprocs()
@@ -234,13 +233,13 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 # parameter that falls (partly) in chunk r, a view of `self.masters[i]` over exactly its elements
 # (`zero1.fragments` says which parameter and which element range). So per-group settings, such as
 # nanoGPT's weight decay on 2-D weights only, still apply to the right elements. The optimizer's
-# `step()` runs `before_step()` (given: it calls `_reduce_grads()` and gives each fragment the
+# `step()` runs `before_step()` (given: it calls `reduce_gradients()` and gives each fragment the
 # matching range of the returned chunk as `.grad`), the optimizer's own step on the fragments (which
 # writes into the masters, since they are views), and `after_step()`.
 #
 # ## Exercise 2 — `MyZeRO1`: the two collectives of stage 1
 #
-# * `_reduce_grads()`: reduce-scatter every bucket's gradient buffer into this rank's chunk and
+# * `reduce_gradients()`: reduce-scatter every bucket's gradient buffer into this rank's chunk and
 #   average; return the chunks. Use `reduce_scatter(output, input, group=self.group)` from
 #   `minizero.collectives` (input (N·shard,), output (shard,)). The output may be the chunk of
 #   the input itself (in place, as NCCL documents), so no extra buffer is needed.
@@ -252,11 +251,11 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 class MyZeRO1(ZeRO1):
     """ZeRO stage 1 (P_os): your reduce-scatter and all-gather around the optimizer's step."""
 
-    def _reduce_grads(self) -> list[torch.Tensor]:
+    def reduce_gradients(self) -> list[torch.Tensor]:
         """Average every bucket's gradient over the ranks into this rank's chunk of it."""
         # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self._reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
+        if not self.reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
             # BEGIN SOLUTION
             # TODO: for each bucket b, its buffer in self.grad_buffers and its chunk in chunks:
             # TODO: reduce_scatter(chunk, buffer, group=self.group) leaves the SUM over ranks
@@ -265,7 +264,7 @@ class MyZeRO1(ZeRO1):
                 reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
                 chunk.div_(self.world)  # sum over ranks -> average
             # END SOLUTION
-            self._reduced = True
+            self.reduced = True
         return chunks
 
     def after_step(self) -> None:
@@ -275,11 +274,10 @@ class MyZeRO1(ZeRO1):
                 own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
                 # BEGIN SOLUTION
                 # TODO: if self.precision.master: the optimizer stepped `master`, an fp32 copy of
-                # TODO: own: copy it into own (and set master.grad = None). In fp32 master IS own.
+                # TODO: own: copy it into own. In fp32 master IS own.
                 # TODO: then all_gather(flat, own, group=self.group): flat gets every rank's chunk
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
-                    master.grad = None
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
                 # END SOLUTION
 

@@ -30,9 +30,8 @@ from minizero import collectives as C
 from minizero.collectives import all_reduce
 from minizero.course import checks
 from minizero.course.checks import lesson03
-from minizero.models import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
-from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero2 import ZeRO2
 
 NPROCS = checks.default_nprocs()
@@ -66,7 +65,7 @@ def stage1_gradients():
     model, opt = minizero.parallelize(TinyGPT(GPT), 1, adam, precision="bf16")
     model(*gpt_batch()).backward()
     held = model_state_bytes(model, opt)["grads"]
-    read = sum(c.numel() * c.element_size() for c in model._reduce_grads())  # (shard,) chunks
+    read = sum(c.numel() * c.element_size() for c in model.reduce_gradients())  # (shard,) chunks
     return held, read
 
 
@@ -84,66 +83,66 @@ print(
 # is what the gradient hook does. Per bucket `b`:
 #
 # 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
-#    `self._filling[b.index]`;
+#    `self.filling[b.index]`;
 # 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
 #    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
-# 3. `self._pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
-#    is complete and `self._launch(b)` starts its reduce-scatter (asynchronous), **in place**:
+# 3. `self.pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
+#    is complete and `self.launch(b)` starts its reduce-scatter (asynchronous), **in place**:
 #    the output is chunk r of the bucket's own buffer, `b.chunk(buffer, self.rank)`, a (shard,)
 #    view, so no second buffer is allocated; it remembers
-#    `self._in_flight = (b, work, buffer, output)`;
-# 4. `self._finish_in_flight()` waits for that reduce-scatter, divides the output by N and
+#    `self.in_flight = (b, work, buffer, output)`;
+# 4. `self.finish_in_flight()` waits for that reduce-scatter, divides the output by N and
 #    **adds** it into `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps; then
 #    forgets the buffer, which frees it. It **adds** so that several backwards before one
 #    step (gradient accumulation) sum up in the chunk.
 #
-# `_launch` (given) first calls `_finish_in_flight()`, so at most one reduce-scatter is in flight
+# `launch` (given) first calls `finish_in_flight()`, so at most one reduce-scatter is in flight
 # and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
 # stage 2 with `overlap_comm` also alternates two bucket buffers). The backend may add its own:
-# section 3 measures a third on gloo. At the end of backward, `_backward_end()` (given) finishes
+# section 3 measures a third on gloo. At the end of backward, `backward_end()` (given) finishes
 # the last one. After that, `before_step()` hands `grad_shards` to the optimizer, and the rest is
 # stage 1: step the chunk, all-gather the parameters.
 #
 # ## Exercise 1 — `MyZeRO2`: the gradient hook of stage 2
 #
-# Write `_on_grad_ready(p)` (steps 1–3 above; autograd calls it with the **parameter** once
-# `p.grad` holds this backward's gradient) and `_finish_in_flight()` (step 4).
+# Write `on_grad_ready(p)` (steps 1–3 above; autograd calls it with the **parameter** once
+# `p.grad` holds this backward's gradient) and `finish_in_flight()` (step 4).
 
 
 # %%
 class MyZeRO2(ZeRO2):
     """ZeRO stage 2 (P_os+g): gradients live in full only in a bucket, until its reduce-scatter."""
 
-    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+    def on_grad_ready(self, p: torch.nn.Parameter) -> None:
         """Autograd calls this when ``p.grad`` holds this backward's gradient (``p``: the param)."""
-        b = self._bucket_of[id(p)]  # the bucket p belongs to
-        self._queue_backward_end()  # given: runs self._backward_end() once backward is over
+        b = self.bucket_of(p)  # the bucket p belongs to
+        self.queue_backward_end()  # given: runs self.backward_end() once backward is over
         # BEGIN SOLUTION
-        # TODO: b's (padded,) buffer is self._filling[b.index]; the first gradient of b to arrive
+        # TODO: b's (padded,) buffer is self.filling[b.index]; the first gradient of b to arrive
         # TODO: allocates it (zeros, with p.grad's dtype and device)
         # TODO: copy p.grad into p's slot, b.view(buf, p); drop p.grad
-        # TODO: one gradient fewer pending in b (self._pending); none left: self._launch(b)
-        buf = self._filling.get(b.index)
+        # TODO: one gradient fewer pending in b (self.pending); none left: self.launch(b)
+        buf = self.filling.get(b.index)
         if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
             buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
-            self._filling[b.index] = buf
+            self.filling[b.index] = buf
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient of p now lives only in the bucket
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:  # b is complete: reduce-scatter it while backward goes on
-            self._launch(b)
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:  # b is complete: reduce-scatter it while backward goes on
+            self.launch(b)
         # END SOLUTION
 
-    def _finish_in_flight(self) -> None:
+    def finish_in_flight(self) -> None:
         """Wait for the reduce-scatter in flight (if any); add its averaged chunk to the shard."""
         # BEGIN SOLUTION
-        # TODO: if a reduce-scatter is in flight, self._in_flight = (b, work, buf, out): wait for
+        # TODO: if a reduce-scatter is in flight, self.in_flight = (b, work, buf, out): wait for
         # TODO: it, add the average (out / self.world) into self.grad_shards[b.index], forget it
-        if self._in_flight is not None:
-            b, work, _buf, out = self._in_flight
+        if self.in_flight is not None:
+            b, work, _buf, out = self.in_flight
             work.wait()
             self.grad_shards[b.index].add_(out.div_(self.world))  # (shard,) += average
-            self._in_flight = None  # the last reference to buf (out is a view of it): freed
+            self.in_flight = None  # the last reference to buf (out is a view of it): freed
         # END SOLUTION
 
 
@@ -293,8 +292,10 @@ CATS = ("params", "grads", "optimizer", "comm", "activations")
 
 def one_step_memory(stage):
     torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16",
-                                      bucket_cap_mb=0.03)  # fmt: skip
+    cap = None if stage == 3 else 0.03  # stage 3 cuts by units, not buckets
+    model, opt = minizero.parallelize(
+        TinyGPT(GPT), stage, adam, precision="bf16", bucket_cap_mb=cap
+    )
     x, y = gpt_batch()
     with MemoryMeter(model, opt) as meter:
         meter.mark("start")
@@ -340,7 +341,8 @@ for stage, marks in RUNS.items():
 # %%
 def comm(stage):
     torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, bucket_cap_mb=0.03)
+    cap = None if stage == 3 else 0.03  # stage 3 cuts by units, not buckets
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, bucket_cap_mb=cap)
     with minizero.CommLedger() as ledger:
         model(*gpt_batch()).backward()
         minizero.collectives.mark("step")

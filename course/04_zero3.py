@@ -38,9 +38,8 @@ import minizero
 from minizero.collectives import all_gather, mark
 from minizero.course import checks
 from minizero.course.checks import lesson04
-from minizero.models import synthetic_batch
 from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
-from minizero.models import GPTConfig, TinyGPT, count_params
+from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.units import assign_params, select_units
 from minizero.zero3 import ZeRO3
 
@@ -127,14 +126,14 @@ print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.g
 #   kept between uses;
 # * `self.flat_params[i]`: the unit's flat buffer, (padded,); every parameter of the unit is a
 #   view into it; its storage has 0 bytes while freed;
-# * `self.buckets[i].padded`: the buffer's length; `self._gathered[i]`: whether the storage is
-#   full (or being filled); `self._gathers[i]`: the asynchronous all-gather in flight, or None.
+# * `self.buckets[i].padded`: the buffer's length; `self.gathered[i]`: whether the storage is
+#   full (or being filled); `self.gathers[i]`: the asynchronous all-gather in flight, or None.
 #
-# Write `_gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
+# Write `gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
 # and start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait
 # for the all-gather in flight (prefetch calls it with `wait=False`, and the module that needs
 # the unit calls it again with `wait=True`: then the unit is already marked gathered, and the
-# gather a prefetch started must still be waited for). And `_free(i)`: wait for an all-gather
+# gather a prefetch started must still be waited for). And `free(i)`: wait for an all-gather
 # still in flight (never free memory a collective is writing into), then resize the storage
 # to 0. The check also hands each method an all-gather that has not completed, unit by unit.
 
@@ -143,35 +142,35 @@ print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.g
 class MyZeRO3(ZeRO3):
     """ZeRO stage 3 (P_os+g+p): your gather and free of one unit's parameters."""
 
-    def _gather(self, i: int, wait: bool = True) -> None:
+    def gather(self, i: int, wait: bool = True) -> None:
         """Make unit i's full parameters available (asynchronously unless ``wait``)."""
         # BEGIN SOLUTION
         # TODO: if unit i is not gathered: give the storage of self.flat_params[i] its bytes back
         # TODO: (padded elements * element_size()), start an asynchronous all_gather of
-        # TODO: self.param_shards[i] into it, keep the work in self._gathers[i], mark it gathered
+        # TODO: self.param_shards[i] into it, keep the work in self.gathers[i], mark it gathered
         # TODO: then, if wait and an all-gather of unit i is in flight: wait for it, forget it
-        if not self._gathered[i]:
+        if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) 0 bytes until now
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self._gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
+            self.gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
                                           async_op=True, tag=f"zero3 params {i}")  # fmt: skip
-            self._gathered[i] = True
-        if wait and self._gathers[i] is not None:
-            self._gathers[i].wait()
-            self._gathers[i] = None
+            self.gathered[i] = True
+        if wait and self.gathers[i] is not None:
+            self.gathers[i].wait()
+            self.gathers[i] = None
         # END SOLUTION
-        self.max_gathered = max(self.max_gathered, sum(self._gathered))  # given: for the check
+        self.max_gathered = max(self.max_gathered, sum(self.gathered))  # given: for the check
 
-    def _free(self, i: int) -> None:
+    def free(self, i: int) -> None:
         """Drop unit i's full parameters; only this rank's shard stays."""
         # BEGIN SOLUTION
         # TODO: if an all-gather of unit i is in flight: wait for it, forget it
         # TODO: resize the storage of self.flat_params[i] to 0 bytes; mark the unit not gathered
-        if self._gathers[i] is not None:  # never free memory a collective is writing into
-            self._gathers[i].wait()
-            self._gathers[i] = None
+        if self.gathers[i] is not None:  # never free memory a collective is writing into
+            self.gathers[i].wait()
+            self.gathers[i] = None
         self.flat_params[i].untyped_storage().resize_(0)  # the views stay, with 0 bytes
-        self._gathered[i] = False
+        self.gathered[i] = False
         # END SOLUTION
 
 
@@ -179,8 +178,8 @@ class MyZeRO3(ZeRO3):
 # 3 Adam steps of the MLP (one unit per Linear, one for the output gain) on NPROCS ranks, step by
 # step: losses against minizero's ZeRO3 and FSDP2's fully_shard, gradient chunks against ZeRO3,
 # parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward; the
-# same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, _free and
-# _gather(wait=True) handed an all-gather still in flight must wait for it.
+# same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, free and
+# gather(wait=True) handed an all-gather still in flight must wait for it.
 lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]
@@ -190,34 +189,34 @@ lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 #
 # ## 3. When to gather: hooks, and prefetch
 #
-# `ZeRO3` calls `_gather` and `_free` from hooks:
+# `ZeRO3` calls `gather` and `free` from hooks:
 #
-# * a **forward pre-hook** on each module that uses a unit (`_pre_forward`): gather its units;
+# * a **forward pre-hook** on each module that uses a unit (`pre_forward`): gather its units;
 # * a **forward hook** (`_post_forward`, given): free them again (unless a module still running
 #   uses them: the root's unit stays while the root's forward runs), and register a
 #   hook on the module's output tensor that fires when backward reaches it, i.e. just before the
-#   module's own backward (`_pre_backward`): gather the units again;
+#   module's own backward (`pre_backward`): gather the units again;
 # * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
-#   the unit (`_launch`, given).
+#   the unit (`launch`, given).
 #
 # Gathering on demand makes every module wait for its all-gather. **Prefetch** hides it: the
-# first forward records the order in which the modules ran (`self._order`); from then on,
+# first forward records the order in which the modules ran (`self.order`); from then on,
 # once a module's own units are gathered, the hook *starts* the all-gather of the next
 # module's units (`wait=False`) so that it runs while this module computes; in backward the
-# order is reversed. `self._neighbour(m, k)` gives the units of the module k places after `m`
+# order is reversed. `self.neighbour(m, k)` gives the units of the module k places after `m`
 # in the recorded order (`k < 0`: before), or `[]` while recording; `self.prefetch` is 1.
 #
 # Backward runs the modules in the reverse of the order in which they *finished* forward
-# (`self._ends`), not the order they started: the root starts first and finishes last, so in
+# (`self.ends`), not the order they started: the root starts first and finishes last, so in
 # backward its hook fires first. One rule remains: a unit whose gradients are all in has been
-# reduce-scattered and freed (`self._pending[i] == -1`); nothing in this backward needs it again,
+# reduce-scattered and freed (`self.pending[i] == -1`); nothing in this backward needs it again,
 # so backward never prefetches such a unit (it would gather Ψ/N for nothing; a model that calls
 # one module twice can reach that case).
 #
 # ## Exercise 2 — prefetch
 #
-# Write `_pre_forward(m, args)` and `_pre_backward(m)`: gather (and wait for) every unit of
-# `m`, `self._units_of[m]`; then start, without waiting, the gathers of the units of the module
+# Write `pre_forward(m, args)` and `pre_backward(m)`: gather (and wait for) every unit of
+# `m`, `self.units_of[m]`; then start, without waiting, the gathers of the units of the module
 # `self.prefetch` places ahead in the direction of travel (forward: after `m`; backward:
 # before it, skipping units already reduce-scattered). The class is built on minizero's `ZeRO3`,
 # so it does not depend on exercise 1.
@@ -227,32 +226,32 @@ lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 class PrefetchZeRO3(ZeRO3):
     """ZeRO stage 3 whose hooks gather each module's units and prefetch the next module's."""
 
-    def _pre_forward(self, m: nn.Module, args) -> None:
+    def pre_forward(self, m: nn.Module, args) -> None:
         """Forward pre-hook of every module that uses a unit."""
-        if self._recording and m not in self._order:  # given: the first forward records
-            self._order.append(m)
+        if self.recording and m not in self.order:  # given: the first forward records
+            self.order.append(m)
         # BEGIN SOLUTION
         # TODO: gather (and wait for) every unit of m: they are needed now
-        # TODO: then start, without waiting, the gathers of the units that self._neighbour(...)
+        # TODO: then start, without waiting, the gathers of the units that self.neighbour(...)
         # TODO: gives for the module self.prefetch places later
-        for i in self._units_of[m]:
-            self._gather(i)  # needed now: wait for it
-        for i in self._neighbour(m, +self.prefetch):
-            self._gather(i, wait=False)  # needed next: runs while m computes
+        for i in self.units_of[m]:
+            self.gather(i)  # needed now: wait for it
+        for i in self.neighbour(m, +self.prefetch):
+            self.gather(i, wait=False)  # needed next: runs while m computes
         # END SOLUTION
 
-    def _pre_backward(self, m: nn.Module) -> None:
+    def pre_backward(self, m: nn.Module) -> None:
         """Runs when the gradient of m's output arrives: just before m's backward."""
-        self._queue_backward_end()  # given: frees everything and finishes up after backward
+        self.queue_backward_end()  # given: frees everything and finishes up after backward
         # BEGIN SOLUTION
-        # TODO: as _pre_forward; backward visits the modules in the reverse order, and must not
+        # TODO: as pre_forward; backward visits the modules in the reverse order, and must not
         # TODO: prefetch a unit whose gradients are already reduce-scattered:
-        # TODO: self._pending[i] == -1
-        for i in self._units_of[m]:
-            self._gather(i)
-        for i in self._neighbour(m, -self.prefetch):  # backward runs the modules in reverse order
-            if self._pending[i] != -1:  # its backward is over: gathering it would be wasted
-                self._gather(i, wait=False)
+        # TODO: self.pending[i] == -1
+        for i in self.units_of[m]:
+            self.gather(i)
+        for i in self.neighbour(m, -self.prefetch):  # backward runs the modules in reverse order
+            if self.pending[i] != -1:  # its backward is over: gathering it would be wasted
+                self.gather(i, wait=False)
         # END SOLUTION
 
 

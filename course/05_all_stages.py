@@ -41,11 +41,11 @@ import torch._dynamo  # noqa: F401
 
 import minizero
 from minizero.analysis import budget
+from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
 from minizero.course import checks, compare, plots, plots_budget
 from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
 from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
-from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
 
 NPROCS = checks.default_nprocs()
 INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
@@ -383,7 +383,7 @@ try:  # in lessons/, until you write it, the table uses minizero.analysis.budget
     predict_peak(PeakCase(cfg=BIG, micro_batch=BIG_B, stage=0, checkpointing=False, world=BIG_N))
     mine = True
 except NotImplementedError:
-    print("predict_peak is not written yet (§6): below, minizero.analysis.budget.step_budget answers")
+    print("predict_peak is not written yet (§6): below, analysis.budget.step_budget answers")
     mine = False
 
 

@@ -30,11 +30,11 @@ PASS_THROUGH = {
     "doctor": ("tools.doctor:main", "is this machine ready? torch, CUDA/NCCL, GPUs and links, how "
                "the ranks will run, a 2-second all-reduce probe, Jupyter"),
     "compare": ("course.compare:main", "every stage measured side by side: a table and one figure"),
-    "simulate": ("analysis.simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real "
+    "simulate": ("tools.simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real "
                  "stage code on meta tensors"),
     "bench": ("tools.bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
               "own), checkpoints"),
-    "run": ("launcher.ranks:torchrun_main", "run a script under torchrun (one rank per GPU, "
+    "run": ("tools.run:torchrun_main", "run a script under torchrun (one rank per GPU, "
             "multi-node)"),
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
               "(my-lessons/)"),

@@ -110,11 +110,6 @@ class CommLedger:
         """Total elements moved, in the paper's accounting (all-reduce of n counts 2n)."""
         return sum(r.volume_elements for r in self.records)
 
-    @property
-    def total_bytes(self) -> int:
-        """Total payload bytes S, summed over records (nccl-tests' sizes)."""
-        return sum(r.nbytes for r in self.records)
-
     def by_op(self) -> dict[str, int]:
         """Elements moved per op, in the paper's accounting."""
         out: dict[str, int] = {}

@@ -1,16 +1,30 @@
-"""What every data-parallel wrapper shares: ranks, the forward, the optimizer's view, state dicts.
+"""What every data-parallel wrapper shares: ranks, the forward, the step's protocol, state dicts.
 
-Taught in lesson 01 (01_ddp). The wrappers (NaiveDDP, DDP, ZeRO1, ZeRO2, ZeRO3) are ``nn.Module``s
-that hold the user's model as ``.module`` and run it unchanged; what differs between them is only
-what they keep, and which collectives they issue, from backward to the end of ``optimizer.step()``.
+Taught in lesson 01 (01_ddp); every stage builds on it. The wrappers (NaiveDDP, then the paper's
+chain DDP -> ZeRO1 -> ZeRO2 -> ZeRO3, each extending the one before) are ``nn.Module``s that hold
+the user's model as ``.module`` and run it unchanged; what differs between them is only what they
+keep, and which collectives they issue, from backward to the end of ``optimizer.step()``.
 
 One layout serves communication and the optimizer at once (lesson 02). Parameters are
 communicated in flat buckets; rank r owns a range of each bucket (all of it for DDP, chunk r for
 ZeRO) and keeps its fp32 master weights as one ``(owned,)`` tensor per bucket. The optimizer gets
-one tensor per *fragment*: the part of one parameter that falls in this rank's range, a view into
-that master tensor, placed in the parameter's own param group. So per-group settings (no weight
-decay on biases), skipping parameters that got no gradient, and checkpoints addressed by parameter
-name and element range all come from the same views.
+one tensor per :class:`Fragment`: the part of one parameter that falls in this rank's range, a view
+into that master tensor, placed in the parameter's own param group. So per-group settings (no
+weight decay on biases), skipping parameters that got no gradient, and checkpoints addressed by
+parameter name and element range all come from the same views.
+
+One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
+
+    before_step()   grads = step_grads()        per bucket, this rank's averaged fp32 range
+                                                (the stage's ``owned_grads()``), unscaled (fp16)
+                    fragment.tensor.grad = its range of grads
+    <the user's optimizer steps the fragments>
+    after_step()    the stage's own: masters -> working copy (and all-gather, ZeRO 1-2)
+    end_step()      forget this step's gradients and norms
+
+What a stage provides (the base calls these): ``owned_grads()``, ``after_step()``,
+``reset_grads(set_to_none)``, ``full_params()``, ``reduce_norm_parts(part, op)`` (the norms of
+``clip_grad_norm_``, in sharded_grad.py's ``GradNorms``); and, for loading, ``load_param(p, full)``.
 """
 
 from __future__ import annotations
@@ -25,13 +39,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
 from minizero.precision import LossScaler, Precision, resolve
-from minizero.sharded_grad import ShardedGrad
+from minizero.sharded_grad import GradNorms, ShardedGrad
 
 
 @dataclass(frozen=True, eq=False)
 class Fragment:
     """Elements [start, end) of ``param`` (flattened) that this rank owns; they sit at
-    [offset, offset + end - start) of this rank's owned range of bucket ``bucket``."""
+    [offset, offset + end - start) of this rank's owned range of bucket ``bucket``. ``tensor`` is
+    what the optimizer steps for them: a (numel,) view of the fp32 master range, or, for fp32
+    DDP, the parameter itself."""
 
     name: str
     param: nn.Parameter
@@ -39,13 +55,19 @@ class Fragment:
     start: int
     end: int
     offset: int
+    tensor: torch.Tensor
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def is_master(self) -> bool:
+        """True when the optimizer steps a master view (not the parameter itself)."""
+        return self.tensor is not self.param
 
-class DataParallel(nn.Module):
+
+class DataParallel(GradNorms, nn.Module):
     """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
 
     stage = 0
@@ -73,18 +95,17 @@ class DataParallel(nn.Module):
         self.scaler = LossScaler() if self.precision.loss_scale else None
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self._require_sync = True  # False inside no_sync()
+        self.require_sync = True  # False inside no_sync()
         self._callback_queued = False
         self._used: set[int] = set()  # id(p) of parameters that got a gradient since zero_grad
         self._grads_none = True  # zero_grad(set_to_none=True) (or none yet): every p.grad None
-        self._step_grads_cache: list[torch.Tensor] | None = None  # this step's fp32 grads
+        self._step_grads: list[torch.Tensor | None] | None = None  # this step's fp32 grads
         self._grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         self._norms: dict[float, dict[int, torch.Tensor]] = {}  # ord -> id(p) -> global norm
         self._hidden = False  # p.grad is a ShardedGrad until the next forward
-        self.fragments: list[Fragment] = []
-        self.frag_tensors: list[torch.Tensor] = []  # what the optimizer steps, one per fragment
-        self._frag_index: dict[int, list[int]] = {}  # id(param) -> positions of its fragments
-        self._names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
+        self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
+        self._frags_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
+        self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
                 C.broadcast(t.data, src=0, group=process_group, tag="initial state")
@@ -93,18 +114,18 @@ class DataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._mark_used)
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
-        module.register_load_state_dict_post_hook(lambda m, keys: self._params_written())
+        module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
 
     def _mark_used(self, p: nn.Parameter) -> None:
         self._used.add(id(p))
 
-    def _cast_working(self) -> None:
+    def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
         if self.precision.param_dtype != torch.float32:
             self.module.to(self.precision.param_dtype)
 
     # -- the layout the optimizer sees -------------------------------------------------------------
-    def _build_fragments(
+    def build_fragments(
         self, owned: list[tuple[int, int]], masters: list[torch.Tensor | None]
     ) -> None:
         """Bucket b's range [owned[b][0], owned[b][1]) is this rank's; ``masters[b]`` holds it
@@ -113,16 +134,15 @@ class DataParallel(nn.Module):
             for p, o in zip(b.params, b.offsets, strict=True):
                 s, e = max(o, lo), min(o + p.numel(), hi)
                 if s < e:
-                    f = Fragment(self._names[id(p)], p, b.index, s - o, e - o, s - lo)
-                    self.fragments.append(f)
                     # (numel,) view of this rank's fp32 master range; fp32 DDP: the parameter
-                    t = p if m is None else m[f.offset : f.offset + f.numel]
-                    self._frag_index.setdefault(id(p), []).append(len(self.frag_tensors))
-                    self.frag_tensors.append(t)
+                    t = p if m is None else m[s - lo : e - lo]
+                    f = Fragment(self.param_names[id(p)], p, b.index, s - o, e - o, s - lo, t)
+                    self.fragments.append(f)
+                    self._frags_of.setdefault(id(p), []).append(f)
 
     def optimizer_params(self) -> list[torch.Tensor]:
-        """The tensors this rank's optimizer steps: one view per fragment (or the parameters)."""
-        return self.frag_tensors
+        """The tensors this rank's optimizer steps: one per fragment (or the parameters)."""
+        return [f.tensor for f in self.fragments]
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -148,15 +168,16 @@ class DataParallel(nn.Module):
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally, with no communication, for the backwards inside."""
-        old, self._require_sync = self._require_sync, False
+        old, self.require_sync = self.require_sync, False
         try:
             yield
         finally:
-            self._require_sync = old
+            self.require_sync = old
 
     # -- backward ----------------------------------------------------------------------------------
-    def _queue_backward_end(self) -> None:
-        """From inside backward: call ``self._backward_end()`` once backward has finished."""
+    def queue_backward_end(self) -> None:
+        """From inside backward (a hook): run ``self.backward_end()`` once backward has finished.
+        Safe to call from every hook: it queues one callback per backward."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_once)
@@ -164,27 +185,30 @@ class DataParallel(nn.Module):
     def _backward_end_once(self) -> None:
         self._callback_queued = False
         C.mark("backward end")
-        if self._require_sync and not self.find_unused_parameters:
+        if self.require_sync and not self.find_unused_parameters:
             for p in self.params:
                 if id(p) not in self._used:
                     raise RuntimeError(
-                        f"parameter {self._names[id(p)]!r} got no gradient in this backward on "
-                        f"rank {self.rank}. If some parameters are unused in some steps, pass "
+                        f"parameter {self.param_names[id(p)]!r} got no gradient in this backward "
+                        f"on rank {self.rank}. If some parameters are unused in some steps, pass "
                         f"find_unused_parameters=True to minizero.parallelize (as with torch DDP)."
                     )
-        self._backward_end()
-        if self._require_sync and self._hides_grads():
+        self.backward_end()
+        if self.require_sync and self.shards_grads:
             self._hide_grads()
 
-    def _backward_end(self) -> None:
-        raise NotImplementedError
+    def backward_end(self) -> None:
+        """Runs once when backward is over: finish this backward's collectives."""
 
     # -- p.grad between backward and the next forward (sharded_grad.py) ---------------------------
-    def _hides_grads(self) -> bool:
-        return self.stage >= 1 or self.precision.loss_scale
+    @property
+    def shards_grads(self) -> bool:
+        """Whether no rank holds a whole averaged ``p.grad`` after backward (ZeRO, fp16)."""
+        return bool(self.precision.loss_scale)
 
-    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        return None  # what p.grad is during backward: stage 1 keeps a bucket view
+    def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """What ``p.grad`` is during backward (a bucket view, or None)."""
+        return None
 
     def _hide_grads(self) -> None:
         for p in self.params:
@@ -194,22 +218,21 @@ class DataParallel(nn.Module):
     def _show_grads(self) -> None:
         if self._hidden:
             for p in self.params:
-                p.grad = self._visible_grad(p)
+                p.grad = self.visible_grad(p)
             self._hidden = False
 
     # -- the step: what the optimizer returned by parallelize() calls ------------------------------
-    def _grad_shards(self) -> list[torch.Tensor | None]:
+    def owned_grads(self) -> list[torch.Tensor | None]:
         """Per bucket, this rank's owned range of the averaged gradient, (owned,); None for a
         bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
 
-    def _step_grads(self) -> list[torch.Tensor | None]:
+    def step_grads(self) -> list[torch.Tensor | None]:
         """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once."""
-        if self._step_grads_cache is None:  # .float(): no copy when already fp32
-            grads = [None if g is None else g.float() for g in self._grad_shards()]
-            self._step_grads_cache = grads
-            self.grads_finite(grads)
-        return self._step_grads_cache
+        if self._step_grads is None:  # .float(): no copy when already fp32
+            self._step_grads = [None if g is None else g.float() for g in self.owned_grads()]
+            self.grads_finite(self._step_grads)
+        return self._step_grads
 
     def _globally_unused(self) -> set[int]:
         """id(p) of parameters no rank produced a gradient for since zero_grad()."""
@@ -221,43 +244,46 @@ class DataParallel(nn.Module):
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
+        """Hand each fragment its gradient; False: skip the update (fp16 overflow)."""
+        masters = [f for f in self.fragments if f.is_master]
         if self._grads_none and not self._used:  # no backward since zero_grad(): every p.grad
-            for f, t in zip(self.fragments, self.frag_tensors, strict=True):  # is None, and
-                if t is not f.param:  # torch's optimizers skip a parameter without a gradient
-                    t.grad = None
+            for f in masters:  # is None, and torch's optimizers skip a parameter without one
+                f.tensor.grad = None
             return True
-        grads = self._step_grads()
+        grads = self.step_grads()
         if not self._grads_ok:
             return False
         unused = self._globally_unused()
-        for f, t in zip(self.fragments, self.frag_tensors, strict=True):
-            if id(f.param) in unused or grads[f.bucket] is None:
-                t.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
-            elif t is not f.param:  # a master view: its gradient is the same range, in fp32
-                t.grad = grads[f.bucket][f.offset : f.offset + f.numel]
+        for f in self.fragments:
+            g = grads[f.bucket]
+            if id(f.param) in unused or g is None:
+                f.tensor.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
+            elif f.is_master:  # a master view: its gradient is the same range, in fp32
+                f.tensor.grad = g[f.offset : f.offset + f.numel]
+            # (fp32 DDP: the parameter itself, which holds its own averaged gradient)
         return True
 
     def after_step(self) -> None:
+        """After the optimizer updated the fragments: bring the working parameters up to date."""
         raise NotImplementedError
 
     def end_step(self) -> None:
-        for f, t in zip(self.fragments, self.frag_tensors, strict=True):
-            if t is not f.param:
-                t.grad = None
-        self._step_grads_cache = None
+        for f in self.fragments:
+            if f.is_master:
+                f.tensor.grad = None
+        self._step_grads = None
         self._grads_ok = None
         self._norms.clear()
 
-    def grads_finite(self, grads: list[torch.Tensor]) -> bool:
+    def grads_finite(self, grads: list[torch.Tensor | None]) -> bool:
         """fp16: unscale ``grads`` in place, once per step; True when no rank saw an inf or NaN."""
         if self._grads_ok is not None:
             return self._grads_ok
         if self.scaler is None:
             self._grads_ok = True
             return True
-        grads = [g for g in grads if g is not None]
         bad = torch.zeros(1, device=self.params[0].device)  # (1,) inf or NaN seen on some rank
-        for g in grads:
+        for g in (g for g in grads if g is not None):
             g.div_(self.scaler.scale)
             bad += (~torch.isfinite(g)).any()
         C.all_reduce(bad, group=self.group, tag="fp16 inf check")
@@ -269,62 +295,17 @@ class DataParallel(nn.Module):
         self._grads_none = set_to_none or (self._grads_none and not self._used)  # None stays None
         self._used.clear()
         self._hidden = False
-        self._zero_grad(set_to_none)
+        self.reset_grads(set_to_none)
 
-    def _zero_grad(self, set_to_none: bool) -> None:
+    def reset_grads(self, set_to_none: bool) -> None:
+        """The stage's part of ``zero_grad()``: clear (or free) its gradient buffers."""
         raise NotImplementedError
-
-    # -- gradients seen whole: clip_grad_norm_ ----------------------------------------------------
-    def _frags_of(self, p: nn.Parameter) -> list[torch.Tensor]:
-        """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
-        grads = self._step_grads()
-        frags = [self.fragments[i] for i in self._frag_index.get(id(p), [])]
-        return [grads[f.bucket][f.offset : f.offset + f.numel] for f in frags
-                if grads[f.bucket] is not None]  # fmt: skip
-
-    def _grad_norm(self, p: nn.Parameter, ord_: float) -> torch.Tensor:
-        """The norm of p's whole averaged gradient; the first call of a step computes every
-        parameter's at once (partial sums over fragments, one all-reduce)."""
-        ord_ = float(ord_)
-        if ord_ not in self._norms:
-            if ord_ not in (2.0, float("inf")):
-                raise RuntimeError(
-                    f"minizero's sharded gradients support norm 2 and inf, not {ord_}"
-                )
-            inf = ord_ == float("inf")
-            part = torch.zeros(len(self.params), dtype=torch.float32, device=self.params[0].device)
-            for i, q in enumerate(self.params):
-                for g in self._frags_of(q):
-                    part[i] = (
-                        torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
-                    )
-            if self.stage >= 1:  # disjoint ranges: sum (or max) over ranks; DDP owns it all
-                op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-                C.all_reduce(part, op=op, group=self.group, tag="grad norm")
-            norms = part if inf else part.sqrt()
-            self._norms[ord_] = {id(q): norms[i] for i, q in enumerate(self.params)}
-        return self._norms[ord_][id(p)]
-
-    def _grad_apply_(self, p: nn.Parameter, op, args, kwargs) -> None:
-        for g in self._frags_of(p):
-            op(g, *args, **kwargs)
-        self._norms.clear()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        norms = torch.stack([self._grad_norm(p, norm_type) for p in self.params])
-        total = norms.max() if float(norm_type) == float("inf") else norms.pow(2).sum().sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in (g for g in self._step_grads() if g is not None):
-            g.mul_(coef)
-        self._norms.clear()
-        return total
 
     # -- state dicts: full in, full out, under the user's model's keys -----------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user's model's state dict with every parameter full and fp32 (collective)."""
         sd = self.module.state_dict(keep_vars=True)  # parameter objects are not read here
-        full = self._full_params()  # id(param) -> full fp32 tensor
+        full = self.full_params()  # id(param) -> full fp32 tensor
         names = dict(self.module.named_parameters(remove_duplicate=False))
         out = {}
         for k, v in sd.items():
@@ -358,37 +339,34 @@ class DataParallel(nn.Module):
         with torch.no_grad():
             for k, v in state_dict.items():
                 if k in names:  # (names are keys of own)
-                    self._load_param(names[k], v.detach().to(torch.float32))
+                    self.load_param(names[k], v.detach().to(torch.float32))
                 elif k in own:
                     own[k].copy_(v)
-        self._after_load()
+        self._step_grads = None
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    def _load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
+    def load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
         """Write a full fp32 value of ``p`` into its working copy and this rank's master views."""
         p.data.copy_(full)
         flat = full.reshape(-1).to(p.device)
-        for i in self._frag_index.get(id(p), []):
-            f, t = self.fragments[i], self.frag_tensors[i]
-            if t is not p:
-                t.copy_(flat[f.start : f.end])
+        for f in self._frags_of.get(id(p), []):
+            if f.is_master:
+                f.tensor.copy_(flat[f.start : f.end])
 
-    def _after_load(self) -> None:
-        self._step_grads_cache = None
-
-    def _params_written(self) -> None:
+    def params_written(self) -> None:
         """The working copy was written outside minizero (``module.load_state_dict``): refresh
         the fp32 masters from it (exact in fp32; 16-bit values otherwise)."""
         with torch.no_grad():
-            for f, t in zip(self.fragments, self.frag_tensors, strict=True):
-                if t is not f.param:
-                    t.copy_(f.param.detach().reshape(-1)[f.start : f.end])
+            for f in self.fragments:
+                if f.is_master:
+                    f.tensor.copy_(f.param.detach().reshape(-1)[f.start : f.end])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The user's model's state dict with every parameter full and in fp32 (collective)."""
         return self.state_dict()
 
-    def _full_params(self) -> dict[int, torch.Tensor]:
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """id(param) -> the whole parameter in fp32, on this rank (collective where sharded)."""
         return {id(p): p.detach().float().clone() for p in self.module.parameters()}
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -1,7 +1,9 @@
 """DDP from scratch: naive, then bucketed and overlapped with backward. Taught in lesson 01.
 
-ZeRO §3 calls this the baseline: every rank holds all model states, (2 + 2 + K)Ψ bytes in mixed
-precision, and each step all-reduces Ψ gradient elements, which moves 2Ψ (§7.1).
+The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): every rank holds all
+model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
+elements, which moves 2Ψ (§7.1). ``DDP`` is the first link of the chain: ZeRO1 (zero1.py)
+extends it, ZeRO2 extends ZeRO1, ZeRO3 extends ZeRO2.
 """
 
 from __future__ import annotations
@@ -36,13 +38,10 @@ class NaiveDDP(DataParallel):
         self.params = trainable_parameters(module)
         for p in self.params:
             # The hook's argument is the *parameter*; its gradient is p.grad, already accumulated.
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(lambda p: self.queue_backward_end())
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self._queue_backward_end()
-
-    def _backward_end(self) -> None:
-        if not self._require_sync:
+    def backward_end(self) -> None:
+        if not self.require_sync:
             return
         for p in self.params:
             if p.grad is None:  # unused on this rank: it still takes part in the average
@@ -50,7 +49,7 @@ class NaiveDDP(DataParallel):
             C.all_reduce(p.grad, group=self.group, tag="naive")
             p.grad.div_(self.world)
 
-    def _zero_grad(self, set_to_none: bool) -> None:
+    def reset_grads(self, set_to_none: bool) -> None:
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -68,6 +67,15 @@ class DDP(DataParallel):
     ``gradient_as_bucket_view=True``). When the last gradient of a bucket is accumulated, the
     bucket is divided by the world size and its all-reduce starts asynchronously; at the end of
     backward every pending all-reduce is waited on, so ``optimizer.step()`` sees averaged gradients.
+
+    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (one flat
+    gradient buffer per bucket), ``masters`` (this rank's fp32 range of each bucket, or None) and
+    the optimizer's ``fragments`` over them. Rank r owns all of every bucket; ZeRO: chunk r.
+
+    Public hooks (what a stage overrides; lesson 01's ``BucketedDDP`` has the first):
+    ``on_grad_ready(p)``, the post-accumulate-grad hook of every parameter (its argument is the
+    parameter: the gradient is ``p.grad``); ``launch(b)``, called once every gradient of bucket
+    ``b`` is in: start its collective without waiting. ``backward_end()`` waits for them.
     """
 
     def __init__(
@@ -81,98 +89,116 @@ class DDP(DataParallel):
     ):
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
-        self.buckets = make_buckets(self.params, bucket_cap_mb)
+        self.buckets = self.make_buckets(bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.masters: list[torch.Tensor] = []  # mixed precision: (numel,) fp32 copy per bucket
-        if self.precision.master:  # taken from the fp32 weights, before the cast to 16 bits
-            self.masters = [
-                b.flatten([p.detach() for p in b.params], torch.float32) for b in self.buckets
-            ]
-        self._cast_working()
-        # (numel,) flat gradient buffer per bucket, reduce dtype; p.grad views into it
-        self.grad_buffers = [
-            torch.zeros(b.numel, dtype=self.precision.reduce_dtype, device=b.params[0].device)
-            for b in self.buckets
-        ]
-        owned = [(0, b.numel) for b in self.buckets]  # DDP: every rank owns all of every bucket
-        self._build_fragments(owned, self.masters or [None] * len(self.buckets))
-        self._pending = [len(b.params) for b in self.buckets]  # grads still to come, per bucket
-        self._works: list = []
+        # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
+        # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
+        self.masters = [self.take_master(b) for b in self.buckets]
+        self.cast_working()
+        self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
+        self.init_grads()
+        self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
-    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
-        b = self._bucket_of[id(p)]
-        return b.view(self.grad_buffers[b.index], p)
+    # -- layout ------------------------------------------------------------------------------
+    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+        return make_buckets(self.params, bucket_cap_mb)
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
-        b = self._bucket_of[id(p)]
-        if p.grad._base is not self.grad_buffers[b.index]:  # 1st backward / after zero_grad
-            view = b.view(self.grad_buffers[b.index], p)
+    def bucket_of(self, p: nn.Parameter) -> Bucket:
+        return self._bucket_of[id(p)]
+
+    def owned(self, b: Bucket) -> tuple[int, int]:
+        """The range [lo, hi) of bucket ``b`` this rank owns: all of it (DDP)."""
+        return 0, b.numel
+
+    def take_master(self, b: Bucket) -> torch.Tensor | None:
+        if not self.precision.master:
+            return None
+        return b.flatten([p.detach() for p in b.params], torch.float32)  # (numel,) fp32
+
+    def init_grads(self) -> None:
+        dtype = self.precision.reduce_dtype
+        # (padded,) flat gradient buffer per bucket in the reduce dtype; p.grad views into it
+        self.grad_buffers = [
+            torch.zeros(b.padded, dtype=dtype, device=b.params[0].device) for b in self.buckets
+        ]
+        self.works: list = []  # all-reduces in flight
+
+    # -- backward: fill the bucket, launch its all-reduce once full ----------------------------
+    def accumulate(self, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
+        b = self.bucket_of(p)
+        buf = self.grad_buffers[b.index]
+        if p.grad._base is not buf:
+            view = b.view(buf, p)
             if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
                 view.copy_(p.grad)
                 p.grad = view
             else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
                 view.add_(p.grad)
                 p.grad = None
-        if not self._require_sync:
-            return
-        self._queue_backward_end()
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:
-            self._launch(b)
 
-    def _launch(self, b: Bucket) -> None:
+    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
+        self.accumulate(p)
+        if not self.require_sync:
+            return
+        self.queue_backward_end()
+        b = self.bucket_of(p)
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:
+            self.launch(b)
+
+    def launch(self, b: Bucket) -> None:
         buf = self.grad_buffers[b.index]  # (numel,) flat, this rank's local gradient
         buf.div_(self.world)
-        self._works.append(
+        self.works.append(
             C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
         )
-        self._pending[b.index] = -1  # launched
+        self.pending[b.index] = -1  # launched
 
-    def _backward_end(self) -> None:
-        if not self._require_sync:
+    def backward_end(self) -> None:
+        if not self.require_sync:
             return
         for b in self.buckets:  # buckets with parameters unused in this backward
-            if self._pending[b.index] >= 0:
+            if self.pending[b.index] >= 0:
                 for p in b.params:
                     if p.grad is None:  # unused here: its slot is 0 and still averaged
-                        p.grad = self._visible_grad(p)
-                self._launch(b)
-        for w in self._works:
+                        p.grad = self.visible_grad(p)
+                self.launch(b)
+        for w in self.works:
             w.wait()
-        self._works.clear()
-        self._pending = [len(b.params) for b in self.buckets]
+        self.works.clear()
+        self.pending = [len(b.params) for b in self.buckets]
 
-    # -- the optimizer's side ----------------------------------------------------------------
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return self.grad_buffers  # (numel,) per bucket, averaged, all of it this rank's
-
-    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        view = self._grad_view(p)
+    def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        view = self.bucket_of(p).view(self.grad_buffers[self.bucket_of(p).index], p)
         return view if view.dtype == p.dtype else None
 
+    # -- the optimizer's side ----------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return self.grad_buffers  # (numel,) per bucket, averaged, all of it this rank's
+
     def after_step(self) -> None:
-        if not self.masters:
+        if not self.precision.master:
             return
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
                 for p in b.params:
                     p.copy_(b.view(m, p))  # fp32 master -> 16-bit working copy
 
-    def _zero_grad(self, set_to_none: bool) -> None:
-        if set_to_none:  # the next backward's hooks copy fresh gradients into the buckets
-            for p in self.params:
-                p.grad = None
-        for buf in self.grad_buffers:
-            buf.zero_()  # (a grad that stays a view into its bucket accumulates in place)
+    def reset_grads(self, set_to_none: bool) -> None:
+        for g in self.grad_buffers:
+            g.zero_()  # the next backward adds into zeros (or, in place, into the views)
+        for p in self.params:
+            p.grad = None if set_to_none or p.grad is None else self.visible_grad(p)
 
-    def _full_params(self) -> dict[int, torch.Tensor]:
-        if not self.masters:
-            return super()._full_params()
+    def full_params(self) -> dict[int, torch.Tensor]:
+        if not self.precision.master:
+            return super().full_params()
         return {
             id(p): b.view(m, p).clone()
-            for b, m in zip(self.buckets, self.masters)
+            for b, m in zip(self.buckets, self.masters, strict=True)
             for p in b.params
         }
 

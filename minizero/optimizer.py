@@ -23,8 +23,7 @@ from torch import nn
 
 
 class Stage(Protocol):
-    fragments: list
-    frag_tensors: list[torch.Tensor]
+    fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
 
     def before_step(self) -> bool: ...
     def after_step(self) -> None: ...
@@ -94,12 +93,12 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
             f"param groups of them, before parallelize"
         )
-    if all(t is f.param for f, t in zip(stage.fragments, stage.frag_tensors, strict=True)):
+    if not any(f.is_master for f in stage.fragments):
         return  # fp32 DDP: the optimizer steps the parameters themselves, as the user built it
     new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-    for f, t in zip(stage.fragments, stage.frag_tensors, strict=True):
+    for f in stage.fragments:
         if id(f.param) in group_of:  # a parameter outside every group is not trained
-            new[group_of[id(f.param)]].append(t)
+            new[group_of[id(f.param)]].append(f.tensor)
     for group, params in zip(optimizer.param_groups, new, strict=True):
         group["params"] = params
 
@@ -121,7 +120,5 @@ def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimi
 
         step._wrapped_by_lr_sched = True
         optimizer.step = step
-    optimizer._minizero_closure_through = all(
-        t is f.param for f, t in zip(stage.fragments, stage.frag_tensors, strict=True)
-    )
+    optimizer._minizero_closure_through = not any(f.is_master for f in stage.fragments)
     return optimizer

@@ -14,25 +14,23 @@ stage 0 is DDP (ZeRO §3's baseline); 1, 2, 3 are ZeRO-DP's P_os, P_os+g, P_os+g
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minizero.data_parallel import DataParallel
+from minizero.ddp import DDP
 from minizero.optimizer import attach, regroup
 from minizero.precision import Precision, check_elementwise, resolve
+from minizero.zero1 import ZeRO1
+from minizero.zero2 import ZeRO2
+from minizero.zero3 import ZeRO3
 
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
-STAGES = {0: ("ddp", "DDP"), 1: ("zero1", "ZeRO1"), 2: ("zero2", "ZeRO2"), 3: ("zero3", "ZeRO3")}
-
-
-def _stage_class(stage: int):
-    module, name = STAGES[stage]
-    return getattr(import_module(f"minizero.{module}"), name)
+STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
 
 
 def parallelize(
@@ -41,7 +39,7 @@ def parallelize(
     optimizer: torch.optim.Optimizer | OptimizerFn,
     *,
     precision: str | Precision = "fp32",
-    bucket_cap_mb: float = 25,
+    bucket_cap_mb: float | None = None,
     process_group: dist.ProcessGroup | None = None,
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
@@ -50,15 +48,15 @@ def parallelize(
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
 
     ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
-    per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are
-    kept; at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter,
-    so it must be elementwise (SGD, Adam, AdamW, ... or subclasses). ``precision``: "fp32", "bf16",
-    "fp16" (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
+    per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are kept;
+    at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
+    must be elementwise (SGD, Adam, AdamW, ... or subclasses). ``precision``: "fp32", "bf16", "fp16"
+    (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
-    ``bucket_cap_mb``: gradient bucket size (stages 0-2). ``broadcast_buffers`` and
-    ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3 also takes ``units``
-    (module classes or a predicate; default: the repeated blocks) and ``prefetch``.
-    Under NCCL the model is moved to this rank's GPU.
+    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
+    ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
+    also takes ``units`` (module classes or a predicate; default: the repeated blocks) and
+    ``prefetch``. Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
@@ -68,6 +66,13 @@ def parallelize(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if stage_options and stage != 3:
         raise TypeError(f"{sorted(stage_options)}: only stage 3 takes these options")
+    if bucket_cap_mb is not None and stage == 3:
+        raise TypeError(
+            "stage 3 takes no bucket_cap_mb: its buckets are the units (units=..., default: the "
+            "repeated blocks), one all-gather and one reduce-scatter per unit"
+        )
+    if bucket_cap_mb is not None:
+        stage_options["bucket_cap_mb"] = bucket_cap_mb
     policy = resolve(precision)
     if isinstance(optimizer, torch.optim.Optimizer):
         built = optimizer
@@ -87,9 +92,8 @@ def parallelize(
         check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    wrapped = _stage_class(stage)(
+    wrapped = STAGES[stage](
         model,
-        bucket_cap_mb=bucket_cap_mb,
         precision=policy,
         process_group=process_group,
         broadcast_buffers=broadcast_buffers,

@@ -1,24 +1,22 @@
 """``p.grad`` when a rank holds only its shard of the averaged gradient (ZeRO 1-3). Lesson 03.
 
-After backward, stages 1-3 keep each gradient as this rank's fragments of a flat shard: there is
-no full averaged ``p.grad`` on any rank. PyTorch habits still reach for it:
-``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and ``clip_grad_value_``. Leaving
-``p.grad = None`` would make the norm 0 and clip nothing, silently; so until the next forward,
-``p.grad`` is a :class:`ShardedGrad`: a tensor of the right shape, dtype and device that owns no
-memory (one element, expanded) and answers the few operations those functions use by working on the
-shards (one all-reduce for the norms of every parameter at once). Any other use raises an error
-that says what to do instead.
+After backward, stages 1-3 keep each gradient as this rank's fragments of a flat shard: there is no
+full averaged ``p.grad`` on any rank. PyTorch habits still reach for it:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and ``clip_grad_value_``. Leaving ``p.grad
+= None`` would make the norm 0 and clip nothing, silently; so until the next forward, ``p.grad`` is
+a :class:`ShardedGrad`: a tensor of the right shape, dtype and device that owns no memory (one
+element, expanded) and answers the few operations those functions use by working on the shards (one
+all-reduce for the norms of every parameter at once: :class:`GradNorms`, which the wrappers
+inherit). Any other use raises an error that says what to do instead.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-
-if TYPE_CHECKING:
-    from minizero.data_parallel import DataParallel
 
 _META = {  # attribute reads and metadata that need no values
     "shape", "dtype", "device", "layout", "is_sparse", "is_cuda", "is_meta", "ndim", "size",
@@ -41,10 +39,10 @@ class ShardedGrad(torch.Tensor):
     """Stands in for ``param.grad`` at stages 1-3 between backward and the next forward."""
 
     _param: nn.Parameter
-    _owner: DataParallel
+    _owner: Any  # the DataParallel wrapper (no import: it imports this module)
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, owner: DataParallel) -> ShardedGrad:
+    def __new__(cls, param: nn.Parameter, owner: Any) -> ShardedGrad:
         empty = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
         t = torch.Tensor._make_subclass(cls, empty)
         t._param, t._owner = param, owner
@@ -72,20 +70,72 @@ class ShardedGrad(torch.Tensor):
         if func in (torch._foreach_norm, torch.linalg.vector_norm, torch.norm, torch.Tensor.norm):
             grads = list(first) if isinstance(first, (list, tuple)) else [first]
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
-            norms = [g._owner._grad_norm(g._param, ord_) for g in _mine(grads)]
+            norms = [g._owner.grad_norm(g._param, ord_) for g in _mine(grads)]
             return norms if isinstance(first, (list, tuple)) else norms[0]
         if name in _INPLACE:
             grads = list(first) if isinstance(first, (list, tuple)) else [first]
             op = getattr(torch.Tensor, _INPLACE[name])  # the per-tensor in-place op
             for g in _mine(grads):
-                g._owner._grad_apply_(g._param, op, args[1:], kwargs)
+                g._owner.grad_apply_(g._param, op, args[1:], kwargs)
             return first
         raise RuntimeError(
             f"{name or func}: at ZeRO stage 1-3 no rank holds the full averaged gradient of a "
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
-            f"minizero.full_grads(model) (collective) to read whole gradients."
+            f"model.grad_fragments(p) for this rank's ranges of the averaged gradient (fp32 views)."
         )
+
+
+class GradNorms:
+    """What DataParallel adds so that gradients can be seen whole while each rank holds only its
+    ranges: per-parameter norms from partial sums and one all-reduce (``clip_grad_norm_``, and
+    torch's own through :class:`ShardedGrad`). Needs ``params``, ``step_grads()``, ``_frags_of``
+    and ``_norms`` (ord -> id(p) -> norm, cleared at each step) from the wrapper."""
+
+    def grad_fragments(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
+        grads = self.step_grads()
+        return [grads[f.bucket][f.offset : f.offset + f.numel]
+                for f in self._frags_of.get(id(p), []) if grads[f.bucket] is not None]  # fmt: skip
+
+    def reduce_norm_parts(self, part: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Combine per-parameter partial norms over ranks; DDP owns every element: nothing."""
+
+    def grad_norm(self, p: nn.Parameter, ord_: float) -> torch.Tensor:
+        """The norm of p's whole averaged gradient; the first call of a step computes every
+        parameter's at once (partial sums over fragments, one all-reduce)."""
+        ord_ = float(ord_)
+        if ord_ not in self._norms:
+            if ord_ not in (2.0, float("inf")):
+                raise RuntimeError(
+                    f"minizero's sharded gradients support norm 2 and inf, not {ord_}"
+                )
+            inf = ord_ == float("inf")
+            part = torch.zeros(len(self.params), dtype=torch.float32, device=self.params[0].device)
+            for i, q in enumerate(self.params):  # (P,) this rank's part of each parameter's norm
+                for g in self.grad_fragments(q):
+                    part[i] = (
+                        torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
+                    )
+            self.reduce_norm_parts(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            norms = part if inf else part.sqrt()
+            self._norms[ord_] = {id(q): norms[i] for i, q in enumerate(self.params)}
+        return self._norms[ord_][id(p)]
+
+    def grad_apply_(self, p: nn.Parameter, op, args, kwargs) -> None:
+        for g in self.grad_fragments(p):
+            op(g, *args, **kwargs)
+        self._norms.clear()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
+        norms = torch.stack([self.grad_norm(p, norm_type) for p in self.params])
+        total = norms.max() if float(norm_type) == float("inf") else norms.pow(2).sum().sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in (g for g in self.step_grads() if g is not None):
+            g.mul_(coef)
+        self._norms.clear()
+        return total
 
 
 def _mine(grads: list) -> list[ShardedGrad]:

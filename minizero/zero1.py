@@ -2,7 +2,10 @@
 
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 arXiv 1910.02054 (SC20), §5.1. Plain synchronous data parallelism: every rank still runs the whole
-model on its own micro-batch; what changes is who keeps which optimizer state.
+model on its own micro-batch; what changes is who keeps which optimizer state. What this file adds
+to ddp.py: buckets padded to a multiple of N and cut into N chunks; rank r owns chunk r (its
+masters and optimizer states cover only that); the all-reduce becomes a reduce-scatter at the
+step, and the updated chunks are all-gathered back.
 """
 
 from __future__ import annotations
@@ -12,115 +15,98 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.bucket import Bucket, make_buckets, trainable_parameters
-from minizero.data_parallel import DataParallel
-from minizero.precision import Precision
+from minizero.bucket import Bucket, make_buckets
+from minizero.ddp import DDP
 
 
-class ZeRO1(DataParallel):
+class ZeRO1(DDP):
     """P_os: each rank keeps the optimizer states (and fp32 master weights) of its shard only.
 
     Model states per rank: 2Ψ + 2Ψ + KΨ/N in mixed precision (4Ψ + 4Ψ + KΨ/N in fp32).
     Communication per step: reduce-scatter of the gradients (Ψ) + all-gather of the updated
     parameters (Ψ) = 2Ψ, the same volume as DDP's all-reduce (§7.2.1).
 
-    Layout: parameters are grouped into buckets (``bucket_cap_mb``); each bucket's parameters
-    become views of one flat buffer, zero-padded to a multiple of the world size N and cut into N
-    equal chunks. Rank r owns chunk r of every bucket: its master weights and optimizer states
-    cover exactly those chunks. Gradients are views of a flat buffer of the same layout.
+    Layout: DDP's buckets, each one's parameters made views of one flat buffer (``flat_params``),
+    zero-padded to a multiple of the world size N and cut into N equal chunks. Rank r owns chunk
+    r of every bucket: its master weights and optimizer states cover exactly those chunks.
+    Gradients are views of a flat buffer of the same layout (``grad_buffers``, as DDP's).
 
     Step: backward accumulates full local gradients (no communication, so gradient accumulation
     and ``no_sync()`` need nothing special); ``optimizer.step()`` reduce-scatters each bucket, so
     rank r receives the averaged gradient of its chunk, steps its chunk, and all-gathers the
     updated chunks back into every rank's full parameters.
+
+    What lesson 02 asks you to write: ``reduce_gradients()``. Called by the step (and by
+    ``clip_grad_norm_``: when ``self.reduced`` it must not reduce again, and it sets it); may
+    assume every backward since ``zero_grad()`` has accumulated into ``grad_buffers``; must
+    return, per bucket, this rank's ``(shard,)`` chunk of the gradient averaged over the ranks of
+    ``self.group`` (N = ``self.world``), and leave no collective in flight. And ``after_step()``:
+    called once the optimizer has stepped ``masters``; copy each (mixed precision) into this
+    rank's chunk of ``flat_params`` and all-gather every chunk over ``self.group``.
     """
 
     stage = 1
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        bucket_cap_mb: float = 25,
-        precision: str | Precision = "fp32",
-        process_group: dist.ProcessGroup | None = None,
-        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
-    ):
-        super().__init__(module, precision=precision, process_group=process_group, **options)
-        self.params = trainable_parameters(module)
-        self.buckets = self._make_buckets(bucket_cap_mb)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        # (padded,) flat per bucket; p.data views into it; rank r owns chunk r. Built in fp32...
-        self.flat_params = [self._flatten_params(b) for b in self.buckets]
-        # masters: (shard,) per bucket. fp32: chunk r of flat_params itself, stepped in place.
-        # Mixed precision: a separate fp32 copy of that chunk (the K in KΨ/N includes it),
-        # taken from the fp32 weights before the cast.
-        self.masters = [self._own_chunk_master(b) for b in self.buckets]
-        self._cast_working()  # ...then cast to the working dtype
-        owned = [(self.rank * b.shard, (self.rank + 1) * b.shard) for b in self.buckets]
-        self._build_fragments(owned, self.masters)
-        self._init_grads(self.precision.reduce_dtype)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+    # -- layout: chunk r of every bucket is rank r's -----------------------------------------
+    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+        return self.flatten(make_buckets(self.params, bucket_cap_mb, self.world))
 
-    # -- layout ------------------------------------------------------------------------------
-    def _make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
-        return make_buckets(self.params, bucket_cap_mb, self.world)
+    def flatten(self, buckets: list[Bucket]) -> list[Bucket]:
+        """(padded,) flat per bucket; p.data views into it; rank r owns chunk r. Built in the
+        parameters' dtype, cast by ``cast_working`` once the masters are taken."""
+        self.flat_params = []
+        for b in buckets:
+            flat = b.flatten([p.detach() for p in b.params])
+            for p in b.params:
+                p.data = b.view(flat, p)
+            self.flat_params.append(flat)
+        return buckets
 
-    def _flatten_params(self, b: Bucket) -> torch.Tensor:
-        flat = b.flatten([p.detach() for p in b.params])
-        for p in b.params:
-            p.data = b.view(flat, p)
-        return flat
+    def owned(self, b: Bucket) -> tuple[int, int]:
+        return self.rank * b.shard, (self.rank + 1) * b.shard
 
-    def _cast_working(self) -> None:
+    def take_master(self, b: Bucket) -> torch.Tensor:
+        # (shard,) fp32: chunk r of flat_params itself, stepped in place. Mixed precision: a
+        # separate fp32 copy of that chunk (the K in KΨ/N includes it)
+        chunk = b.chunk(self.flat_params[b.index], self.rank)
+        return chunk.float().clone() if self.precision.master else chunk
+
+    def cast_working(self) -> None:
         dtype = self.precision.param_dtype
         if dtype == torch.float32:
             return
-        super()._cast_working()  # frozen parameters and buffers
+        super().cast_working()  # frozen parameters and buffers
         for b in self.buckets:
             self.flat_params[b.index] = flat = self.flat_params[b.index].to(dtype)
             for p in b.params:
                 p.data = b.view(flat, p)
 
-    def _own_chunk_master(self, b: Bucket) -> torch.Tensor:
-        chunk = b.chunk(self.flat_params[b.index], self.rank)  # (shard,) view of flat_params
-        return chunk.float().clone() if self.precision.master else chunk
-
     # -- gradients: full buffers, reduced at the step ------------------------------------------
-    def _init_grads(self, dtype: torch.dtype) -> None:
-        # (padded,) flat per bucket, like flat_params; p.grad views into it
-        self.grad_buffers = [
-            torch.zeros(b.padded, dtype=dtype, device=b.params[0].device) for b in self.buckets
-        ]
-        self._reduced = False
+    def init_grads(self) -> None:
+        super().init_grads()  # (padded,) per bucket, like flat_params; p.grad views into it
+        self.reduced = False
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
-        if self._require_sync:
-            self._queue_backward_end()  # nothing to do there but mark the ledger's timeline
-        b = self._bucket_of[id(p)]
-        view = b.view(self.grad_buffers[b.index], p)
-        if p.grad._base is not self.grad_buffers[b.index]:  # after zero_grad(None)
-            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
-                view.copy_(p.grad)
-                p.grad = view
-            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
-                view.add_(p.grad)
-                p.grad = None
+    @property
+    def shards_grads(self) -> bool:
+        return True
 
-    def _backward_end(self) -> None:
+    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        if self.require_sync:
+            self.queue_backward_end()  # nothing to do there but mark the ledger's timeline
+        self.accumulate(p)
+
+    def backward_end(self) -> None:
         pass  # stage 1 communicates in optimizer.step()
 
-    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        b = self._bucket_of[id(p)]
-        view = b.view(self.grad_buffers[b.index], p)  # local, until the step reduces it
-        return view if view.dtype == p.dtype and not self._reduced else None
+    def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        # local, until the step reduces it
+        return None if self.reduced else super().visible_grad(p)
 
-    def _reduce_grads(self) -> list[torch.Tensor]:
+    def reduce_gradients(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average."""
         shards = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self._reduced:
-            fp16 = self.grad_buffers[0].dtype == torch.float16 if self.grad_buffers else False
+        if not self.reduced:
+            fp16 = self.precision.reduce_dtype == torch.float16
             if fp16:  # divide before the sum, so that the sum cannot overflow fp16
                 for g in self.grad_buffers:
                     g.div_(self.world)
@@ -132,12 +118,15 @@ class ZeRO1(DataParallel):
                 w.wait()
                 if not fp16:
                     s.div_(self.world)
-            self._reduced = True
+            self.reduced = True
         return shards  # (shard,) per bucket, averaged over ranks
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return self._reduce_grads()
+    def owned_grads(self) -> list[torch.Tensor | None]:
+        return self.reduce_gradients()
+
+    def reduce_norm_parts(self, part: torch.Tensor, op: dist.ReduceOp) -> None:
+        C.all_reduce(part, op=op, group=self.group, tag="grad norm")  # disjoint ranges
 
     def after_step(self) -> None:
         works = []
@@ -153,16 +142,13 @@ class ZeRO1(DataParallel):
                 )
         for w in works:
             w.wait()
-        self._reduced = False  # the buffers hold this step's reduced chunks until zero_grad()
+        self.reduced = False  # the buffers hold this step's reduced chunks until zero_grad()
 
-    def _zero_grad(self, set_to_none: bool) -> None:
-        self._reduced = False
-        for g in self.grad_buffers:
-            g.zero_()  # the next backward adds into zeros (or, in place, into the views)
-        for p in self.params:
-            p.grad = None if set_to_none else self._visible_grad(p)
+    def reset_grads(self, set_to_none: bool) -> None:
+        self.reduced = False
+        super().reset_grads(set_to_none)
 
-    def _full_params(self) -> dict[int, torch.Tensor]:
+    def full_params(self) -> dict[int, torch.Tensor]:
         full = {}
         for b, m in zip(self.buckets, self.masters):
             flat = torch.empty(b.padded, dtype=torch.float32, device=m.device)  # (padded,) fp32

@@ -27,24 +27,28 @@ class ZeRO2(ZeRO1):
     backward goes on, and its result is added to this rank's gradient shard. Full gradients live
     only in bucket buffers, and at most two at a time: the one being filled and the one whose
     reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
-    After backward ``p.grad`` is None; the gradient is in ``grad_shards``.
+    After backward the gradient is in ``grad_shards``; until the next forward ``p.grad`` is a
+    :class:`~minizero.sharded_grad.ShardedGrad` (no memory), so that torch's ``clip_grad_norm_``
+    works on the shards.
 
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
     frees its sharded gradients: between steps a rank keeps no gradient at all, and each shard is
     allocated again when the next backward launches its bucket's reduce-scatter. (Stage 1 and
     DDP keep their flat gradient buffers, as torch DDP keeps its reducer's buckets.)
+
+    What lesson 03 asks you to write: ``on_grad_ready(p)`` (fill ``filling[b.index]``, count
+    ``pending``, ``launch(b)`` when complete) and ``finish_in_flight()`` (wait for ``in_flight``,
+    average, add into ``grad_shards``, forget the buffer).
     """
 
     stage = 2
 
-    def _init_grads(self, dtype: torch.dtype) -> None:
+    def init_grads(self) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards;
         # None between zero_grad() and the bucket's next reduce-scatter (no gradient held)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._filling: dict[int, torch.Tensor] = {}  # bucket -> (padded,) buffer being filled
-        self._pending = [len(b.params) for b in self.buckets]  # gradients still to come
-        self._in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
-        self.max_live_buckets = 0  # most full-gradient buffers alive at once (a structure check)
+        self.filling: dict[int, torch.Tensor] = {}  # bucket -> (padded,) buffer being filled
+        self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
 
     @contextmanager
     def no_sync(self):
@@ -55,66 +59,66 @@ class ZeRO2(ZeRO1):
         )
         yield  # pragma: no cover
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
-        b = self._bucket_of[id(p)]
-        self._queue_backward_end()
-        buf = self._filling.get(b.index)
-        if buf is None:  # (padded,) zero-padded; parameters without gradients stay 0
-            buf = self._filling[b.index] = torch.zeros(
-                b.padded, dtype=self.precision.reduce_dtype, device=p.grad.device
-            )
-            self.max_live_buckets = max(
-                self.max_live_buckets, len(self._filling) + (self._in_flight is not None)
-            )
+    def new_bucket_buffer(self, b: Bucket) -> torch.Tensor:
+        """(padded,) zeros in the reduce dtype: parameters without gradients stay 0."""
+        dev = b.params[0].device
+        buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype, device=dev)
+        self.filling[b.index] = buf
+        return buf
+
+    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        b = self.bucket_of(p)
+        self.queue_backward_end()
+        buf = self.filling.get(b.index)
+        if buf is None:
+            buf = self.new_bucket_buffer(b)
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient is freed as soon as it is in the bucket
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:
-            self._launch(b)
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:
+            self.launch(b)
 
-    def _launch(self, b: Bucket) -> None:
-        self._finish_in_flight()  # at most one reduce-scatter in flight
+    def launch(self, b: Bucket) -> None:
+        self.finish_in_flight()  # at most one reduce-scatter in flight
         if self.grad_shards[b.index] is None:  # the first backward since zero_grad(): (shard,)
             self.grad_shards[b.index] = torch.zeros(
                 b.shard, dtype=self.precision.reduce_dtype, device=b.params[0].device
             )
-        buf = self._filling.pop(b.index)
+        buf = self.filling.pop(b.index)
         out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
         if buf.dtype == torch.float16:  # divide before the sum, so that it cannot overflow fp16
             buf.div_(self.world)
         work = C.reduce_scatter(
             out, buf, group=self.group, async_op=True, tag=f"zero2 grads {b.index}"
         )
-        self._in_flight = (b, work, buf, out)
-        self._pending[b.index] = -1
+        self.in_flight = (b, work, buf, out)
+        self.pending[b.index] = -1
 
-    def _finish_in_flight(self) -> None:
-        if self._in_flight is not None:
-            b, work, _buf, out = self._in_flight
+    def finish_in_flight(self) -> None:
+        if self.in_flight is not None:
+            b, work, _buf, out = self.in_flight
             work.wait()
             if out.dtype != torch.float16:  # (fp16 was divided before the sum)
                 out.div_(self.world)
-            self.grad_shards[b.index].add_(out)  # buffer freed here
-            self._in_flight = None
+            self.grad_shards[b.index].add_(out)
+            self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
-    def _backward_end(self) -> None:
+    def backward_end(self) -> None:
         for b in self.buckets:  # buckets whose parameters were not all used in this backward
-            if self._pending[b.index] >= 0:
-                if b.index not in self._filling:
-                    self._filling[b.index] = torch.zeros(
-                        b.padded, dtype=self.precision.reduce_dtype, device=b.params[0].device
-                    )
-                self._launch(b)
-        self._finish_in_flight()
-        self._pending = [len(b.params) for b in self.buckets]
+            if self.pending[b.index] >= 0:
+                if b.index not in self.filling:
+                    self.new_bucket_buffer(b)
+                self.launch(b)
+        self.finish_in_flight()
+        self.pending = [len(b.params) for b in self.buckets]
 
-    def _reduce_grads(self) -> list[torch.Tensor | None]:
+    def reduce_gradients(self) -> list[torch.Tensor | None]:
         return self.grad_shards  # already reduced during backward (None: no backward since)
 
-    def _visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+    def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return None  # the full gradient of p exists only while its bucket fills
 
-    def _zero_grad(self, set_to_none: bool) -> None:
+    def reset_grads(self, set_to_none: bool) -> None:
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:
@@ -124,9 +128,9 @@ class ZeRO2(ZeRO1):
             p.grad = None
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        live = list(self._filling.values())
-        if self._in_flight is not None:
-            live.append(self._in_flight[2])
+        live = list(self.filling.values())
+        if self.in_flight is not None:
+            live.append(self.in_flight[2])
         return {
             "params": self.flat_params + list(self.module.parameters()),
             "grads": [g for g in self.grad_shards if g is not None],

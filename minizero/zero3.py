@@ -38,18 +38,30 @@ class ZeRO3(ZeRO2):
     has its storage resized to 0 bytes: only ``param_shards`` (rank r's chunk) stays, and its
     parameters are guarded: reading them raises an error that points to ``summon_full_params``.
 
-    Prefetch: the first step records the order in which units start their forward and end it;
-    with ``prefetch=1`` the next unit's all-gather is issued (asynchronously) as soon as the
-    current one's is done, in forward, and in backward (which meets the units in the reverse order
-    of their forward's end) the previous one's. A unit first used later, or units run in another
-    order, are gathered on demand: prefetch may miss, results are the same. ``bucket_cap_mb`` is
-    not used. ``reshard_root=False`` keeps the root's units gathered from the end of forward to
-    the end of backward, as FSDP2 does for its root (one all-gather fewer, 3Ψ - Ψ_root per step).
+    Prefetch: the first step records the order in which units start their forward and end it; with
+    ``prefetch=1`` the next unit's all-gather is issued (asynchronously) as soon as the current
+    one's is done, in forward, and in backward (which meets the units in the reverse order of their
+    forward's end) the previous one's. A unit first used later, or units run in another order, are
+    gathered on demand: prefetch may miss, results are the same. Units replace buckets, so there is
+    no ``bucket_cap_mb``. ``reshard_root=False`` keeps the root's units gathered from the end of
+    forward to the end of backward, as FSDP2 does for its root (one all-gather fewer, 3Ψ - Ψ_root
+    per step).
 
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
     ``RuntimeError`` naming them instead of a mismatched collective (a gloo abort or a hang). It
     costs one small synchronous collective per unit per forward; it is not in the CommLedger.
+
+    What lesson 04 asks you to write (each rank makes the same calls in the same order):
+    ``gather(i, wait=True)``: unit i's ``flat_params[i]`` full; if not ``gathered[i]``: storage
+    back to ``buckets[i].padded`` elements, an async all-gather of ``param_shards[i]`` into it kept
+    in ``gathers[i]``, ``gathered[i] = True``; with ``wait``, wait for ``gathers[i]`` (one a
+    prefetch started too) and forget it. ``free(i)``: wait for ``gathers[i]`` if any (never drop
+    memory a collective writes into), storage to 0 bytes, ``gathered[i] = False``.
+    ``pre_forward(m, args)``, before a unit module's forward: gather (and wait for) ``units_of[m]``,
+    then start, without waiting, the gathers of ``neighbour(m, +prefetch)``. ``pre_backward(m)``,
+    when backward reaches m's output: ``queue_backward_end()``, gather ``units_of[m]``, prefetch
+    ``neighbour(m, -prefetch)`` except units already reduce-scattered (``pending[i] == -1``).
     """
 
     stage = 3
@@ -59,7 +71,6 @@ class ZeRO3(ZeRO2):
         module: nn.Module,
         *,
         units: Units = None,
-        bucket_cap_mb: float = 25,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
@@ -67,78 +78,75 @@ class ZeRO3(ZeRO2):
         check_modules: bool = True,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
+        if "bucket_cap_mb" in options:
+            raise TypeError(
+                "ZeRO3 has no bucket_cap_mb: its buckets are the units (units=, see "
+                "minizero/units.py), one all-gather and one reduce-scatter per unit"
+            )
         self.param_shards: list[torch.Tensor] = []  # (shard,) per unit; filled by super().__init__
         self._units_arg = units
-        super().__init__(
-            module,
-            bucket_cap_mb=bucket_cap_mb,
-            precision=precision,
-            process_group=process_group,
-            **options,
-        )
+        super().__init__(module, precision=precision, process_group=process_group, **options)
         self.prefetch = prefetch
         self.reshard_root = reshard_root
         n = len(self.buckets)
-        self._gathers: list = [None] * n  # in-flight all-gather per unit
-        self._gathered = [True] * n  # flat_params[i] holds the full unit
+        self.gathers: list = [None] * n  # in-flight all-gather per unit
+        self.gathered = [True] * n  # flat_params[i] holds the full unit
         self._active = [0] * n  # modules using unit i whose forward is running
         self.max_gathered = 0  # most units gathered at once (a structure check)
-        self._order: list[nn.Module] = []  # unit modules, in the order the first forward began them
-        self._ends: list[nn.Module] = []  # ... and ended them
-        self._recording = True
-        self._pos: dict[nn.Module, int] = {}  # module -> place in _order (after recording)
-        self._last_use: dict[int, int] = {}  # unit -> place in _order of its last user
+        self.order: list[nn.Module] = []  # unit modules, in the order the first forward began them
+        self.ends: list[nn.Module] = []  # ... and ended them
+        self.recording = True
+        self._pos: dict[nn.Module, int] = {}  # module -> place in order (after recording)
+        self._last_use: dict[int, int] = {}  # unit -> place in order of its last user
         self._checked_backward = False
-        names = {m: name or "(root)" for name, m in module.named_modules()}
-        self._module_names = [names[m] for m in self._units_of]
-        self._module_index = {m: k for k, m in enumerate(self._units_of)}
+        self._module_names = [self._module_name[m] for m in self.units_of]
+        self._module_index = {m: k for k, m in enumerate(self.units_of)}
         dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
         self.check_modules = check_modules and self.world > 1 and dev.type != "meta"
         self._check_device = dev
         for b in self.buckets:  # for the guard's message: which parameter, which unit, 1/N
             for p in b.params:
-                p._minizero_where = (self._param_name[id(p)], self._unit_names[b.index], self.world)
-        for m in self._units_of:
+                p._minizero_where = (self.param_names[id(p)], self._unit_names[b.index], self.world)
+        for m in self.units_of:
             m.register_forward_pre_hook(Hook(self._forward_pre_hook))
             m.register_forward_hook(Hook(self._post_forward))
         for i in range(n):
             self._release(i)
 
     # -- layout: one unit per selected module, the root holding the rest --------------------------
-    def _make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+    def make_buckets(self, bucket_cap_mb: float | None = None) -> list[Bucket]:
         unit_modules = select_units(self.module, self._units_arg)
-        # self._units_of: unit module -> the units its forward needs (its own, tied ones)
-        groups, owners, self._units_of = assign_params(self.module, unit_modules)
+        # self.units_of: unit module -> the units its forward needs (its own, tied ones)
+        groups, owners, self.units_of = assign_params(self.module, unit_modules)
         names = {m: name or "(root)" for name, m in self.module.named_modules()}
+        self._module_name = names  # module -> its name, for messages
         self._unit_names = [names[m] for m in owners]  # unit index -> its module's name
-        self._param_name = {id(p): n for n, p in self.module.named_parameters()}
-        return [Bucket(g, i, self.world) for i, g in enumerate(groups)]
+        return self.flatten([Bucket(g, i, self.world) for i, g in enumerate(groups)])
 
-    def _own_chunk_master(self, b: Bucket) -> torch.Tensor:
+    def take_master(self, b: Bucket) -> torch.Tensor:
         # (shard,) the only copy of these parameters this rank keeps between uses
         shard = b.chunk(self.flat_params[b.index], self.rank).clone()
         self.param_shards.append(shard)
         return shard.float().clone() if self.precision.master else shard
 
-    def _cast_working(self) -> None:
-        super()._cast_working()
+    def cast_working(self) -> None:
+        super().cast_working()
         dtype = self.precision.param_dtype
         self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
 
-    def _load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
+    def load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
         if id(p) not in self._bucket_of:  # frozen: replicated in full, in the working dtype
             p.data.copy_(full)
             return
         flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
-        for i in self._frag_index.get(id(p), []):
-            f, t = self.fragments[i], self.frag_tensors[i]
+        for f in self._frags_of.get(id(p), []):
             self.param_shards[f.bucket][f.offset : f.offset + f.numel].copy_(flat[f.start : f.end])
-            t.copy_(flat[f.start : f.end])
-        b = self._bucket_of[id(p)]
-        if self._gathered[b.index]:  # refresh the full copy too, should it be in use
+            f.tensor.copy_(flat[f.start : f.end])
+        b = self.bucket_of(p)
+        if self.gathered[b.index]:  # refresh the full copy too, should it be in use
             b.view(self.flat_params[b.index], p).copy_(full)
 
-    def _params_written(self) -> None:
+    def params_written(self) -> None:
         with torch.no_grad():
             for shard, m in zip(self.param_shards, self.masters, strict=True):
                 if m is not shard:  # only elements edited: a read-only summon must not round
@@ -146,43 +154,43 @@ class ZeRO3(ZeRO2):
                     m[changed] = shard[changed].float()
 
     # -- gather and free ---------------------------------------------------------------------
-    def _gather(self, i: int, wait: bool = True) -> None:
-        if not self._gathered[i]:
+    def gather(self, i: int, wait: bool = True) -> None:
+        if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) storage back to full size, then filled
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self._gathers[i] = C.all_gather(
+            self.gathers[i] = C.all_gather(
                 flat, self.param_shards[i], group=self.group, async_op=True, tag=f"zero3 params {i}"
             )
-            self._gathered[i] = True
-            self.max_gathered = max(self.max_gathered, sum(self._gathered))
-        if wait and self._gathers[i] is not None:
-            self._gathers[i].wait()
-            self._gathers[i] = None
+            self.gathered[i] = True
+            self.max_gathered = max(self.max_gathered, sum(self.gathered))
+        if wait and self.gathers[i] is not None:
+            self.gathers[i].wait()
+            self.gathers[i] = None
 
-    def _free(self, i: int) -> None:
-        if self._gathers[i] is not None:
-            self._gathers[i].wait()
-            self._gathers[i] = None
+    def free(self, i: int) -> None:
+        if self.gathers[i] is not None:
+            self.gathers[i].wait()
+            self.gathers[i] = None
         self.flat_params[i].untyped_storage().resize_(0)  # p.data views stay, with 0 bytes
-        self._gathered[i] = False
+        self.gathered[i] = False
 
     def _release(self, i: int) -> None:
         """Free unit i and guard its parameters (their storage is empty now)."""
-        self._free(i)
+        self.free(i)
         set_guard(self.buckets[i].params, True)
 
-    def _neighbour(self, m: nn.Module, step: int) -> list[int]:
+    def neighbour(self, m: nn.Module, step: int) -> list[int]:
         """The units of the module ``step`` places after ``m`` in forward (``step < 0``: in
         backward) in the recorded order, skipping modules without units; [] while recording."""
-        seq = self._order if step > 0 else self._ends[::-1]
-        if self._recording or m not in seq:
+        seq = self.order if step > 0 else self.ends[::-1]
+        if self.recording or m not in seq:
             return []
         left = abs(step)
         for other in seq[seq.index(m) + 1 :]:
-            if self._units_of.get(other):
+            if self.units_of.get(other):
                 left -= 1
                 if left == 0:
-                    return self._units_of[other]
+                    return self.units_of[other]
         return []
 
     # -- hooks -------------------------------------------------------------------------------
@@ -191,33 +199,33 @@ class ZeRO3(ZeRO2):
             self._active = [0] * len(self.buckets)
         if self.check_modules:
             self._check_same_module(m, backward=False)
-        self._pre_forward(m, args)
-        for i in self._units_of[m]:
+        self.pre_forward(m, args)
+        for i in self.units_of[m]:
             self._active[i] += 1
             set_guard(self.buckets[i].params, False)
 
-    def _pre_forward(self, m: nn.Module, args) -> None:
-        if self._recording and m not in self._order:
-            self._order.append(m)
-        for i in self._units_of[m]:
-            self._gather(i)
-        for i in self._neighbour(m, +self.prefetch):
-            self._gather(i, wait=False)
+    def pre_forward(self, m: nn.Module, args) -> None:
+        if self.recording and m not in self.order:
+            self.order.append(m)
+        for i in self.units_of[m]:
+            self.gather(i)
+        for i in self.neighbour(m, +self.prefetch):
+            self.gather(i, wait=False)
 
     def _post_forward(self, m: nn.Module, args, out):
-        if self._recording and m not in self._ends:
-            self._ends.append(m)
-        for i in self._units_of[m]:
+        if self.recording and m not in self.ends:
+            self.ends.append(m)
+        for i in self.units_of[m]:
             self._active[i] -= 1
         grad = torch.is_grad_enabled()
         if m is self.module:  # forward is over: free every unit (the root's too, unless kept)
-            keep = set() if self.reshard_root or not grad else set(self._units_of[m])
-            for i, gathered in enumerate(self._gathered):
+            keep = set() if self.reshard_root or not grad else set(self.units_of[m])
+            for i, gathered in enumerate(self.gathered):
                 if gathered and i not in keep:
                     self._release(i)
         else:  # free the units no running module uses and no later module needs
             pos = self._pos.get(m)
-            for i in self._units_of[m]:
+            for i in self.units_of[m]:
                 if self._active[i] == 0 and (pos is None or self._last_use.get(i, -1) <= pos):
                     self._release(i)
         if grad:
@@ -229,55 +237,52 @@ class ZeRO3(ZeRO2):
         if self.check_modules and not self._checked_backward:  # once, as backward starts
             self._checked_backward = True
             self._check_same_module(m, backward=True)
-        self._pre_backward(m)
-        for i in self._units_of[m]:
+        self.pre_backward(m)
+        for i in self.units_of[m]:
             set_guard(self.buckets[i].params, False)
 
-    def _pre_backward(self, m: nn.Module) -> None:
-        self._queue_backward_end()
-        for i in self._units_of[m]:
-            self._gather(i)
-        for i in self._neighbour(m, -self.prefetch):
-            if self._pending[i] != -1:  # not a unit whose backward is already over
-                self._gather(i, wait=False)
+    def pre_backward(self, m: nn.Module) -> None:
+        self.queue_backward_end()
+        for i in self.units_of[m]:
+            self.gather(i)
+        for i in self.neighbour(m, -self.prefetch):
+            if self.pending[i] != -1:  # not a unit whose backward is already over
+                self.gather(i, wait=False)
 
     # -- gradients: kept as autograd made them until the unit's last one, as FSDP2 does ----------
-    def _on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
-        b = self._bucket_of[id(p)]
-        self._queue_backward_end()
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:
-            self._launch(b)
+    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+        b = self.bucket_of(p)
+        self.queue_backward_end()
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:
+            self.launch(b)
 
-    def _launch(self, b: Bucket) -> None:
+    def launch(self, b: Bucket) -> None:
         """Every gradient of unit b is in (or backward is over): copy them into one (padded,)
         buffer, reduce-scatter it, and drop the full parameters again. Stage 2 fills its buffer
         from the first gradient on; here it is allocated only now, when the unit's activations
         are gone, which keeps the peak at the start of a unit's backward as low as FSDP2's."""
-        self._finish_in_flight()  # the previous buffer is freed before this one exists
-        buf = self._filling.get(b.index)
+        self.finish_in_flight()  # the previous buffer is freed before this one exists
+        buf = self.filling.get(b.index)
         if buf is None:
-            buf = self._filling[b.index] = torch.zeros(
-                b.padded, dtype=self.precision.reduce_dtype, device=b.params[0].device
-            )
-            self.max_live_buckets = max(self.max_live_buckets, len(self._filling))
+            buf = self.new_bucket_buffer(b)
         for q in b.params:
             if q.grad is not None:  # this backward's gradient; None: q was not used
                 b.view(buf, q).copy_(q.grad)
                 q.grad = None
-        super()._launch(b)  # reduce-scatter
+        super().launch(b)  # reduce-scatter
         self._release(b.index)
 
-    def _backward_end(self) -> None:
-        super()._backward_end()
+    def backward_end(self) -> None:
+        super().backward_end()
         for i in range(len(self.buckets)):
-            if self._gathered[i]:
+            if self.gathered[i]:
                 self._release(i)
         self._checked_backward = False
-        if self._recording:  # the forward order is known now: where each unit is last used
-            self._recording = False
-            self._pos = {m: j for j, m in enumerate(self._order)}
-            self._last_use = {i: j for j, m in enumerate(self._order) for i in self._units_of[m]}
+        if self.recording:  # the forward order is known now: where each unit is last used
+            self.recording = False
+            self._pos = {m: j for j, m in enumerate(self.order)}
+            self._last_use = {i: j for j, m in enumerate(self.order) for i in self.units_of[m]}
 
     # -- ranks must run the same modules ---------------------------------------------------------
     def _check_same_module(self, m: nn.Module, backward: bool) -> None:
@@ -332,9 +337,9 @@ class ZeRO3(ZeRO2):
             for b, buf in zip(self.buckets, bufs, strict=True):
                 for p in b.params:
                     if p.data_ptr() != b.view(buf, p).data_ptr():
-                        moved.append(self._param_name[id(p)])
+                        moved.append(self.param_names[id(p)])
                     p.data = views[id(p)]
-                set_guard(b.params, not self._gathered[b.index])
+                set_guard(b.params, not self.gathered[b.index])
         if moved:
             raise RuntimeError(
                 f"inside summon_full_params() {moved[0]} was given a new tensor (p.data = ...), "
@@ -344,7 +349,7 @@ class ZeRO3(ZeRO2):
             with torch.no_grad():
                 for b, buf, shard in zip(self.buckets, bufs, self.param_shards, strict=True):
                     shard.copy_(b.chunk(buf, self.rank))
-            self._params_written()
+            self.params_written()
 
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:
@@ -352,12 +357,11 @@ class ZeRO3(ZeRO2):
             with torch.no_grad():
                 for shard, m in zip(self.param_shards, self.masters):
                     shard.copy_(m)
-                    m.grad = None
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super()._minizero_state_tensors()
         frozen = [p for p in self.module.parameters() if not p.requires_grad]  # replicated
         state["params"] = self.param_shards + frozen
-        gathered = [f for f, g in zip(self.flat_params, self._gathered) if g]  # transient
+        gathered = [f for f, g in zip(self.flat_params, self.gathered) if g]  # transient
         state["comm"] = state["comm"] + gathered
         return state

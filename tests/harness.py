@@ -21,10 +21,20 @@ from torch import nn
 
 import minizero
 from minizero import collectives as C
-from minizero.models import synthetic_batch
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP, NaiveDDP
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
+
+LAUNCH_TIMEOUT = 180  # seconds per launch (a test needs < 30): a hang fails the test, with stacks
+
+
+def run(fn, world: int, *args, backend: str = "gloo", timeout: float = LAUNCH_TIMEOUT, **kwargs):
+    """``fn(*args, **kwargs)`` on ``world`` ranks through ``minizero.launch``, quietly; every
+    rank's result, in rank order. The one launch helper of the test suite."""
+    return minizero.launch(
+        fn, world, *args, backend=backend, timeout=timeout, verbose=False, **kwargs
+    )
+
 
 GLOBAL_BATCH = 12  # divides by world sizes 1, 2, 3 and, per rank, by 2 micro-batches
 SEQ_LEN = 16  # TinyGPT tokens per row
@@ -118,9 +128,9 @@ def wrap(
     """
     make = optimizer_fn(opt)
     if spec.startswith("stage"):
-        return minizero.parallelize(
-            model, int(spec[5:]), make, precision=precision, bucket_cap_mb=bucket_cap_mb
-        )
+        stage = int(spec[5:])
+        cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
+        return minizero.parallelize(model, stage, make, precision=precision, bucket_cap_mb=cap)
     model = model.to(rank_device())
     if spec == "naive":
         wrapped = NaiveDDP(model)
@@ -299,3 +309,10 @@ def ledger_step(spec: str, kind: str) -> dict[str, Any]:
         padded=[b.padded for b in buckets],
         freed=[f.untyped_storage().nbytes() == 0 for f in getattr(model, "flat_params", [])],
     )
+
+
+def check_ranks(results: list[dict], spec: str, kind: str, opt: str, atol: float, **ref_kw):
+    """Every rank's run of ``spec`` against the single process (:func:`reference`)."""
+    want = reference(kind, opt, **ref_kw)
+    for r, res in enumerate(results):
+        assert_same_run(res[spec], want, atol, f"{spec} rank {r} vs one process")

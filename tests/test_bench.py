@@ -9,10 +9,10 @@ import re
 import pytest
 
 from minizero.__main__ import main
-from minizero.tools.bench_steps import bench_ddp, bench_stages
 from minizero.collectives import BUSBW_FACTOR
-from minizero.tools.demo import demo
 from minizero.models import EncoderLM, GPTConfig, TinyGPT, count_params
+from minizero.tools.bench_steps import bench_ddp, bench_stages
+from minizero.tools.demo import demo
 
 PSI_TINY = count_params(TinyGPT(GPTConfig.tiny()))
 TINY = ["--nprocs", "2", "--model", "tiny", "--batch", "4", "--warmup", "1", "--steps", "2",

@@ -19,19 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import TINY_BUCKET_MB, build, local_batch, snapshot
+from harness import TINY_BUCKET_MB, build, local_batch, run, snapshot
 
 import minizero
-from minizero.checkpoint import layout as checkpoint_layout
 from minizero.checkpoint import CheckpointError, checkpoint_bytes, consolidate
-from minizero.launcher import launch
+from minizero.checkpoint import layout as checkpoint_layout
 
 pytestmark = pytest.mark.timeout(240)
 N, M = 3, 2  # steps before the save, steps after it
-
-
-def run(fn, world, *args):
-    return launch(fn, world, *args, backend="gloo", timeout=180, verbose=False)
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -50,7 +45,11 @@ def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 def wrapped(stage: int, precision: str, opt: str = "adamw", kind: str = "mlp"):
     model = build(kind)
     model, optimizer = minizero.parallelize(
-        model, stage, make_optimizer(opt, model), precision=precision, bucket_cap_mb=TINY_BUCKET_MB
+        model,
+        stage,
+        make_optimizer(opt, model),
+        precision=precision,  # stage 3: units
+        bucket_cap_mb=None if stage == 3 else TINY_BUCKET_MB,
     )
     sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
     return model, optimizer, sched

@@ -1,4 +1,5 @@
-"""The memory budget (minizero.analysis.budget) and the checks of lessons 05 and 06 (minizero.course.checks):
+"""The memory budget (minizero.analysis.budget) and the checks of lessons 05 and 06
+(minizero.course.checks):
 formulas against the models and the paper, activations measured against the formula, and each
 check passing the lesson's solution and rejecting plausible wrong ones with a message naming what
 is wrong."""

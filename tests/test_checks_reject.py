@@ -167,12 +167,12 @@ def test_bucket_layout_rejects_floor_copies_missing_padding_and_flat_views():
 
 # -- lesson 02: stage 1 ----------------------------------------------------------------------------
 class _SumNotAverage(ZeRO1):
-    def _reduce_grads(self):
+    def reduce_gradients(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self._reduced:
+        if not self.reduced:
             for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
                 reduce_scatter(chunk, flat, group=self.group)  # the sum: no division by N
-            self._reduced = True
+            self.reduced = True
         return chunks
 
 
@@ -289,46 +289,46 @@ def test_fp16_step_rejects_local_checks_isinf_many_collectives_scaled_grads_and_
 
 # -- lesson 03: stage 2 ----------------------------------------------------------------------------
 class _CopyNotAdd(ZeRO2):
-    def _finish_in_flight(self):
-        if self._in_flight is not None:
-            b, work, _buf, out = self._in_flight
+    def finish_in_flight(self):
+        if self.in_flight is not None:
+            b, work, _buf, out = self.in_flight
             work.wait()
             self.grad_shards[b.index].copy_(out.div_(self.world))  # the last backward wins
-            self._in_flight = None
+            self.in_flight = None
 
 
 class _KeepsGrad(ZeRO2):
-    def _on_grad_ready(self, p):
-        b = self._bucket_of[id(p)]
-        self._queue_backward_end()
-        buf = self._filling.get(b.index)
+    def on_grad_ready(self, p):
+        b = self.bucket_of(p)
+        self.queue_backward_end()
+        buf = self.filling.get(b.index)
         if buf is None:
-            buf = self._filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
+            buf = self.filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
         b.view(buf, p).copy_(p.grad)  # p.grad kept: the full gradient stays alive
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:
-            self._launch(b)
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:
+            self.launch(b)
 
 
 class _Fp32Buffers(ZeRO2):
-    def _on_grad_ready(self, p):
-        b = self._bucket_of[id(p)]
-        self._queue_backward_end()
-        buf = self._filling.get(b.index)
+    def on_grad_ready(self, p):
+        b = self.bucket_of(p)
+        self.queue_backward_end()
+        buf = self.filling.get(b.index)
         if buf is None:
-            buf = self._filling[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
+            buf = self.filling[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
         b.view(buf, p).copy_(p.grad)
         p.grad = None
-        self._pending[b.index] -= 1
-        if self._pending[b.index] == 0:
-            self._launch(b)
+        self.pending[b.index] -= 1
+        if self.pending[b.index] == 0:
+            self.launch(b)
 
-    def _finish_in_flight(self):
-        if self._in_flight is not None:
-            b, work, _buf, out = self._in_flight
+    def finish_in_flight(self):
+        if self.in_flight is not None:
+            b, work, _buf, out = self.in_flight
             work.wait()
             self.grad_shards[b.index].add_(out.div_(self.world).to(self.grad_shards[b.index]))
-            self._in_flight = None
+            self.in_flight = None
 
 
 @pytest.mark.slow
@@ -434,37 +434,37 @@ def test_clip_rejects_padding_local_norms_summed_norms_many_collectives_and_scal
 
 # -- lesson 04 -------------------------------------------------------------------------------------
 class _FreeUnderAGather(ZeRO3):
-    def _free(self, i):
+    def free(self, i):
         self.flat_params[i].untyped_storage().resize_(0)  # the gather in flight is not waited
-        self._gathered[i] = False
-        self._gathers[i] = None
+        self.gathered[i] = False
+        self.gathers[i] = None
 
 
 class _WaitsOnlyForItsOwn(ZeRO3):
-    def _gather(self, i, wait=True):
-        if not self._gathered[i]:
+    def gather(self, i, wait=True):
+        if not self.gathered[i]:
             flat = self.flat_params[i]
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self._gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
+            self.gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
                                           async_op=True, tag=f"zero3 params {i}")  # fmt: skip
-            self._gathered[i] = True
+            self.gathered[i] = True
             if wait:  # a prefetched gather (started with wait=False) is never waited for here
-                self._gathers[i].wait()
-                self._gathers[i] = None
-        self.max_gathered = max(self.max_gathered, sum(self._gathered))
+                self.gathers[i].wait()
+                self.gathers[i] = None
+        self.max_gathered = max(self.max_gathered, sum(self.gathered))
 
 
 class _NeverFills(ZeRO3):
-    def _gather(self, i, wait=True):
-        if not self._gathered[i]:
+    def gather(self, i, wait=True):
+        if not self.gathered[i]:
             flat = self.flat_params[i]
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
             flat.fill_(float("nan"))  # room made (as uninitialised memory), nothing gathered
-            self._gathered[i] = True
-        if wait and self._gathers[i] is not None:
-            self._gathers[i].wait()
-            self._gathers[i] = None
-        self.max_gathered = max(self.max_gathered, sum(self._gathered))
+            self.gathered[i] = True
+        if wait and self.gathers[i] is not None:
+            self.gathers[i].wait()
+            self.gathers[i] = None
+        self.max_gathered = max(self.max_gathered, sum(self.gathered))
 
 
 @pytest.mark.slow
@@ -472,8 +472,8 @@ def test_zero3_gather_rejects_a_free_under_a_gather_and_an_unwaited_prefetch_and
     _rejects(
         lesson04.check_zero3_gather,
         _FreeUnderAGather,
-        starts="rank 0: _free(0) resized unit 0's storage to 0 bytes while its all-gather",
-        has=("neither waited for nor kept", "Wait for self._gathers[i] first"),
+        starts="rank 0: free(0) resized unit 0's storage to 0 bytes while its all-gather",
+        has=("neither waited for nor kept", "Wait for self.gathers[i] first"),
     )
     _rejects(
         lesson04.check_zero3_gather,
@@ -489,25 +489,25 @@ def test_zero3_gather_rejects_a_free_under_a_gather_and_an_unwaited_prefetch_and
 
 
 class _OnDemand(ZeRO3):
-    def _pre_forward(self, m, args):
-        if self._recording and m not in self._order:
-            self._order.append(m)
-        for i in self._units_of[m]:
-            self._gather(i)  # no prefetch
+    def pre_forward(self, m, args):
+        if self.recording and m not in self.order:
+            self.order.append(m)
+        for i in self.units_of[m]:
+            self.gather(i)  # no prefetch
 
-    def _pre_backward(self, m):
-        self._queue_backward_end()
-        for i in self._units_of[m]:
-            self._gather(i)
+    def pre_backward(self, m):
+        self.queue_backward_end()
+        for i in self.units_of[m]:
+            self.gather(i)
 
 
 class _PrefetchesTheWrongWay(ZeRO3):
-    def _pre_backward(self, m):
-        self._queue_backward_end()
-        for i in self._units_of[m]:
-            self._gather(i)
-        for i in self._neighbour(m, +self.prefetch):  # forward's next: backward is over there
-            self._gather(i, wait=False)
+    def pre_backward(self, m):
+        self.queue_backward_end()
+        for i in self.units_of[m]:
+            self.gather(i)
+        for i in self.neighbour(m, +self.prefetch):  # forward's next: backward is over there
+            self.gather(i, wait=False)
 
 
 @pytest.mark.slow
@@ -522,7 +522,7 @@ def test_zero3_prefetch_rejects_gathering_on_demand_and_prefetching_finished_uni
         lesson04.check_zero3_prefetch,
         _PrefetchesTheWrongWay,
         starts="step 1, backward of layers.2: its all-gather was on demand",
-        has=("the previous module in the recorded order: self._neighbour(m, -self.prefetch)",),
+        has=("the previous module in the recorded order: self.neighbour(m, -self.prefetch)",),
     )
 
 

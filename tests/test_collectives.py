@@ -5,16 +5,11 @@ ledger that records only while it is open."""
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run
 
 from minizero import collectives as C
-from minizero.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = 60  # seconds per launch
-
-
-def run(fn, world, *args, **kwargs):
-    return launch(fn, world, *args, backend="gloo", timeout=TIMEOUT, verbose=False, **kwargs)
 
 
 # -- sizes and factors, on a record made by hand -------------------------------------------------

@@ -8,28 +8,16 @@ from harness import (
     CLIP,
     assert_same_run,
     build,
+    check_ranks,
     ledger_step,
     psi,
-    reference,
+    run,
     train_rank,
     wrap,
 )
 
-from minizero.launcher import launch
-
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = 60  # seconds per launch (a test needs < 10): a hang fails the test instead of stalling it
 CASES = [("mlp", "adam"), ("gpt", "adamw"), ("mlp", "sgd")]
-
-
-def run(fn, world, *args, backend="gloo", **kwargs):
-    return launch(fn, world, *args, backend=backend, timeout=TIMEOUT, verbose=False, **kwargs)
-
-
-def check_ranks(results, spec, kind, opt, atol, **ref_kw):
-    want = reference(kind, opt, **ref_kw)
-    for r, res in enumerate(results):
-        assert_same_run(res[spec], want, atol, f"{spec} rank {r} vs one process")
 
 
 # -- equivalence -------------------------------------------------------------------------------

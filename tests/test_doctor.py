@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero.tools import doctor
 from minizero.course.checks import common
+from minizero.tools import doctor
 
 pytestmark = pytest.mark.timeout(180)
 L = importlib.import_module("minizero.launcher")  # the module (minizero.launch is the function)

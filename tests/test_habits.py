@@ -9,19 +9,15 @@ without minizero) and, where there is one, with PyTorch's own DDP in the same la
 import pytest
 import torch
 import torch.distributed as dist
-from harness import build, local_batch, snapshot
+from harness import build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
-from minizero.launcher import LaunchError, launch
+from minizero.launcher import LaunchError
 
 pytestmark = pytest.mark.timeout(180)
 STAGES = [0, 1, 2, 3]
 STEPS = 3
-
-
-def run(fn, world, *args):
-    return launch(fn, world, *args, backend="gloo", timeout=90, verbose=False)
 
 
 def nanogpt_optimizer(model: nn.Module, lr2: float | None = None) -> torch.optim.Optimizer:
@@ -255,7 +251,7 @@ def reduce_fp32_rank(stage):
     model = build("gpt")
     model, opt = minizero.parallelize(model, stage, nanogpt_optimizer(model), precision=policy)
     model(*local_batch("gpt", 0, rank, world)).backward()  # stages 2-3 make their shards here
-    dtypes = {str(t.dtype) for t in model._grad_shards()}
+    dtypes = {str(t.dtype) for t in model.owned_grads()}
     opt.zero_grad()  # and drop them: train() starts from the same state as the reference
     res = train(model, opt, "gpt", rank, world)
     return {**res, "dtypes": dtypes}

@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from minizero.course import build
+from minizero.data_parallel import DataParallel
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minizero"
 SOURCES = sorted((ROOT / "course").glob("[0-9][0-9]_*.py"))
 MAX_LINES = 400
-# Commands that are tools, not library: they may use the course's helpers (progress bars, the
-# lessons' rank count); the library itself never imports minizero.course.
-TOOLS = re.compile(r"^(bench.*|demo|doctor|cli|__main__)$")
 
 
 def module_name(path: Path) -> str:
@@ -85,19 +83,194 @@ def test_the_course_machinery_lives_in_minizero_course():
     assert not stray, f"course machinery outside minizero/course/: {stray}"
 
 
-def test_the_library_never_imports_the_course():
-    for path in sorted(PACKAGE.glob("*.py")):
-        if TOOLS.match(path.stem):
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
+def layer(module: str) -> str:
+    """library (the top modules, launcher, checkpoint, analysis) <- tools <- course <- __main__."""
+    if module == "minizero.__main__":
+        return "cli"
+    for name in ("tools", "course"):
+        if module.startswith(f"minizero.{name}"):
+            return name
+    return "library"
+
+
+# what each layer may import; the command line (__main__) dispatches to any of them
+EVERY = {"library", "tools", "course"}
+MAY_IMPORT = {"library": {"library"}, "tools": {"library", "tools"}, "course": EVERY, "cli": EVERY}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the minizero modules it imports, wherever the import sits (lazy ones too:
+    inside functions, ``import_module("minizero.x")``, and the command line's table)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            bad = [n for n in names if n.startswith("minizero.course")]
-            assert not bad, f"{path.name}:{node.lineno} imports {bad[0]} (library -> course)"
+                out |= {a.name for a in node.names if a.name.split(".")[0] == "minizero"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minizero"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    out.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant):
+                    out.add(arg.value)
+                else:  # only the command line builds the name: from its table of commands
+                    assert name == "minizero.__main__", f"{name}: import_module({ast.unparse(arg)})"
+                    table = importlib.import_module(name).PASS_THROUGH
+                    out |= {"minizero." + v[0].split(":")[0] for v in table.values()}
+        out.discard(name)
+        graph[name] = {m for m in out if m.startswith("minizero")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_lazy_imports_included():
+    graph = import_graph()
+    assert not cycles(graph), f"import cycles: {cycles(graph)}"
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_layers_depend_one_way_library_tools_course():
+    bad = [
+        f"{m} ({layer(m)}) imports {d} ({layer(d)})"
+        for m, deps in sorted(import_graph().items())
+        for d in sorted(deps)
+        if layer(d) not in MAY_IMPORT[layer(m)]
+    ]
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_top_of_the_package_is_the_library_a_student_reads():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 16, f"{len(top)} modules at the top of minizero/: {top}"
+    for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
+        assert stage in top, stage
+    subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert subpackages == ["analysis", "checkpoint", "course", "launcher", "tools"], subpackages
+
+
+def test_the_stages_are_the_papers_chain():
+    """DDP -> ZeRO1 (P_os) -> ZeRO2 (+g) -> ZeRO3 (+p): each stage file holds one class that
+    extends the one before, so ``git diff --no-index zero1.py zero2.py`` shows what stage 2 adds;
+    each docstring names its partition and its formula."""
+    chain = [
+        ("ddp", "DDP", "DataParallel", "(2 + 2 + K)Ψ"),
+        ("zero1", "ZeRO1", "DDP", "P_os"),
+        ("zero2", "ZeRO2", "ZeRO1", "P_os+g"),
+        ("zero3", "ZeRO3", "ZeRO2", "P_os+g+p"),
+    ]
+    for file, cls, base, term in chain:
+        tree = ast.parse((PACKAGE / f"{file}.py").read_text())
+        classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        mine = [c for c in classes if c.name == cls]
+        assert mine, f"{file}.py defines no {cls}"
+        assert [ast.unparse(b) for b in mine[0].bases] == [base], f"{cls} must extend {base}"
+        assert term in (ast.get_docstring(mine[0]) or ""), f"{cls}'s docstring must name {term}"
+        others = [c.name for c in classes if c.name != cls and file != "ddp"]  # ddp: NaiveDDP too
+        assert not others, f"{file}.py: one stage per file, found also {others}"
+        stage = importlib.import_module(f"minizero.{file}")
+        assert issubclass(getattr(stage, cls), DataParallel)
+    import minizero
+
+    assert issubclass(minizero.ZeRO3, minizero.ZeRO2)
+    assert issubclass(minizero.ZeRO2, minizero.ZeRO1)
+    assert issubclass(minizero.ZeRO1, minizero.DDP)
+
+
+def minizero_classes(tree: ast.AST) -> dict[str, type]:
+    """Names a lesson source binds to minizero classes (``from minizero.zero1 import ZeRO1``)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minizero"):
+            module = importlib.import_module(node.module)
+            for a in node.names:
+                obj = getattr(module, a.name, None)
+                if isinstance(obj, type):
+                    out[a.asname or a.name] = obj
+    return out
+
+
+def lesson_overrides(source: str) -> list[tuple[int, str, type, str]]:
+    """(line, class, minizero base, method) for every method a lesson class defines on top of
+    a minizero class."""
+    tree = ast.parse(source)
+    bases = minizero_classes(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for b in node.bases:
+                if isinstance(b, ast.Name) and b.id in bases:
+                    out += [(f.lineno, node.name, bases[b.id], f.name) for f in node.body
+                            if isinstance(f, ast.FunctionDef)]  # fmt: skip
+    return out
+
+
+def private_self_uses(source: str) -> list[str]:
+    """``self._x`` inside a lesson class built on a minizero class."""
+    tree = ast.parse(source)
+    bases = minizero_classes(tree)
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            isinstance(b, ast.Name) and b.id in bases for b in node.bases
+        ):
+            bad += [f"{node.name}:{a.lineno} self.{a.attr}" for a in ast.walk(node)
+                    if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
+                    and a.value.id == "self" and private(a.attr)]  # fmt: skip
+    return bad
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_lessons_override_only_public_documented_hooks(source):
+    """A method a lesson writes on a minizero class is a public hook the base defines and its
+    stage's docstring documents ("What lesson NN asks you to write"); no ``self._x``."""
+    text = source.read_text()
+    for line, cls, base, name in lesson_overrides(text):
+        where = f"{source.name}:{line} {cls}.{name}"
+        assert not private(name), f"{where} overrides a private name of {base.__name__}"
+        assert hasattr(base, name), f"{where} is not a hook of {base.__name__}"
+        owner = next(c for c in base.__mro__ if name in c.__dict__)
+        doc = owner.__doc__ or ""
+        if owner.__module__.startswith("minizero.zero"):  # the stage the lesson teaches
+            assert f"What lesson {source.stem[:2]} asks you to write" in doc, where
+            assert f"``{name}(" in doc, f"{where}: not documented in {owner.__name__}'s docstring"
+    assert not private_self_uses(text), f"{source.name}: {private_self_uses(text)}"
+
+
+def test_the_override_check_sees_a_private_override():
+    text = "from minizero.zero1 import ZeRO1\nclass Mine(ZeRO1):\n    def _reduce(self):\n" \
+        "        self._x = 1\n"  # fmt: skip
+    assert lesson_overrides(text)[0][1:] == ("Mine", __import__("minizero").ZeRO1, "_reduce")
+    assert private_self_uses(text) == ["Mine:4 self._x"]
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
@@ -159,12 +332,12 @@ def test_the_private_name_check_sees_both_forms():
         "C._sizes(1)\nC.all_reduce\nL._JOIN\nself._x\n"
     )
     assert private_uses(tree, "minizero.tools.demo") == [
-        "minizero.tools.demo:3 imports minizero.launch._seconds",
+        "minizero.tools.demo:3 imports minizero.launcher._seconds",
         "minizero.tools.demo:5 uses minizero.collectives._sizes",
-        "minizero.tools.demo:7 uses minizero.launch._JOIN",
+        "minizero.tools.demo:7 uses minizero.launcher._JOIN",
     ]
-    assert private_uses(tree, "minizero.launch") == [
-        "minizero.launch:5 uses minizero.collectives._sizes"
+    assert private_uses(tree, "minizero.launcher") == [
+        "minizero.launcher:5 uses minizero.collectives._sizes"
     ]
 
 

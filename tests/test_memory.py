@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from minizero.models import synthetic_batch
 from minizero.memory import (
     PAPER_TABLE1,
     TABLE1_DP,
@@ -18,7 +17,7 @@ from minizero.memory import (
     paper_model_state_bytes,
     table1_gb,
 )
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 
 
 def one_step(model, opt, batch):

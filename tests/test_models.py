@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minizero.models import synthetic_batch
-from minizero.models import MLP, EncoderLM, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, EncoderLM, GPTConfig, TinyGPT, count_params, synthetic_batch
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> TinyGPT:

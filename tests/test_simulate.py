@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.models import synthetic_batch
+from minizero.analysis.simulate import FlatModel, format_table1, printed_as, simulate, table1
 from minizero.launcher import launch
 from minizero.memory import (
     PAPER_TABLE1,
@@ -18,9 +18,9 @@ from minizero.memory import (
     model_state_bytes,
     paper_model_state_bytes,
 )
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import parallelize
-from minizero.analysis.simulate import FlatModel, format_table1, main, printed_as, simulate, table1
+from minizero.tools.simulate import main
 
 pytestmark = pytest.mark.timeout(240)
 BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}  # params, grads, optimizer (Adam) per element

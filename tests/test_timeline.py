@@ -1,5 +1,5 @@
-"""minizero.analysis.timeline: the profiler's view of a step pairs every collective the ledger saw with the
-backend's run of it, and hidden_fraction does the interval arithmetic lesson 01 reports."""
+"""minizero.analysis.timeline: the profiler's view of a step pairs every collective the ledger saw
+with the backend's run of it, and hidden_fraction does the interval arithmetic lesson 01 reports."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch.distributed as dist
 import minizero
 from minizero.analysis import timeline
 from minizero.collectives import mark
-from minizero.models import synthetic_batch
 from minizero.ddp import DDP
-from minizero.models import MLP
+from minizero.models import MLP, synthetic_batch
 
 
 def test_hidden_fraction_is_the_union_of_runs_inside_the_backward_window():

@@ -10,10 +10,12 @@ from harness import (
     STEPS,
     assert_same_run,
     build,
+    check_ranks,
     drift,
     ledger_step,
     psi,
     reference,
+    run,
     snapshot,
     train_rank,
     wrap,
@@ -26,16 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 60  # seconds per launch (a test needs < 10)
 CASES = [("mlp", "adam"), ("gpt", "adamw"), ("mlp", "sgd")]
 STAGES = [1, 2, 3]
-
-
-def run(fn, world, *args, **kwargs):
-    return launch(fn, world, *args, backend="gloo", timeout=TIMEOUT, verbose=False, **kwargs)
-
-
-def check_ranks(results, spec, kind, opt, atol, **ref_kw):
-    want = reference(kind, opt, **ref_kw)
-    for r, res in enumerate(results):
-        assert_same_run(res[spec], want, atol, f"{spec} rank {r} vs one process")
 
 
 # -- fp32: equal to one process, to DDP, to PyTorch's ZeRO-1 and FSDP2 ------------------------

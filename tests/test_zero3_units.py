@@ -26,6 +26,7 @@ from zero3_lm import (
     wrap,
 )
 
+import minizero
 from minizero.launcher import LaunchError, LaunchTimeout
 from minizero.models import MLP, GPTConfig, TinyGPT
 from minizero.units import ShardedParameterError, assign_params, select_units
@@ -148,3 +149,14 @@ def test_reading_another_units_parameter_in_forward_names_it():
     msg = run(_read_outside_unit, 2)[0]
     assert "layers.0.self_attn.out_proj.weight, which is sharded" in msg, msg
     assert "its unit (layers.0.self_attn.out_proj)" in msg and "pass units=..." in msg, msg
+
+
+def test_stage_3_refuses_bucket_cap_mb_its_buckets_are_the_units():
+    """FSDP2 has no bucket size either: passing one is a mistake to name, not to ignore."""
+    from minizero.zero3 import ZeRO3
+
+    with pytest.raises(TypeError, match="ZeRO3 has no bucket_cap_mb: its buckets are the units"):
+        ZeRO3(nn.Linear(2, 2), bucket_cap_mb=1)
+    opt = lambda params: torch.optim.SGD(params, lr=0.1)
+    with pytest.raises(TypeError, match="stage 3 takes no bucket_cap_mb"):
+        minizero.parallelize(nn.Linear(2, 2), 3, opt, bucket_cap_mb=1)

@@ -12,11 +12,10 @@ gradient); after ``zero_grad(set_to_none=False)`` it steps with zero gradients (
 import pytest
 import torch
 import torch.distributed as dist
-from harness import build, local_batch, snapshot
+from harness import build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
-from minizero.launcher import launch
 from minizero.memory import MemoryMeter, model_state_bytes, state_tensors
 from minizero.models import count_params
 
@@ -33,10 +32,6 @@ def sgd(params) -> torch.optim.Optimizer:
     rounding noise of attention's key-bias gradient, 0 in exact arithmetic, into whole steps);
     momentum and weight decay still move a weight whose gradient is zero."""
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
-
-
-def run(fn, *args):
-    return launch(fn, 2, *args, backend="gloo", timeout=120, verbose=False)
 
 
 # -- what stays alive after zero_grad(), against the stage's peer ---------------------------------
@@ -96,8 +91,9 @@ def _alive_after_zero_grad(stage: int, spec: str) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_grad_frees_what_the_peer_frees(stage):
     psi = count_params(build("gpt"))
-    for ours, theirs in zip(run(_alive_after_zero_grad, stage, "minizero"),
-                            run(_alive_after_zero_grad, stage, "peer"), strict=True):  # fmt: skip
+    ours_all = run(_alive_after_zero_grad, 2, stage, "minizero")
+    theirs_all = run(_alive_after_zero_grad, 2, stage, "peer")
+    for ours, theirs in zip(ours_all, theirs_all, strict=True):
         assert ours["p_grad"] == theirs["p_grad"] == []
         if stage < 2:  # the flat buffers stay, as torch DDP's buckets (not reachable from p.grad)
             assert ours["grads"] == 4 * psi
@@ -153,7 +149,7 @@ def test_every_zero_grad_path_and_step_without_backward(stage, precision):
     opt = sgd(model.parameters())
     want = _script(model, opt, dict.fromkeys(PATHS, opt.zero_grad))  # one process
     atol = 1e-5 if precision == "fp32" else 2e-2
-    for r, got in enumerate(run(_paths_rank, stage, precision)):
+    for r, got in enumerate(run(_paths_rank, 2, stage, precision)):
         for k in want[0]:
             for s, (g, w) in enumerate(zip(got, want, strict=True)):
                 where = f"rank {r}, state {s}, {k}"

@@ -7,17 +7,13 @@ process; bf16 with FSDP2 under the same mixed-precision policy."""
 import pytest
 import torch
 import zoo
+from harness import run
 from zoo import difference, train_rank, train_reference
 
 import minizero
-from minizero.launcher import launch
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 CLIP = 0.5
-
-
-def run(fn, world, *args):
-    return launch(fn, world, *args, backend="gloo", timeout=300, verbose=False)
 
 
 def minizero_wrapper(stage, precision="fp32"):
@@ -44,7 +40,7 @@ CASES = [  # (model, world): every model at 2 ranks, the transformer at 3 too
 def test_zoo_stage_matches_torch_ddp_and_one_process(model, world, stage):
     opt = "adamw_groups_lr" if model != "resnet18" else "sgd"
     want = train_reference(model, opt, clip=CLIP, world=world)
-    for r, got in enumerate(run(zoo_rank, world, model, stage, opt, CLIP)):
+    for r, got in enumerate(run(zoo_rank, world, model, stage, opt, CLIP, timeout=300)):
         d, where = difference(got["minizero"], got["torch_ddp"])
         assert d <= 1e-5, f"stage {stage} rank {r} vs torch DDP: {d:.2e} at {where}"
         d, where = difference(got["minizero"], want[r])
@@ -68,6 +64,6 @@ def bf16_rank(model, stage):
 def test_bf16_matches_fsdp2_with_the_same_policy(stage):
     """bf16 compute, fp32 reduction and masters, as FSDP2's MixedPrecisionPolicy: the two runs
     stay within bf16 rounding of each other (3 steps of AdamW, lr 1e-3)."""
-    for r, got in enumerate(run(bf16_rank, 2, "encoder_lm", stage)):
+    for r, got in enumerate(run(bf16_rank, 2, "encoder_lm", stage, timeout=300)):
         d, where = difference(got["minizero"], got["fsdp2"])
         assert d <= 2e-3, f"stage {stage} rank {r} vs FSDP2 bf16: {d:.2e} at {where}"

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import minizero
-from minizero.models import synthetic_batch
 from minizero.launcher import launch
+from minizero.models import synthetic_batch
 from minizero.optimizer import attach
 from minizero.units import select_units
 from minizero.zero3 import ZeRO3

@@ -40,8 +40,7 @@ from harness import GLOBAL_BATCH, STEPS, snapshot
 from torch import nn
 
 from minizero import models
-from minizero.models import synthetic_batch
-from minizero.models import GPTConfig
+from minizero.models import GPTConfig, synthetic_batch
 
 VOCAB = 101  # prime: no size divides by 2 or 3
 SEQ_LEN = 16

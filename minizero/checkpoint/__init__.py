@@ -228,7 +228,7 @@ def _match(record: dict, model: DataParallel, optimizer) -> dict[str, str]:
 
 
 def _frags(model: DataParallel):
-    return zip(model.fragments, model.frag_tensors, strict=True)
+    return ((f, f.tensor) for f in model.fragments)
 
 
 def _class_name(optimizer: torch.optim.Optimizer) -> str:

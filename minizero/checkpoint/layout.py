@@ -58,7 +58,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from minizero.data_parallel import DataParallel
 
-Ranges = dict[str, tuple[int, int]]  # key -> (numel of the whole 1-D tensor, start of this piece)
+# key -> (numel of the whole flattened tensor, the element where this rank's piece of it starts);
+# the piece's length is the saved tensor's. (A range, elsewhere here, is (start, end).)
+Pieces = dict[str, tuple[int, int]]
 
 # 0-d optimizer states that are one number per parameter (not per element), whatever its shape.
 SCALAR_STATES = {"step", "eta", "mu", "mu_product"}
@@ -110,7 +112,7 @@ class FlatSavePlanner(DefaultSavePlanner):
     ``numel`` elements, for every ``key`` in ``ranges``; everything else as DCP always does (a
     plain tensor or object; a key several ranks hold is written once: DCP's deduplication)."""
 
-    def __init__(self, ranges: Ranges):
+    def __init__(self, ranges: Pieces):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.ranges = ranges
 
@@ -145,7 +147,7 @@ class FlatLoadPlanner(DefaultLoadPlanner):
     of the saved 1-D tensor ``key``, for every ``key`` in ``ranges``, from whichever saved chunks
     hold them (DCP's resharding); everything else whole. Objects arrive in ``state_dict``."""
 
-    def __init__(self, ranges: Ranges):
+    def __init__(self, ranges: Pieces):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.ranges = ranges
 
@@ -213,13 +215,14 @@ def state_kind(key: str, value, frag: torch.Tensor) -> str:
 
 def save_entries(
     model: DataParallel, optimizer: torch.optim.Optimizer, rank: int, extra=None
-) -> tuple[dict, Ranges]:
+) -> tuple[dict, Pieces]:
     """This rank's state dict for DCP and the ranges of its pieces. Rank 0 adds what is
     replicated (frozen parameters, buffers, group settings, ``extra``)."""
     sd: dict = {}
-    ranges: Ranges = {}
+    ranges: Pieces = {}
     mixed = model.precision.master
-    for f, t in zip(model.fragments, model.frag_tensors, strict=True):
+    for f in model.fragments:
+        t = f.tensor  # what the optimizer steps: (numel,) fp32 master view, or the param
         numel = f.param.numel()
         sd[f"model/{f.name}"] = t.detach().reshape(-1)  # (n,) fp32, elements [start, end)
         ranges[f"model/{f.name}"] = (numel, f.start)
@@ -262,15 +265,16 @@ def load_targets(
     md: Metadata,
     canon: dict[str, str],
     rank: int,
-) -> tuple[dict, Ranges]:
+) -> tuple[dict, Pieces]:
     """Fresh tensors for everything this rank needs from a checkpoint whose DCP metadata is
     ``md``; ``canon`` maps this model's parameter names to the checkpoint's stored names."""
     sd: dict = {}
-    ranges: Ranges = {}
+    ranges: Pieces = {}
     in_optimizer = {id(t) for g in optimizer.param_groups for t in g["params"]}
     stored = md.state_dict_metadata
     states = optimizer_keys(stored)
-    for f, t in zip(model.fragments, model.frag_tensors, strict=True):
+    for f in model.fragments:
+        t = f.tensor  # what the optimizer steps: (numel,) fp32 master view, or the param
         c = canon[f.name]
         numel = f.param.numel()
         sd[f"model/{c}"] = torch.empty(f.numel, dtype=torch.float32, device=t.device)
@@ -322,7 +326,8 @@ def apply_loaded(
     optimizer step, the working copy), frozen parameters, buffers, optimizer state and groups,
     RNG states. Returns ``extra``."""
     with torch.no_grad():
-        for f, t in zip(model.fragments, model.frag_tensors, strict=True):
+        for f in model.fragments:
+            t = f.tensor  # what the optimizer steps: (numel,) fp32 master view, or the param
             t.copy_(sd[f"model/{canon[f.name]}"].view(t.shape))
         names = canonical_names(model.module)
         for p in model.module.parameters():
@@ -335,7 +340,7 @@ def apply_loaded(
                 v.copy_(sd[f"buffer/{k}"])
     model.after_step()  # masters -> working copy (and all-gathered at stages 1-2), as a step ends
     model.end_step()
-    frag_of = {id(t): f for f, t in zip(model.fragments, model.frag_tensors, strict=True)}
+    frag_of = {id(f.tensor): f for f in model.fragments}
     current = optimizer.state_dict()["param_groups"]  # "params": this optimizer's indices
     received = optimizer_keys(sd)
     state, i = {}, 0

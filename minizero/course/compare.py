@@ -90,7 +90,8 @@ def profile_stage(
     psi = count_params(module)
     # fused: one kernel per step, no full-size temporaries (the default, foreach, allocates some)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)
-    net, opt = parallelize(module, stage, adamw, precision=precision, bucket_cap_mb=bucket_cap_mb)
+    cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
+    net, opt = parallelize(module, stage, adamw, precision=precision, bucket_cap_mb=cap)
 
     def step(s: int) -> None:
         net(*batch(s)).backward()

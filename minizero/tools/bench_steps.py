@@ -63,7 +63,8 @@ def _adamw(params) -> torch.optim.Optimizer:
 def _minizero(stage: int, precision: str, bucket_cap_mb: float) -> Build:
     from minizero.parallelize import parallelize
 
-    return lambda m: parallelize(m, stage, _adamw, precision=precision, bucket_cap_mb=bucket_cap_mb)
+    cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
+    return lambda m: parallelize(m, stage, _adamw, precision=precision, bucket_cap_mb=cap)
 
 
 def _torch_ddp(zero_optimizer: bool, bucket_cap_mb: float) -> Build:

@@ -59,7 +59,8 @@ def minizero_build(cls, precision: str = "fp32", **kw):
     """``cls(module, ...)`` with Adam on what it says to optimize, as ``minizero.parallelize``."""
 
     def build(module: nn.Module):
-        model = cls(module, bucket_cap_mb=CAP_MB, precision=precision, **kw)
+        cap = {} if issubclass(cls, ZeRO3) else {"bucket_cap_mb": CAP_MB}  # stage 3: units
+        model = cls(module, precision=precision, **cap, **kw)
         opt = attach(torch.optim.Adam(model.optimizer_params(), lr=LR), model)
         if isinstance(model, ZeRO3):  # full parameters live only while gathered: ask the masters
             return model, opt, lambda: {k: v.cpu() for k, v in model.full_state_dict().items()}

@@ -65,14 +65,14 @@ def _observe(model, module: nn.Module) -> dict:
 
 def _count_live(model) -> None:
     """After each gradient hook of ``model``: how many full-size bucket buffers are alive, and
-    their bytes (the one being filled, ``_filling``, and the one in flight, ``_in_flight``)."""
+    their bytes (the one being filled, ``filling``, and the one in flight, ``in_flight``)."""
     model._live_max = model._live_bytes_max = 0
 
     def after(p, model=model):
         if p.grad is not None:  # the class's own hook ran: stage 2 has dropped p.grad by now
             model.__dict__.setdefault("_kept", set()).add(id(p))
-        live = list(getattr(model, "_filling", {}).values())
-        flight = getattr(model, "_in_flight", None)
+        live = list(getattr(model, "filling", {}).values())
+        flight = getattr(model, "in_flight", None)
         if flight is not None:
             live.append(flight[2])
         model._live_max = max(model._live_max, len(live))
@@ -123,7 +123,7 @@ def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
     if live > 2:
         raise CheckFailed(
             f"{precision}, rank {rank}: up to {live} full-size gradient buffers were alive at once "
-            "during backward: keep one being filled (self._filling) and one in flight, and free "
+            "during backward: keep one being filled (self.filling) and one in flight, and free "
             "each as it completes."
         )
     got = max(obs["live_bytes"] for obs in mine["observed"])
@@ -169,7 +169,7 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         if len(ends) != len(starts):
             raise CheckFailed(
                 f"step {step}: {len(starts)} backwards but {len(ends)} 'backward end' marks: keep "
-                "the provided self._queue_backward_end() call at the top of _on_grad_ready"
+                "the provided self.queue_backward_end() call at the top of on_grad_ready"
             )
         rs = [i for op, _, _, i, _ in recs if op == "reduce_scatter"]
         inside = [i for i in rs if any(b < i < e for b, e in zip(starts, ends, strict=True))]
@@ -177,7 +177,7 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
             raise CheckFailed(
                 f"step {step}: {len(inside)} of {len(rs)} reduce-scatters started during backward, "
                 f"the others after it ended: start each bucket's reduce-scatter from the hook, as "
-                "soon as its last gradient is in (self._launch(b)), so it overlaps backward."
+                "soon as its last gradient is in (self.launch(b)), so it overlaps backward."
             )
     live = max(obs["live"] for obs in mine["observed"])
     volume = check_volume(

@@ -1,10 +1,10 @@
 """What the check cells of lesson 04 (04_zero3) call: ``check_zero3_gather``, ``..._prefetch``.
 
 The student's ``ZeRO3`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO3`` (:mod:`.common_zero`). The gather check also probes ``_gather`` and ``_free``
+``ZeRO3`` (:mod:`.common_zero`). The gather check also probes ``gather`` and ``free``
 one unit at a time against an all-gather that is still in flight (a stand-in work object that
 records whether it was waited for): no training run is guaranteed to free a unit whose prefetch has
-not completed, and a ``_free`` that drops the storage under a running all-gather lets the backend
+not completed, and a ``free`` that drops the storage under a running all-gather lets the backend
 write into freed memory.
 """
 
@@ -53,36 +53,36 @@ class _InFlight:
 
 
 def _probe(model) -> list[str]:
-    """After training, unit by unit: does ``_free`` wait for (or keep) an all-gather in flight,
-    and does ``_gather(i)`` (wait=True) wait for one a prefetch started? Problems, as text."""
+    """After training, unit by unit: does ``free`` wait for (or keep) an all-gather in flight,
+    and does ``gather(i)`` (wait=True) wait for one a prefetch started? Problems, as text."""
     problems = []
     for i, flat in enumerate(model.flat_params):
-        model._gather(i)  # gathered (every rank makes the same calls: collectives stay in step)
-        work = model._gathers[i] = _InFlight()  # ...with an all-gather into it still running
-        model._free(i)
+        model.gather(i)  # gathered (every rank makes the same calls: collectives stay in step)
+        work = model.gathers[i] = _InFlight()  # ...with an all-gather into it still running
+        model.free(i)
         freed = flat.untyped_storage().nbytes() == 0
         if freed and not work.waited:
             problems.append(
-                f"_free({i}) resized unit {i}'s storage to 0 bytes while its all-gather was still "
-                "in flight (self._gathers[i] was neither waited for nor kept): the backend would "
-                "write into freed memory. Wait for self._gathers[i] first, then forget it."
+                f"free({i}) resized unit {i}'s storage to 0 bytes while its all-gather was still "
+                "in flight (self.gathers[i] was neither waited for nor kept): the backend would "
+                "write into freed memory. Wait for self.gathers[i] first, then forget it."
             )
             break
-        ZeRO3._free(model, i)  # back to a clean state, whatever the student's _free left
-        model._gathers[i] = None
-        ZeRO3._gather(model, i)
-        work = model._gathers[i] = _InFlight()  # gathered, its prefetch not yet complete
-        model._gather(i)  # a module needs the unit now
+        ZeRO3.free(model, i)  # back to a clean state, whatever the student's free left
+        model.gathers[i] = None
+        ZeRO3.gather(model, i)
+        work = model.gathers[i] = _InFlight()  # gathered, its prefetch not yet complete
+        model.gather(i)  # a module needs the unit now
         if not work.waited:
             problems.append(
-                f"_gather({i}) (wait=True) returned while unit {i}'s all-gather, started by a "
+                f"gather({i}) (wait=True) returned while unit {i}'s all-gather, started by a "
                 "prefetch (wait=False), was still in flight: the module would read parameters "
-                "not yet written. When wait is True, wait for self._gathers[i] even if the unit "
+                "not yet written. When wait is True, wait for self.gathers[i] even if the unit "
                 "is already marked gathered."
             )
             break
-        model._gathers[i] = None
-        ZeRO3._free(model, i)
+        model.gathers[i] = None
+        ZeRO3.free(model, i)
     return problems
 
 
@@ -110,7 +110,7 @@ def _with_marks(build):
     def wrapped(module: nn.Module):
         model, opt, params = build(module)
         names = {m: n or "(root)" for n, m in module.named_modules()}
-        for m in model._units_of:
+        for m in model.units_of:
             label = names[m]
 
             def pre(mod, args, label=label):
@@ -124,7 +124,7 @@ def _with_marks(build):
 
             m.register_forward_pre_hook(pre, prepend=True)
             m.register_forward_hook(post, prepend=True)  # its tensor hook runs before the stage's
-        model._unit_labels = {names[m]: units for m, units in model._units_of.items()}
+        model._unit_labels = {names[m]: units for m, units in model.units_of.items()}
         return model, opt, params
 
     return wrapped
@@ -163,7 +163,7 @@ def _check_common(res_all: list[dict], world: int, hint: str) -> None:
             rank,
             world,
             shards="Backward computes these from the gathered parameters: with wait=True, "
-            "_gather(i) must wait for the all-gather; _free(i) must wait for one in flight",
+            "gather(i) must wait for the all-gather; free(i) must wait for one in flight",
             loss=hint,
         )
         for k, obs in enumerate(mine["observed"]):
@@ -171,7 +171,7 @@ def _check_common(res_all: list[dict], world: int, hint: str) -> None:
             if held:
                 raise CheckFailed(
                     f"rank {rank}, after backward {k}: units {held} still hold their full "
-                    f"parameters ({sum(obs['held'])} bytes); _free(i) must resize the flat "
+                    f"parameters ({sum(obs['held'])} bytes); free(i) must resize the flat "
                     "buffer's storage to 0 bytes (flat.untyped_storage().resize_(0))."
                 )
         most, ref_most = mine["observed"][-1]["max_gathered"], ref["observed"][-1]["max_gathered"]
@@ -192,7 +192,7 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
     _check_common(
         res_all,
         world,
-        " Check _gather: resize the storage to the padded size "
+        " Check gather: resize the storage to the padded size "
         "(in bytes), then all-gather self.param_shards[i] into self.flat_params[i]"
         "; and wait for the gather before the module uses it.",
     )
@@ -210,13 +210,13 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
         f"{STEPS} Adam steps on {world} ranks ({describe(res['info'])}); no full parameter "
         f"held after backward; at most {mine['observed'][-1]['max_gathered']} units gathered at "
         f"once; moved {volume} elements per step = {volume / psi:.3f} Ψ (Ψ = {psi}), as "
-        "minizero's ZeRO3; _free and _gather wait for an all-gather in flight"
+        "minizero's ZeRO3; free and gather wait for an all-gather in flight"
     )
 
 
 def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
-    """Lesson 04, prefetch: ``cls`` (a ZeRO3 subclass with its own ``_pre_forward`` and
-    ``_pre_backward``) must train as the references and issue each module's all-gather before
+    """Lesson 04, prefetch: ``cls`` (a ZeRO3 subclass with its own ``pre_forward`` and
+    ``pre_backward``) must train as the references and issue each module's all-gather before
     the module starts wherever minizero's ZeRO3 does (after the first, recording, step)."""
     res_all, world, name = results(_zero3_rank, nprocs, cls, True)
     _check_common(
@@ -243,7 +243,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
                     f"step {step}, {phase} of {label[4:]}: its all-gather was {g} (minizero's "
                     f"ZeRO3: {w}). In {phase}, once this module's own units are gathered, start "
                     f"(wait=False) the gather of the {'next' if phase == 'forward' else 'previous'}"
-                    " module in the recorded order: self._neighbour(m, "
+                    " module in the recorded order: self.neighbour(m, "
                     f"{'+' if phase == 'forward' else '-'}self.prefetch)."
                 )
         n_pre += sum(s == "prefetched" for _, s in got)
@@ -254,7 +254,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         "every unit gathered for its forward and its backward, and reduce-scattered once",
         at_most="all_gather",
         too_many="In backward, do not prefetch a unit whose gradients are already "
-        "reduce-scattered (self._pending[i] == -1): nothing needs it any more.",
+        "reduce-scattered (self.pending[i] == -1): nothing needs it any more.",
     )
     report_pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "

@@ -151,7 +151,8 @@ def _reshard_rank(fn, path: str) -> dict:
 
     md = FileSystemReader(open_checkpoint(path)[0]).read_metadata()
     bad = []
-    for f, t in zip(model.fragments, model.frag_tensors, strict=True):
+    for f in model.fragments:
+        t = f.tensor  # what the optimizer steps: (numel,) fp32 master view, or the param
         chunks = md.state_dict_metadata[f"model/{f.name}"].chunks
         saved = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks)
         plan, err = guard(fn, saved, (f.start, f.end))

@@ -1,0 +1,4 @@
+"""What the course computes about a run rather than runs: the memory budget of a step
+(budget.py, lessons 05-06), the profiler's timeline of a step (timeline.py, lesson 01) and the
+paper's Table 1 from the real stage code on meta tensors (simulate.py, lesson 05). Library
+code: it imports the stages, never the tools or the course."""
