@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
 SHOTS = ROOT / "runs" / "browser"
 CHROMIUM = (

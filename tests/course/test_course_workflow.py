@@ -17,7 +17,7 @@ import pytest
 from minizero.__main__ import main
 from minizero.course import build, grade, workflow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEM = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))[0]
 
 

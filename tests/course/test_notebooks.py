@@ -20,7 +20,7 @@ from minizero.collectives import all_gather, all_reduce, mark, reduce_scatter
 from minizero.course import build, checks, grade
 from minizero.course.checks import lesson00, lesson01
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
 
 

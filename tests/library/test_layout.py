@@ -16,7 +16,7 @@ import pytest
 from minizero.course import build
 from minizero.data_parallel import DataParallel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "minizero"
 SOURCES = sorted((ROOT / "course").glob("[0-9][0-9]_*.py"))
 MAX_LINES = 400

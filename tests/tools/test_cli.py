@@ -118,7 +118,7 @@ def test_run_without_a_script_says_what_to_give(capsys):
 def test_readme_first_two_commands_and_ci():
     """The README's first two commands set up and run the demo, then set up and pass the tests;
     CI runs the second verbatim."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
     demo, tests = (b.strip() for b in blocks[:2])
     assert demo.startswith("python3 -m venv .venv") and demo.endswith("python -m minizero demo")
