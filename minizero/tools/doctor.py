@@ -18,7 +18,6 @@ Exit code: 0 when nothing needs fixing, 1 otherwise.
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import re
@@ -33,11 +32,11 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
+import minizero.launcher as _L  # the package (minizero.launch is the function)
 from minizero.tools.cli import Parser, positive_int
 
 TESTED_TORCH = "2.13.0"  # requirements.txt
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-_L = importlib.import_module("minizero.launcher")  # the module: `minizero.launch` is the function
 
 
 @dataclass

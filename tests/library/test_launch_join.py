@@ -1,13 +1,13 @@
 """A rank that never joins the process group (a lock inherited through fork, a worker that never
 starts) is reported within seconds with where each rank was, and retried once: fn never ran."""
 
-import importlib
 import time
 
 import pytest
 import torch.distributed as dist
 
-L = importlib.import_module("minizero.launcher")  # the module (minizero.launch is the function)
+import minizero.launcher as L  # the package (minizero.launch is the function)
+
 LaunchError, launch = L.LaunchError, L.launch
 
 pytestmark = pytest.mark.timeout(120)

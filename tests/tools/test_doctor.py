@@ -3,7 +3,6 @@ fork, the cores, a busbw); the GPU branches read a faked nvidia-smi, NVML count 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -13,11 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero.course.checks import common
+import minizero.launcher as L  # the package (minizero.launch is the function)
 from minizero.tools import doctor
 
 pytestmark = pytest.mark.timeout(180)
-L = importlib.import_module("minizero.launcher")  # the module (minizero.launch is the function)
 
 H100 = "".join(f"{i}, NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15\n" for i in range(2))
 TOPO_NVLINK = (
@@ -39,7 +37,6 @@ def fake_machine(monkeypatch, gpus: int, smi: dict | None, cuda: str | None = "1
     """A machine whose NVML counts ``gpus``, whose nvidia-smi answers ``smi`` (None: absent)
     and whose torch was built with ``cuda`` and NCCL 2.27.5."""
     monkeypatch.setattr(L, "gpu_count", lambda: gpus)
-    monkeypatch.setattr(common, "gpu_count", lambda: gpus)  # common.default_nprocs reads it
     monkeypatch.setattr(dist, "is_nccl_available", lambda: cuda is not None)
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
@@ -170,6 +167,6 @@ def test_kernel_that_imports_another_minizero_is_a_problem(tmp_path, monkeypatch
     assert f.label == "kernel" and f.value.startswith(f"python3 runs {sys.executable} ")
     assert f.problem == (
         f"the kernel imports another minizero: {fake / '__init__.py'}, not "
-        f"{os.path.dirname(doctor.__file__)}"
+        f"{os.path.dirname(L.__path__[0])}"  # the minizero package
     )
     assert f.fix.startswith("from this environment: python -m ipykernel install --user")
