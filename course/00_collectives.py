@@ -314,8 +314,11 @@ print(
 #   each: this is why DDP groups gradients into buckets (lesson 01).
 # * **The ratio** printed above: on gloo, time(reduce_scatter) / time(all_reduce) is near 1,
 #   because there the reduce-scatter *is* an all-reduce, so RS + AG costs more than one
-#   all-reduce. With a native reduce-scatter (NCCL) each half should cost about half an
-#   all-reduce. The *volume* is the same either way (section 3): that is what the ZeRO paper
+#   all-reduce. With a native reduce-scatter (NCCL) the ring model says each half moves half an
+#   all-reduce's bytes; whether it also takes half the time is for `python -m minizero bench
+#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its tree or NVLS
+#   algorithms, which RS + AG cannot use, so the all-reduce can be faster than the two halves).
+#   The *volume* is the same either way (section 3): that is what the ZeRO paper
 #   counts, and what lessons 02–04 measure.
 #
 # Next: **lesson 01 — DDP**, where the all-reduce averages gradients.

@@ -4,7 +4,8 @@
 # **Data parallelism**: every rank holds a full copy of the model, takes its own 1/N of each
 # global batch, and before the optimizer step the ranks **average their gradients** with an
 # all-reduce. Then every rank applies the same update and the copies stay identical. This is the
-# baseline the ZeRO paper starts from (§3): plain synchronous data parallelism. ZeRO keeps this
+# baseline the ZeRO paper starts from (§1-2; §3 analyses where its memory goes): plain
+# synchronous data parallelism. ZeRO keeps this
 # exact training algorithm and only removes the redundant copies (lessons 02–04).
 #
 # You will write:
@@ -356,17 +357,18 @@ for cap in CAPS:
 # waited after being issued (gloo runs a process group's collectives on a small pool of threads, in
 # issue order). A bar also holds the time this rank waited for the other ranks to join that
 # all-reduce, as an NCCL kernel in a GPU trace does: when a rank falls behind (on a shared machine
-# one is often descheduled for a while) the other rank's bars stretch. The printed fractions are
-# the measurement of overlap: the share of the time during which some all-reduce was running that
-# falls before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default,
-# larger than TinyGPT) the all-reduce can only start once the last gradient exists: at most the
-# last moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With
-# small buckets the first all-reduces start early in backward and most of the communication is
-# hidden behind it; how much depends on the machine. Here gloo's threads share the CPU cores with
-# backward itself, so a hidden all-reduce still slows the computation down; NCCL on GPUs has its
-# own links and stream. On GPUs the marks are the host's (it issues backward's kernels ahead of the
-# device), so the fraction printed there is a lower bound. Rerun the cell: on a shared machine
-# these numbers move.
+# one is often descheduled for a while) the other rank's bars stretch. The printed fractions are the
+# measurement of overlap: the share of the time during which some all-reduce was running that falls
+# before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default, larger
+# than TinyGPT) the all-reduce can only start once the last gradient exists: at most the last
+# moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With small
+# buckets the first all-reduces start early in backward and most of the communication is hidden
+# behind it; how much depends on the machine. Here gloo's threads share the CPU cores with backward
+# itself, so a hidden all-reduce still slows the computation down. NCCL on GPUs runs on its own
+# stream, but its kernels still occupy SMs and memory bandwidth that backward's kernels would use:
+# cheaper to overlap than gloo on the CPU, not free. On GPUs the marks are the host's (it issues
+# backward's kernels ahead of the device), so the fraction printed there is a lower bound. Rerun the
+# cell: on a shared machine these numbers move.
 #
 # To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is
 # the same data):
@@ -450,7 +452,8 @@ for name, (sec, count, volume) in ROWS.items():
 # * **Time**: the measured times above mix two effects, fewer messages (fewer latencies) and
 #   overlap (communication hidden behind backward). Overlap helps only where communication and
 #   computation do not compete for the same resources: gloo's threads share the CPU cores with
-#   backward, while NCCL on GPUs has its own stream and links. Rerun the cell: on a shared
+#   backward; NCCL on GPUs runs on its own stream but its kernels still take SMs and memory
+#   bandwidth from backward's, so overlap is cheaper there, not free. Rerun the cell: on a shared
 #   machine these times move.
 #
 # ## 6. The redundancy ZeRO removes

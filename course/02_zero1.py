@@ -336,13 +336,14 @@ print_states_per_rank(STATES, PSI, NPROCS)
 # figure is a few bytes above the formula: the padding of section 2.
 #
 # **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero
-# keeps them so (the bf16 rows above). Production bf16 training mostly keeps its gradients in
-# fp32, because bf16's 8-bit mantissa loses small contributions when gradients are accumulated:
-# Megatron-LM forces it (`megatron/training/arguments.py`: "bfloat16 requires gradient
-# accumulation and all-reduce to be done in fp32"), and DeepSpeed's bf16 optimizer without ZeRO
-# defaults to an fp32 `grad_accum_dtype` (`deepspeed/runtime/engine.py`). That is 2 + 4 + 12 =
-# 18 bytes per parameter under DDP, not 16: the paper's 16Ψ is a lower bound, and the stages
-# divide the 4-byte gradients as they divide the 2-byte ones.
+# keeps them so (the bf16 rows above), as do FSDP2's default (`MixedPrecisionPolicy` reduces in
+# `param_dtype` unless `reduce_dtype` is set) and DeepSpeed with ZeRO (bf16 gradients by
+# default). Some systems keep them in fp32, because bf16's 8-bit mantissa loses small
+# contributions when gradients are accumulated: Megatron-LM's distributed optimizer does (its
+# documented table, `docs/source/api-guide/dist_optimizer.md`, counts 18 bytes per parameter
+# for bf16 parameters with fp32 gradients: 2 + 4 + 12), and `megatron/training/arguments.py`
+# says "bfloat16 requires gradient accumulation and all-reduce to be done in fp32". The fp32
+# rows above measure that case: the stages divide 4-byte gradients as they divide 2-byte ones.
 #
 # minizero's precision policy uses the field names of FSDP2's `MixedPrecisionPolicy`, so the two
 # can be set side by side: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,
@@ -496,7 +497,9 @@ for stage, marks in RUNS.items():
 # holds 12Ψ. The parameters and the gradients are the same size under both: every rank still
 # holds the full 2Ψ of bf16 gradients after backward, although after the reduce-scatter it only
 # ever reads its own chunk of them. Stage 2 (lesson 03) stops keeping the rest. The activations
-# are not model states: ZeRO-DP leaves them alone (the paper's ZeRO-R handles them).
+# are not model states: ZeRO-DP leaves them alone. (The paper's ZeRO-R partitions activations
+# only across *tensor-parallel* ranks, P_a in §6.1; with pure data parallelism it removes
+# nothing: lesson 06. Activation checkpointing is what shrinks them here.)
 #
 # ## 7. fp16: loss scaling, and a step that every rank skips
 #
@@ -533,8 +536,10 @@ for log2 in (0, 8, 12, 15, 16):
 
 # %% [markdown]
 # At scale 1 some gradient elements are flushed to 0 and many more are subnormal; a larger scale
-# lifts them into fp16's normal range. At 2^16 = 65536 everything is inf: the gradient of the
-# loss with respect to itself is already the scale, more than 65504. The largest useful scale
+# lifts them into fp16's normal range. At 2^16 = 65536 everything is inf *in this cell*, because
+# it computes the loss itself in fp16: the gradient of the loss with respect to itself is
+# already the scale, more than fp16's 65504. Under autocast the loss is fp32, and GradScaler's
+# 2^16 overflows only where a 16-bit gradient does. The largest useful scale
 # depends on the model and changes during training, so the scale is **dynamic**: start high
 # (torch's `GradScaler` and minizero's `LossScaler`, `minizero/precision.py`, start at 2^16);
 # whenever a step's gradients hold an inf or a NaN, **skip the step** and halve the scale; after
@@ -671,9 +676,13 @@ for r, (theirs, ours, owned) in enumerate(SHARES):
 # * **DeepSpeed** ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`) flatten each
 #   parameter group into one padded buffer and give rank r **one contiguous 1/N of the whole
 #   group** (`get_data_parallel_partitions`). A gradient bucket then covers the partitions of a
-#   few ranks, and `average_tensor` sends each slice of it to its owner with **`dist.reduce`**
-#   (one reduce per owning rank), not one reduce-scatter per bucket. After the step an
-#   all-gather of the partitions rebuilds the 16-bit parameters.
+#   few ranks. With the default `use_multi_rank_bucket_allreduce=True` (DeepSpeed 0.16, the
+#   `DeepSpeedZeroOptimizer` constructor), `allreduce_and_scatter` -> `allreduce_bucket` ends in
+#   **`dist.all_reduce` of the whole bucket**, and each rank then copies out its own slice: the
+#   gradients cost a full all-reduce, 2(N-1)/N x Ψ elements per rank, twice the reduce-scatter's,
+#   so a step moves about 3Ψ, not 2Ψ. Only with `use_multi_rank_bucket_allreduce=False` does it
+#   send each slice to its owner with `dist.reduce`. After the step an all-gather of the
+#   partitions rebuilds the 16-bit parameters.
 # * **`ZeroRedundancyOptimizer`** gives each rank whole tensors (above), all-reduces the
 #   gradients as DDP does, and broadcasts every updated parameter from its owner (lesson 06
 #   measures that volume beside stage 1's 2Ψ).

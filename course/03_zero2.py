@@ -160,8 +160,10 @@ lesson03.check_zero2(MyZeRO2, NPROCS)
 # gathered parameters from forward to backward (it also shards the parameters between steps,
 # which stage 3 does; lesson 04). It shards each parameter on its first dimension rather than
 # flat buckets, so its reduce-scatter runs per group of parameters. DeepSpeed's stage 2 also
-# reduces during backward, bucket by bucket, but sends each slice of a bucket to the rank whose
-# contiguous 1/N of the parameter group holds it, with `dist.reduce` (lesson 02, section 9).
+# reduces during backward, bucket by bucket; by default (DeepSpeed 0.16,
+# `use_multi_rank_bucket_allreduce=True`) each bucket is all-reduced whole and each rank keeps the
+# slice its contiguous 1/N of the parameter group owns, which moves twice the reduce-scatter's
+# volume (lesson 02, section 9).
 #
 # ## 3. Memory per rank: measured against the formula
 #
@@ -366,9 +368,12 @@ print(checks.describe(INFO))
 # ## 6. The price: gradient accumulation communicates every backward
 #
 # With gradient accumulation (several backwards per step), stage 1 and DDP can accumulate full
-# local gradients and communicate once per step (DDP inside `no_sync()`). Stage 2 has no full
-# gradient to accumulate into: each backward must reduce-scatter its gradients into the chunk.
-# Measured, 4 micro-batches per step:
+# local gradients and communicate once per step (DDP inside `no_sync()`). Stage 2, as built
+# here, keeps no full gradient to accumulate into, so each backward reduce-scatters its gradients
+# into the chunk. That is a choice, not a law: FSDP2's `set_requires_gradient_sync(False)` keeps
+# the full unsharded gradients across micro-batches and reduce-scatters once, paying 2Ψ (bf16)
+# of memory per rank for 1/k of the communication. minizero's stage 2 refuses `no_sync()` and
+# takes the other side of the trade. Measured, 4 micro-batches per step:
 
 
 # %%
@@ -473,8 +478,11 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
 lesson03.check_clip_grad_norm(clip_grad_norm_, NPROCS)
 
 # %% [markdown]
-# minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`; DDP and stage 1
-# hold the whole gradient and need no collective for it. In fp16 the gradients must be unscaled
+# minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`
+# (`minizero/sharded_grad.py`, `GradNorms`). Only DDP holds the whole averaged gradient and needs
+# no collective for the norm; stage 1 holds the whole *local* gradient, but after its
+# reduce-scatter a rank has only its own chunk averaged, so it needs the same one all-reduce of
+# partial sums as stage 2 (`ZeRO1.reduce_norm_parts`). In fp16 the gradients must be unscaled
 # first (lesson 02's exercise), or the norm is the scale times too large.
 #
 # **Summary.** Stage 2 keeps each bucket's full gradient only from its first gradient to the

@@ -406,7 +406,8 @@ for n, stage, b in SWEPT[0]["rows"]:
 # gathered (the running module's, the next one's if prefetched, and the tied `wte` unit through
 # forward), the gradient buckets being reduce-scattered (and, on gloo, the backend's copy of the
 # one in flight: lesson 03), and the activations of its own micro-batch, which ZeRO-DP does not
-# partition at all (the paper's ZeRO-R handles them). None of these shrinks with N. The cell
+# partition at all (the paper's ZeRO-R, P_a, partitions them across tensor-parallel ranks only,
+# §6.1: nothing with pure data parallelism). None of these shrinks with N. The cell
 # measures the peak of one bf16 training step (the second: the first records the module order)
 # with `MemoryMeter`, for N = 1 to `SWEEP`, each rank on its own micro-batch of 8 rows, and
 # splits it into the model states held at that moment and the rest.
@@ -473,7 +474,7 @@ print(f"largest units: {units[0]:,} and {units[1]:,} bytes (bf16), together "
 #   keeps that share gathered all the time.
 # * **gradient buckets**: one filling and one in flight (three on gloo), set by the unit sizes;
 # * **activations**: set by the micro-batch and the sequence length, untouched by ZeRO-DP
-#   (activation checkpointing and the paper's ZeRO-R reduce them).
+#   (activation checkpointing reduces them; the paper's P_a needs tensor parallelism, §6.1).
 #
 # So "stage 3 divides memory by N" holds for the model states only; for a large model at large
 # N the floor decides what fits, and lesson 05 budgets it.

@@ -429,9 +429,9 @@ plt.show()
 #
 # What this budget leaves out, so keep a margin: the CUDA allocator's caching and fragmentation
 # (`torch.cuda.memory_reserved` exceeds `max_memory_allocated`), the CUDA context and NCCL's own
-# buffers, and the gradients' precision: production bf16 training usually accumulates gradients
-# in fp32 (4 bytes, not 2: about 18 bytes per parameter for DDP), so the paper's 16Ψ is a lower
-# bound.
+# buffers, and the gradients' precision: minizero, FSDP2's default and DeepSpeed's ZeRO keep
+# bf16 gradients (the paper's 16Ψ), but Megatron-LM's distributed optimizer keeps them in fp32
+# (its table in `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
 #
 # ## 8. A calculator
 #

@@ -8,9 +8,13 @@
 # says which rank or which world size it came from. The habit "save on rank 0, load everywhere"
 # then resumes with the wrong optimizer states on every rank but 0, silently.
 #
-# The real systems took years here. DeepSpeed refused to resume a ZeRO checkpoint at another GPU
-# count ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is
-# not currently supported", deepspeedai/DeepSpeed issue #2898) until its separate *universal
+# The real systems took years here. DeepSpeed's stages 1 and 2 could reload their optimizer
+# states at another data-parallel degree only when saved with `"elastic_checkpoint": true` in
+# the `zero_optimization` config (`deepspeed/runtime/zero/stage_1_and_2.py`,
+# `_restore_elastic_base_optimizer_state`: every rank reads every partition and cuts out its
+# own); otherwise, and at stage 3, a ZeRO checkpoint resumed at another GPU count was refused
+# ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not
+# currently supported", deepspeedai/DeepSpeed issue #2898) until the separate *universal
 # checkpoint* reached stages 1-3 (issue #2921); `torch.distributed.optim.ZeroRedundancyOptimizer`
 # raises on a partition that does not match (pytorch/pytorch issue #65650). This lesson builds the
 # idea that fixes it: **address every saved piece by parameter name and element range, never by
