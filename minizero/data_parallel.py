@@ -29,8 +29,10 @@ What a stage provides (the base calls these): ``owned_grads()``, ``after_step()`
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -111,13 +113,32 @@ class DataParallel(GradNorms, nn.Module):
                 C.broadcast(t.data, src=0, group=process_group, tag="initial state")
         for p in module.parameters():
             if p.requires_grad:  # registered before any stage's hook, so it runs first
-                p.register_post_accumulate_grad_hook(self._mark_used)
+                p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
+        # expect_every_rank's monitored barrier: a gloo group of its own, made now (every rank
+        # is here), so that it cannot pair with the collectives of ranks that went on training
+        self._arrival = None
+        if dist.get_backend(process_group) in ("gloo", "nccl") and self.world > 1:
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self._arrival = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
-    def _mark_used(self, p: nn.Parameter) -> None:
-        self._used.add(id(p))
+    def expect_every_rank(self, what: str) -> None:
+        """Before a collective a habit calls on one rank only (nanoGPT's ``if master_process:``):
+        all ranks arrive within ``MINIZERO_ARRIVAL_S`` seconds (30), or an error, not a hang."""
+        if self.world == 1 or self._arrival is None:
+            return
+        seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
+        try:
+            dist.monitored_barrier(self._arrival, timeout=timedelta(seconds=seconds))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{what} is collective at ZeRO stage {self.stage} (a rank holds only its shard) "
+                f"and some rank did not call it within {seconds:g} s. Call it on every rank, save "
+                f"on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, path)`, "
+                f"or minizero.save_checkpoint on every rank. ({str(e).splitlines()[0]})"
+            ) from None
 
     def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
@@ -304,6 +325,8 @@ class DataParallel(GradNorms, nn.Module):
     # -- state dicts: full in, full out, under the user's model's keys -----------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user's model's state dict with every parameter full and fp32 (collective)."""
+        if self.stage > 0:  # the fp32 masters are sharded: gathering them is collective
+            self.expect_every_rank("model.state_dict()")
         sd = self.module.state_dict(keep_vars=True)  # parameter objects are not read here
         full = self.full_params()  # id(param) -> full fp32 tensor
         names = dict(self.module.named_parameters(remove_duplicate=False))
@@ -362,8 +385,7 @@ class DataParallel(GradNorms, nn.Module):
                     f.tensor.copy_(f.param.detach().reshape(-1)[f.start : f.end])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The user's model's state dict with every parameter full and in fp32 (collective)."""
-        return self.state_dict()
+        return self.state_dict()  # (the name FSDP-era code knows)
 
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the whole parameter in fp32, on this rank (collective where sharded)."""

@@ -16,6 +16,7 @@ the stage's part:
 
 from __future__ import annotations
 
+import hashlib
 from typing import Protocol
 
 import torch
@@ -58,6 +59,32 @@ class StageStep:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
         return self._stage.clip_grad_norm_(max_norm, norm_type)
+
+    def state_dict(self) -> dict:
+        """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
+        (and in mixed precision) it holds only this rank's fragments, so only the same rank of the
+        same layout may load it back (see ``load_state_dict``)."""
+        sd = super().state_dict()
+        sd["minizero_shard"] = shard_record(self._stage)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Refuse an optimizer state dict saved by another rank or another layout: its states
+        belong to other elements (torch would load it without a word when the counts match)."""
+        saved = state_dict.get("minizero_shard")
+        here = shard_record(self._stage)
+        if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
+            other = "" if saved["layout"] == here["layout"] else " with another layout"
+            raise RuntimeError(
+                f"this optimizer state dict was saved by rank {saved['rank']} of {saved['world']} "
+                f"at stage {saved['stage']} and holds only that rank's shard of the optimizer "
+                f"states; here is rank {here['rank']} of {here['world']} at stage "
+                f"{here['stage']}{other}. Save and resume with minizero.save_checkpoint(path, "
+                "model, optimizer) and minizero.load_checkpoint (every rank calls them; any "
+                "world size and stage), not with rank 0's optimizer.state_dict()"
+            )
+        state_dict = {k: v for k, v in state_dict.items() if k != "minizero_shard"}
+        super().load_state_dict(state_dict)
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = [p for g in self.param_groups for p in g["params"]]  # fragments (or params)
@@ -122,3 +149,14 @@ def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimi
         optimizer.step = step
     optimizer._minizero_closure_through = not any(f.is_master for f in stage.fragments)
     return optimizer
+
+
+def shard_record(stage) -> dict:
+    """What an optimizer state dict needs to say to be loaded only where it belongs: the rank, the
+    world, the stage, and a fingerprint of the fragments (name, start, end) it steps."""
+    frags = [(f.name, f.start, f.end) for f in stage.fragments]
+    return {
+        "rank": stage.rank, "world": stage.world, "stage": stage.stage,
+        "sharded": stage.stage > 0,  # stage 0: every rank holds the same, whole states
+        "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
+    }  # fmt: skip
