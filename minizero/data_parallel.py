@@ -30,6 +30,7 @@ What a stage provides (the base calls these): ``owned_grads()``, ``after_step()`
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,21 +118,21 @@ class DataParallel(GradNorms, nn.Module):
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
-        # expect_every_rank's monitored barrier: a gloo group of its own, made now (every rank
-        # is here), so that it cannot pair with the collectives of ranks that went on training
-        self._arrival = None
+        # expect_every_rank's own gloo group, made while every rank is here; deepcopy shares it
+        self._arrival = lambda: None
         if dist.get_backend(process_group) in ("gloo", "nccl") and self.world > 1:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            self._arrival = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._arrival = weakref.ref(pg)
 
     def expect_every_rank(self, what: str) -> None:
         """Before a collective a habit calls on one rank only (nanoGPT's ``if master_process:``):
         all ranks arrive within ``MINIZERO_ARRIVAL_S`` seconds (30), or an error, not a hang."""
-        if self.world == 1 or self._arrival is None:
+        if self.world == 1 or self._arrival() is None:
             return
         seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
         try:
-            dist.monitored_barrier(self._arrival, timeout=timedelta(seconds=seconds))
+            dist.monitored_barrier(self._arrival(), timeout=timedelta(seconds=seconds))
         except RuntimeError as e:
             raise RuntimeError(
                 f"{what} is collective at ZeRO stage {self.stage} (a rank holds only its shard) "
@@ -384,16 +385,15 @@ class DataParallel(GradNorms, nn.Module):
                 if f.is_master:
                     f.tensor.copy_(f.param.detach().reshape(-1)[f.start : f.end])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state_dict()  # (the name FSDP-era code knows)
+    full_state_dict = state_dict  # the name FSDP-era code knows
 
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the whole parameter in fp32, on this rank (collective where sharded)."""
         return {id(p): p.detach().float().clone() for p in self.module.parameters()}
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params = list(self.module.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}
+        ps = list(self.module.parameters())
+        return {"params": ps, "grads": [p.grad for p in ps if p.grad is not None]}
 
 
 def _floating(t) -> bool:
