@@ -1,11 +1,11 @@
-"""Run under torchrun (one rank per process, gloo): ``python multinode_script.py OUT MODE [STAGES]``. Once joined,
-rank r writes its pid to ``OUT/r.ready``.
+"""Run under torchrun (gloo, one rank per process): ``multinode_script.py OUT MODE [STAGES]``.
 
-MODE "train": for each stage in STAGES (e.g. "0123"), the harness's MLP wrapped by
-``minizero.parallelize`` and trained ``harness.STEPS`` steps on this rank's slice of each global
-batch; rank r saves its full fp32 state after every step to ``OUT/r.pt`` (what
-``harness.train_rank`` returns). MODE "wait": all-reduce every 0.1 s until a peer dies (the test kills one node and expects this rank to fail within seconds).
-Every collective has a 30 s timeout, so nothing here can hang.
+Once joined, rank r writes its pid to ``OUT/r.ready``. MODE "train": for each stage in STAGES
+(e.g. "0123"), the harness's MLP wrapped by ``minizero.parallelize`` and trained
+``harness.STEPS`` steps on this rank's slice of each global batch; rank r saves its full fp32
+state after every step to ``OUT/r.pt`` (what ``harness.train_rank`` returns). MODE "wait":
+all-reduce every 0.1 s until a peer dies (the test kills one node and expects this rank to fail
+within seconds). Every collective has a 30 s timeout, so nothing here can hang.
 """
 
 import os
