@@ -5,8 +5,9 @@ ledger that records only while it is open."""
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run
+from harness import build, local_batch, optimizer_fn, run
 
+import minizero
 from minizero import collectives as C
 
 pytestmark = pytest.mark.timeout(120)
@@ -211,3 +212,42 @@ def test_group_names_and_node_size_are_checked():
         C.name_group(None, "shard")
     with pytest.raises(ValueError, match="non-empty string"):
         C.name_group(None, "")
+
+
+def stage1_step_bytes():
+    """On each of 4 ranks (nodes {0,1}, {2,3}): one ZeRO-1 step over the world, then one over
+    this node's named "shard" group, each under a ledger with node_size=2."""
+
+    me = dist.get_rank()
+    shards = [C.name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
+    out = {}
+    for name, group in (("world", None), ("shard", shards[me // 2])):
+        model, opt = minizero.parallelize(
+            build("mlp"), 1, optimizer_fn("adam"), process_group=group
+        )
+        x, y = local_batch("mlp", 0, dist.get_rank(group), dist.get_world_size(group))
+        with C.CommLedger(node_size=2) as ledger:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = dict(
+            ops=sorted({(r.op, r.group) for r in ledger.records}),
+            nbytes=sum(r.nbytes for r in ledger.records),
+            node_bytes=ledger.node_bytes()["total"],
+        )
+    return out
+
+
+def test_a_zero1_step_on_a_named_group_stays_inside_the_node():
+    for rank, r in enumerate(run(stage1_step_bytes, 4)):
+        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each; the ring 0-1-2-3-0
+        # sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside
+        w = r["world"]
+        assert w["ops"] == [("all_gather", "world"), ("reduce_scatter", "world")]
+        sent = 3 * w["nbytes"] / 4
+        want = {"inside": sent, "across": 0} if rank % 2 == 0 else {"inside": 0, "across": sent}
+        assert w["node_bytes"] == want, rank
+        # the node's own group: (2-1)/2 = 1/2 of S each, nothing leaves the node
+        s = r["shard"]
+        assert s["ops"] == [("all_gather", "shard"), ("reduce_scatter", "shard")]
+        assert s["node_bytes"] == {"inside": s["nbytes"] / 2, "across": 0}, rank
