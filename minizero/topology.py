@@ -15,7 +15,9 @@ so in a ring a rank sends ``2(n-1)/n * S`` for an all-reduce, all of it to its s
 bytes cross a node boundary when the successor is on another node: in a group spread over k
 nodes in rank order (k > 1), k of the ring's n hops cross (k-1 between nodes, 1 closing the ring),
 so a ring over 2 nodes x 2 ranks sends half its bytes across. Real libraries choose other
-algorithms (NCCL's trees, hierarchical rings); this is the one the volumes above count.
+algorithms (NCCL's trees, hierarchical rings), and gloo emulates a reduce-scatter with a whole
+all-reduce; this model counts what the ring algorithm sends, the one the volumes above count.
+Bytes are floats: S/n need not be whole (minizero's sharded buffers are padded so that it is).
 """
 
 from __future__ import annotations
