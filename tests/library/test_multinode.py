@@ -26,16 +26,16 @@ def free_port() -> int:
 
 
 def start_node(out: Path, port: int, *script_args: str) -> subprocess.Popen:
-    """One torchrun agent (a "node" of one rank), in its own session so that it and its worker
-    can be killed together; its output in ``out/agent-<pid>.log``."""
+    """One torchrun agent (a "node" of one rank), in its own session (torchrun puts its worker in
+    another); its output in ``out/agent-<i>.log``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-conf", "join_timeout=60", "--max-restarts", "0",
            str(SCRIPT), str(out), *script_args]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(out / f"agent-{len(list(out.glob('agent-*')))}.log", "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    with open(out / f"agent-{len(list(out.glob('agent-*')))}.log", "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
 def kill_node(agent: subprocess.Popen, worker: int) -> None:
@@ -59,10 +59,11 @@ def workers(out: Path) -> list[int]:
 
 
 def stop(procs: list[subprocess.Popen], out: Path) -> None:
-    for pid in workers(out):  # ours: started by the agents this test started
+    for pid in workers(out):  # a worker still running this test's script (not a reused pid)
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            if str(out) in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
             pass
     for p in procs:
         if p.poll() is None:
