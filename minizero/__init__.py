@@ -23,6 +23,7 @@ name                    file                            lesson
 launch, plan            minizero/launcher/__init__.py   00_collectives
 (the ranks' processes)  minizero/launcher/ranks.py      00_collectives
 all_reduce, CommLedger  minizero/collectives.py         00_collectives
+ring_bytes              minizero/topology.py            (issue 17: nodes; no lesson yet)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
 NaiveDDP, DDP           minizero/ddp.py                 01_ddp

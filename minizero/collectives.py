@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from minizero.topology import ring_bytes
+
 ReduceOp = dist.ReduceOp
 
 # nccl-tests' bus-bandwidth factors, as functions of the group size n.
@@ -56,6 +58,10 @@ class CommRecord:
     index: int  # position in the ledger's timeline (records and marks share one counter)
     seconds: float | None = None  # issue -> completion; None until an async op is waited on
     start: float | None = None  # time.perf_counter() at issue, to draw timelines
+    group: str = "world"  # "world" (the default group), a name_group() name, or "ranks [..]"
+    ranks: tuple[int, ...] = ()  # the group's global ranks in group-rank order; () = 0..world-1
+    rank: int = 0  # this rank's global rank
+    src: int = 0  # broadcast: the source's group rank
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +92,18 @@ class CommLedger:
     >>> ledger.volume_elements / n_params   # 2.0 for DDP, ZeRO-1 and ZeRO-2; 3.0 for ZeRO-3
     """
 
+    node_size: int | None = None  # ranks per node (consecutive ranks form a node), for node_bytes
     records: list[CommRecord] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)  # (timeline index, label)
     _next: int = 0
+
+    def __post_init__(self) -> None:
+        if self.node_size is not None and (
+            not isinstance(self.node_size, int) or self.node_size < 1
+        ):
+            raise ValueError(
+                f"node_size must be a positive int (ranks per node), got {self.node_size!r}"
+            )
 
     def __enter__(self) -> CommLedger:
         _open_ledgers.append(self)
@@ -117,6 +132,30 @@ class CommLedger:
             out[r.op] = out.get(r.op, 0) + r.volume_elements
         return out
 
+    def by_group(self) -> dict[str, int]:
+        """Elements moved per group ("world", a :func:`name_group` name, ...), paper accounting."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.group] = out.get(r.group, 0) + r.volume_elements
+        return out
+
+    def node_bytes(self) -> dict[str, dict[str, float]]:
+        """Bytes this rank sent that stay inside its node and that cross a node boundary, per group
+        and in all (``"total"``): ``{group: {"inside": b, "across": b}}``. Needs ``node_size``;
+        nodes are blocks of ``node_size`` consecutive global ranks. The ring model and its
+        formulas: :func:`minizero.topology.ring_bytes`."""
+        if self.node_size is None:
+            raise ValueError("node_bytes needs the node size: CommLedger(node_size=k)")
+        out: dict[str, dict[str, float]] = {"total": {"inside": 0.0, "across": 0.0}}
+        for r in self.records:
+            ranks = r.ranks or tuple(range(r.world))
+            inside, across = ring_bytes(r.op, r.nbytes, ranks, r.rank, self.node_size, r.src)
+            for key in (r.group, "total"):
+                row = out.setdefault(key, {"inside": 0.0, "across": 0.0})
+                row["inside"] += inside
+                row["across"] += across
+        return out
+
     def table(self) -> str:
         """An nccl-tests-like table of the records."""
         rows = [
@@ -143,6 +182,40 @@ def mark(label: str) -> None:
         ledger.mark(label)
 
 
+# Names given to process groups, by torch's unique ``group_name`` (a string: no group is kept
+# alive by being named). Written only by name_group.
+_group_names: dict[str, str] = {}
+
+
+def name_group(group: dist.ProcessGroup, name: str) -> dist.ProcessGroup:
+    """Name ``group`` in every ledger's records (e.g. "shard", "replicate"); returns ``group``.
+    Call it where ``dist.new_group`` is called, on every rank: on a rank outside the group
+    (``new_group`` returns a placeholder there) it does nothing.
+
+    >>> shard = C.name_group(dist.new_group([0, 1]), "shard")
+    """
+    if not isinstance(name, str) or not name or name == "world":
+        raise ValueError(
+            f"a group's name must be a non-empty string other than 'world', got {name!r}"
+        )
+    if group is None or group == dist.group.WORLD:
+        raise ValueError(
+            "the default group is always named 'world'; name a group made with dist.new_group"
+        )
+    if isinstance(group, dist.ProcessGroup):
+        _group_names[group.group_name] = name
+    return group
+
+
+def group_label(group) -> str:
+    """What records call ``group``: "world" for the default group (None), the name given by
+    :func:`name_group`, else "ranks [a, b, ..]" (its global ranks)."""
+    if group is None or group == dist.group.WORLD:
+        return "world"
+    name = _group_names.get(group.group_name)
+    return name if name is not None else f"ranks {dist.get_process_group_ranks(group)}"
+
+
 def _sync(t: torch.Tensor) -> None:
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
@@ -167,13 +240,17 @@ class _TimedWork:
         return self.work.is_completed()
 
 
-def _run(op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str):
+def _run(
+    op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str, src: int = 0
+):
     if not _open_ledgers:  # fast path: no bookkeeping at all
         return fn(async_op)
     world = dist.get_world_size(group)
+    ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+    where = dict(group=group_label(group), ranks=ranks, rank=dist.get_rank(), src=src)
     recs = []
     for ledger in _open_ledgers:
-        rec = CommRecord(op, payload.dtype, numel, world, async_op, tag, ledger._index())
+        rec = CommRecord(op, payload.dtype, numel, world, async_op, tag, ledger._index(), **where)
         ledger.records.append(rec)
         recs.append(rec)
     if not async_op:
@@ -232,4 +309,4 @@ def broadcast(
     """Copy ``tensor`` from group rank ``src`` to every rank. S = tensor.numel()."""
     global_src = src if group is None else dist.get_global_rank(group, src)
     fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)
-    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag)
+    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag, src)

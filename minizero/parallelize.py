@@ -13,6 +13,7 @@ stage 0 is DDP (ZeRO §3's baseline); 1, 2, 3 are ZeRO-DP's P_os, P_os+g, P_os+g
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Iterable
 
 import torch
@@ -101,7 +102,23 @@ def parallelize(
         **stage_options,
     )
     regroup(built, wrapped, model)
+    atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
+    atexit.register(destroy_at_exit)
     return wrapped, attach(built, wrapped)
+
+
+def destroy_at_exit() -> None:
+    """At interpreter exit, destroy the default process group if the script did not.
+
+    A script that leaves its group to the exit (``torchrun train.py`` without
+    ``destroy_process_group()``) lets gloo's C++ threads outlive the interpreter, still holding
+    work objects whose tensors have Python references: destroying those during finalisation can
+    abort the process ("terminate called without an active exception", SIGABRT) after training
+    finished, and torchrun then reports the job failed (pytorch/pytorch#190489, #179291). atexit
+    handlers run while the interpreter is whole, so destroying the group here is safe; a script
+    that destroyed it already makes this a no-op."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,8 +5,9 @@ ledger that records only while it is open."""
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run
+from harness import build, local_batch, optimizer_fn, run
 
+import minizero
 from minizero import collectives as C
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,3 +149,105 @@ def test_ledger_records_only_while_open():
         assert res["outer_marks"] == [(1, "m")]
         assert res["inner"] == [("b", 1)]
         assert res["inner_marks"] == [(0, "m")]
+
+
+# -- groups and nodes: 4 ranks as 2 "nodes" x 2 ------------------------------------------------
+def node_traffic():
+    """On each of 4 ranks (nodes {0,1}, {2,3}): one of each collective on the world group, an
+    all-reduce on the named "shard" group (this node) and "replicate" group (the same position
+    on the other node), and one on an unnamed group; fp32, 8 elements = S = 32 bytes each."""
+    me = dist.get_rank()
+    shards = [C.name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
+    replicas = [C.name_group(dist.new_group(r), "replicate") for r in ([0, 2], [1, 3])]
+    other = dist.new_group([0, 3])  # every rank makes every group, in the same order
+    x = torch.ones(8)
+    with C.CommLedger(node_size=2) as ledger:
+        C.all_reduce(x.clone())
+        C.reduce_scatter(torch.empty(2), x.clone())
+        C.all_gather(torch.empty(8), torch.ones(2))
+        C.broadcast(x.clone(), src=0)
+        C.all_reduce(x.clone(), group=shards[me // 2])
+        C.all_reduce(x.clone(), group=replicas[me % 2])
+        if me in (0, 3):
+            C.all_reduce(x.clone(), group=other)
+    with pytest.raises(ValueError, match=r"CommLedger\(node_size=k\)"):
+        C.CommLedger().node_bytes()
+    return dict(
+        groups=[r.group for r in ledger.records],
+        by_group=ledger.by_group(),
+        node_bytes=ledger.node_bytes(),
+    )
+
+
+def test_records_name_their_group_and_split_bytes_at_node_boundaries():
+    res = run(node_traffic, 4)
+    for rank, r in enumerate(res):
+        extra = ["ranks [0, 3]"] if rank in (0, 3) else []
+        assert r["groups"] == ["world"] * 4 + ["shard", "replicate"] + extra
+        # paper volumes, elements: all-reduce 2*8, reduce-scatter 8, all-gather 8, broadcast 8
+        assert r["by_group"] == {"world": 40, "shard": 16, "replicate": 16} | (
+            {"ranks [0, 3]": 16} if extra else {}
+        )
+    # The ring over the world is 0 -> 1 -> 2 -> 3 -> 0: ranks 1 and 3 send across, 0 and 2 inside.
+    # all-reduce 2(n-1)/n * 32 = 48 bytes; reduce-scatter and all-gather (n-1)/n * 32 = 24 each;
+    # broadcast from 0 along the chain 0 -> 1 -> 2 -> 3: 32 bytes from every rank but 3.
+    world = [(48 + 24 + 24 + 32, 0), (0, 48 + 24 + 24 + 32), (48 + 24 + 24 + 32, 0), (0, 96)]
+    for rank, r in enumerate(res):
+        nb = r["node_bytes"]
+        assert (nb["world"]["inside"], nb["world"]["across"]) == world[rank], rank
+        # a 2-rank ring sends 2(2-1)/2 * 32 = 32 bytes: inside for a node's own group, across
+        # for the group of the same position on the two nodes
+        assert nb["shard"] == {"inside": 32, "across": 0}
+        assert nb["replicate"] == {"inside": 0, "across": 32}
+        if rank in (0, 3):  # ranks 0 and 3 are on different nodes: both hops cross
+            assert nb["ranks [0, 3]"] == {"inside": 0, "across": 32}
+        total = [sum(row[k] for g, row in nb.items() if g != "total") for k in ("inside", "across")]
+        assert [nb["total"]["inside"], nb["total"]["across"]] == total
+
+
+def test_group_names_and_node_size_are_checked():
+    with pytest.raises(ValueError, match="positive int"):
+        C.CommLedger(node_size=0)
+    with pytest.raises(ValueError, match="always named 'world'"):
+        C.name_group(None, "shard")
+    with pytest.raises(ValueError, match="non-empty string"):
+        C.name_group(None, "")
+
+
+def stage1_step_bytes():
+    """On each of 4 ranks (nodes {0,1}, {2,3}): one ZeRO-1 step over the world, then one over
+    this node's named "shard" group, each under a ledger with node_size=2."""
+
+    me = dist.get_rank()
+    shards = [C.name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
+    out = {}
+    for name, group in (("world", None), ("shard", shards[me // 2])):
+        model, opt = minizero.parallelize(
+            build("mlp"), 1, optimizer_fn("adam"), process_group=group
+        )
+        x, y = local_batch("mlp", 0, dist.get_rank(group), dist.get_world_size(group))
+        with C.CommLedger(node_size=2) as ledger:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = dict(
+            ops=sorted({(r.op, r.group) for r in ledger.records}),
+            nbytes=sum(r.nbytes for r in ledger.records),
+            node_bytes=ledger.node_bytes()["total"],
+        )
+    return out
+
+
+def test_a_zero1_step_on_a_named_group_stays_inside_the_node():
+    for rank, r in enumerate(run(stage1_step_bytes, 4)):
+        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each; the ring 0-1-2-3-0
+        # sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside
+        w = r["world"]
+        assert w["ops"] == [("all_gather", "world"), ("reduce_scatter", "world")]
+        sent = 3 * w["nbytes"] / 4
+        want = {"inside": sent, "across": 0} if rank % 2 == 0 else {"inside": 0, "across": sent}
+        assert w["node_bytes"] == want, rank
+        # the node's own group: (2-1)/2 = 1/2 of S each, nothing leaves the node
+        s = r["shard"]
+        assert s["ops"] == [("all_gather", "shard"), ("reduce_scatter", "shard")]
+        assert s["node_bytes"] == {"inside": s["nbytes"] / 2, "across": 0}, rank
