@@ -146,11 +146,40 @@ def test_start_copies_every_lesson_then_keeps_what_the_student_changed(root, tmp
     assert workflow.start(mine, root) == 0
     out = capsys.readouterr().out
     assert (mine / f"{STEM}.ipynb").read_bytes() == edited
-    assert f"kept    {mine / STEM}.ipynb: you have worked on it, it is left as it is" in out
+    assert f"kept    {mine / STEM}.ipynb: it is not byte for byte a lesson `start` copied" in out
     assert untouched.read_bytes() == (root / "lessons" / names[-1]).read_bytes()
     assert f"updated {untouched} (you had not changed it; now the current lesson)" in out
     assert f"same    {mine / names[1]} (already the current lesson)" in out
     assert "To start a kept lesson over from the current version, rename your file" in out
+
+
+def test_start_keeps_a_solution_copied_over_a_lesson(root, tmp_path, capsys):
+    """A solution carries the generator's fingerprint too: only the bytes `start` wrote count."""
+    mine = tmp_path / "mine"
+    assert workflow.start(mine, root) == 0
+    solved = (root / "solutions" / f"{STEM}.ipynb").read_bytes()
+    (mine / f"{STEM}.ipynb").write_bytes(solved)
+    assert build.hand_edited(mine / f"{STEM}.ipynb") is None  # the fingerprint cannot tell
+    change_source(root)
+    assert build.lessons_main(["--root", str(root)]) == 0
+    capsys.readouterr()
+    assert workflow.start(mine, root) == 0
+    out = capsys.readouterr().out
+    assert (mine / f"{STEM}.ipynb").read_bytes() == solved
+    assert f"kept    {mine / STEM}.ipynb: it is not byte for byte a lesson `start` copied" in out
+
+
+def test_start_keeps_every_file_of_a_folder_it_has_no_record_of(root, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    old = (root / "lessons" / f"{STEM}.ipynb").read_bytes()
+    (mine / f"{STEM}.ipynb").write_bytes(old)
+    change_source(root)
+    assert build.lessons_main(["--root", str(root)]) == 0
+    capsys.readouterr()
+    assert workflow.start(mine, root) == 0
+    assert (mine / f"{STEM}.ipynb").read_bytes() == old
+    assert f"kept    {mine / STEM}.ipynb" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("inside", ["lessons", "solutions", "lessons/sub"])
