@@ -39,6 +39,8 @@ PASS_THROUGH = {
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
               "(my-lessons/)"),
     "grade": ("course.grade:grade_main", "grade your lesson notebooks (runs their check cells)"),
+    "gradebook": ("course.gradebook:main", "grade a class: one folder per student, a CSV of "
+                  "every exercise"),
     "lessons": ("course.build:lessons_main", "regenerate lessons/ and solutions/ from course/"),
     "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }  # fmt: skip

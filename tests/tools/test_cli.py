@@ -12,7 +12,7 @@ from minizero.__main__ import PASS_THROUGH, main
 
 pytestmark = pytest.mark.timeout(120)
 HELPED = [["demo"], ["doctor"], ["compare"], ["simulate"], ["bench"], ["bench", "collectives"],
-          ["bench", "ddp"], ["bench", "stages"]]  # fmt: skip
+          ["bench", "ddp"], ["bench", "stages"], ["gradebook"]]  # fmt: skip
 
 
 def help_of(argv: list[str], capsys) -> str:
