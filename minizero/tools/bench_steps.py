@@ -241,14 +241,21 @@ def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
         default=900,
         help="seconds the ranks may run (default 900)",
     )
+    stem = json_default.removesuffix(".json")
     p.add_argument(
-        "--json", default=json_default, help="where to write the results ('' for nowhere)"
-    )
+        "--json", default=None,
+        help=f"where to write the results ('' for nowhere; default {json_default} for the small "
+        f"model, {stem}_MODEL.json for another --model, so runs do not overwrite each other)",
+    )  # fmt: skip
+    p.set_defaults(json_stem=stem)
     return p  # fmt: skip
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Options that depend on each other; returns the number of ranks."""
+    if a.json is None:  # one file per model: `--model encoder` keeps the plain run's results
+        suffix = "" if a.model == "small" else "_" + a.model.replace("-", "_")
+        a.json = f"{a.json_stem}{suffix}.json"
     n = ranks(a.nprocs)
     if a.batch % n:
         fix = n * max(1, round(a.batch / n))
