@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero.course.checks import common
 from minizero.tools import doctor
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,7 +38,6 @@ def fake_machine(monkeypatch, gpus: int, smi: dict | None, cuda: str | None = "1
     """A machine whose NVML counts ``gpus``, whose nvidia-smi answers ``smi`` (None: absent)
     and whose torch was built with ``cuda`` and NCCL 2.27.5."""
     monkeypatch.setattr(L, "gpu_count", lambda: gpus)
-    monkeypatch.setattr(common, "gpu_count", lambda: gpus)  # common.default_nprocs reads it
     monkeypatch.setattr(dist, "is_nccl_available", lambda: cuda is not None)
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
@@ -134,9 +132,10 @@ def test_render_prints_problem_and_fix_under_the_finding():
 
 
 # -- this machine, for real ---------------------------------------------------------------------
-def test_doctor_on_this_cpu_machine(capsys):
+def test_doctor_on_this_cpu_machine(capsys, monkeypatch):
     if L.gpu_count():
         pytest.skip("checks the CPU answers")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)  # not root: see below
     assert doctor.main(["--probe-seconds", "0.5", "--no-kernel"]) == 0
     out = capsys.readouterr().out
     cores = len(os.sched_getaffinity(0))
@@ -170,6 +169,30 @@ def test_kernel_that_imports_another_minizero_is_a_problem(tmp_path, monkeypatch
     assert f.label == "kernel" and f.value.startswith(f"python3 runs {sys.executable} ")
     assert f.problem == (
         f"the kernel imports another minizero: {fake / '__init__.py'}, not "
-        f"{os.path.dirname(doctor.__file__)}"
+        f"{os.path.dirname(importlib.import_module('minizero').__file__)}"
     )
     assert f.fix.startswith("from this environment: python -m ipykernel install --user")
+
+
+def test_more_cpu_ranks_than_cores_is_oversubscription(monkeypatch):
+    fake_machine(monkeypatch, 0, None, cuda=None)
+    cores = len(os.sched_getaffinity(0))
+    findings, n, backend = doctor.launch_findings(64)
+    assert (n, backend) == (64, "gloo")
+    (ranks,) = [f for f in findings if f.label == "ranks"]
+    assert ranks.problem.startswith(f"64 CPU ranks on {cores} usable cores: oversubscribed")
+    assert ranks.fix == f"--nprocs {cores} or fewer (one core per gloo rank)"
+    findings, _, _ = doctor.launch_findings(cores)
+    assert not [f for f in findings if f.problem]
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_root_is_told_that_jupyter_lab_needs_allow_root(monkeypatch, uid):
+    monkeypatch.setattr(os, "geteuid", lambda: uid, raising=False)
+    users = [f for f in doctor.jupyter_findings(kernel=False) if f.label == "user"]
+    if uid:
+        assert users == []
+    else:
+        (user,) = users
+        assert user.problem == "`jupyter lab` refuses to run as root"
+        assert user.fix == "jupyter lab --allow-root my-lessons/"
