@@ -76,3 +76,45 @@ def test_bad_arguments_end_in_one_line(tmp_path, monkeypatch, capsys, argv, says
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+HANG = """
+import time
+import torch
+import torch.distributed as dist
+
+def stuck():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins it
+    else:
+        time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monkeypatch):
+    import nbformat
+
+    monkeypatch.delenv("MINIZERO_CHECK_TIMEOUT", raising=False)
+    subs = tmp_path / "subs"
+    (subs / "erin").mkdir(parents=True)
+    check = nbformat.v4.new_code_cell(
+        "from minizero.course.checks.common import launch_check\nlaunch_check(stuck, 2)"
+    )
+    check.metadata = {"minizero": {"check": "collective"}}
+    cells = [nbformat.v4.new_code_cell(HANG), check]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
+    spin = [nbformat.v4.new_code_cell("while True:\n    pass")]
+    nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
+    out = tmp_path / "g.csv"
+    argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "30"]
+    assert gradebook.main(argv) == 0
+    with out.open(newline="") as f:
+        rows = {r["lesson"]: r for r in csv.DictReader(f)}
+    hang = rows["01_hang"]
+    assert hang["exercise"] == "collective" and hang["status"] == "failed"
+    assert "ranks [0, 1] had not finished after 4 s" in hang["message"]
+    assert "rank 1:" in hang["message"].split("Where they were:")[1]  # each rank's stack
+    spin = rows["02_spin"]
+    assert spin["status"] == "error" and spin["exercise"] == ""
+    assert spin["message"].startswith("CellTimeoutError")

@@ -60,7 +60,7 @@ def test_environment_yml_is_the_student_set_on_the_same_python():
 def test_the_readme_names_the_pinned_torch_and_torchvision():
     readme = (ROOT / "README.md").read_text()
     torch, vision = pins("requirements.txt")["torch"], pins("requirements-dev.txt")["torchvision"]
-    assert f"pip install torch=={torch} --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert f"pip install torch=={torch} --index-url\nhttps://download.pytorch.org/whl/cpu" in readme
     assert f"torch {torch}, minizero" in readme and f"torchvision {vision}" in readme
     first = readme.index("pip install -r requirements.txt && python -m minizero demo")
     assert readme.index("download.pytorch.org/whl/cpu") < first  # the advice comes before
