@@ -9,6 +9,7 @@ that raised is reported as an ERROR.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import time
@@ -43,6 +44,12 @@ def read_notebook(path: Path):
         raise Unreadable(f"cannot read it ({type(e).__name__}: {e})") from e
     if not text.strip():
         raise Unreadable("it is empty (half-written? save it again from Jupyter)")
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise Unreadable(f"not a notebook: not JSON ({e}; half-written?)") from e
+    if not isinstance(raw, dict) or "cells" not in raw or "nbformat" not in raw:
+        raise Unreadable("not a notebook: JSON without the 'cells' and 'nbformat' keys")
     try:
         nb = nbformat.reads(text, as_version=4)
         nbformat.validate(nb)

@@ -44,7 +44,7 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     assert bob["status"] == "failed" and "NotImplementedError" in bob["message"]
     carol = [r for r in rows if r["student"] == "carol"]
     assert len(carol) == 1 and carol[0]["status"] == "error" and carol[0]["lesson"] == LESSON
-    assert carol[0]["message"].startswith("not a valid notebook")
+    assert carol[0]["message"].startswith("not a notebook: not JSON")
     printed = capsys.readouterr().out
     table = printed.split("student", 1)[1].splitlines()
     assert any(ln.split()[:4] == ["alice", "1", "0", "0"] for ln in table)
