@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
@@ -39,6 +40,8 @@ PASS_THROUGH = {
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
               "(my-lessons/)"),
     "grade": ("course.grade:grade_main", "grade your lesson notebooks (runs their check cells)"),
+    "gradebook": ("course.gradebook:main", "grade a class: one folder per student, a CSV of "
+                  "every exercise"),
     "lessons": ("course.build:lessons_main", "regenerate lessons/ and solutions/ from course/"),
     "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }  # fmt: skip
@@ -61,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             f"say which command to run: {', '.join(PASS_THROUGH)} (e.g. python -m minizero demo)"
         )
     module, function = PASS_THROUGH[args.cmd][0].split(":")
-    return getattr(import_module(f"minizero.{module}"), function)(argv[1:])
+    try:
+        code = getattr(import_module(f"minizero.{module}"), function)(argv[1:])
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+    except BrokenPipeError:  # `python -m minizero start | head -3`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose reader left
+    return code
 
 
 if __name__ == "__main__":

@@ -319,6 +319,9 @@ def lessons_main(argv: list[str]) -> int:
                 print("move the notebooks edited by hand out first:", _MOVE_IT, file=sys.stderr)
             if bad:
                 print("regenerate with `python -m minizero lessons` and commit", file=sys.stderr)
+            if not bad:
+                n = len(generate(args.root))
+                print(f"lessons/ and solutions/ are up to date with course/ ({n} notebooks)")
             return 1 if bad else 0
         files = generate(args.root)
     except SourceError as e:
@@ -337,4 +340,6 @@ def lessons_main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {rel.as_posix()}")
+    same = len(files) - len(todo)
+    print(f"{len(todo)} notebooks written, {same} already up to date, in lessons/ and solutions/")
     return 0

@@ -9,6 +9,8 @@ that raised is reported as an ERROR.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from minizero.course.build import ROOT
 from minizero.course.workflow import STUDENT_DIR
+
+TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # read by checks.common.check_timeout inside the kernel
 
 
 @dataclass
@@ -26,15 +30,46 @@ class CellRun:
     seconds: float  # wall time of the cell, from the kernel's timestamps
 
 
-def execute(path: Path, timeout: int = 600) -> list[CellRun]:
-    """Run every code cell of ``path`` in a fresh kernel (cwd: its folder), errors allowed."""
+class Unreadable(ValueError):
+    """A file that is not a notebook nbformat can run; the message is one line saying why."""
+
+
+def read_notebook(path: Path):
+    """``path`` as a validated nbformat v4 notebook, or :class:`Unreadable` saying why not."""
     import nbformat
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Unreadable(f"cannot read it ({type(e).__name__}: {e})") from e
+    if not text.strip():
+        raise Unreadable("it is empty (half-written? save it again from Jupyter)")
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise Unreadable(f"not a notebook: not JSON ({e}; half-written?)") from e
+    if not isinstance(raw, dict) or "cells" not in raw or "nbformat" not in raw:
+        raise Unreadable("not a notebook: JSON without the 'cells' and 'nbformat' keys")
+    try:
+        nb = nbformat.reads(text, as_version=4)
+        nbformat.validate(nb)
+    except Exception as e:  # NotJSONError, ValidationError, KeyError... all mean the same here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise Unreadable(f"not a valid notebook ({type(e).__name__}: {first})") from e
+    if not nb.cells:
+        raise Unreadable("a notebook with no cells: nothing to grade")
+    return nb
+
+
+def execute(path: Path, timeout: float = 600) -> list[CellRun]:
+    """Run every code cell of ``path`` in a fresh kernel (cwd: its folder), errors allowed.
+    Raises :class:`Unreadable` for a file that is not a notebook."""
     from nbclient import NotebookClient
 
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     client = NotebookClient(
         nb,
-        timeout=timeout,
+        timeout=int(-(-timeout // 1)),
         allow_errors=True,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.resolve().parent)}},
@@ -98,8 +133,17 @@ def grade_main(argv: list[str]) -> int:
         "notebooks", nargs="*", type=Path,
         help=f"notebooks or folders (default: every notebook in {STUDENT_DIR}/, made by `start`)",
     )  # fmt: skip
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    p.add_argument(
+        "--timeout", type=positive_seconds, default=600, help="seconds per cell (default 600)"
+    )
+    p.add_argument(
+        "--check-timeout", type=positive_seconds, metavar="S",
+        help=f"seconds each check's ranks get before they count as hung (default: the check's "
+        f"own, 120 to 180; or ${TIMEOUT_ENV}); raise it on a slow machine",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.check_timeout:
+        os.environ[TIMEOUT_ENV] = f"{args.check_timeout:g}"  # the kernels inherit it
     try:
         paths = grade_paths(args.notebooks)
     except FileNotFoundError as e:
@@ -115,7 +159,12 @@ def grade_main(argv: list[str]) -> int:
     for path in paths:
         t0 = time.perf_counter()
         print(f"{path}: running ...", flush=True)
-        runs = execute(path, args.timeout)
+        try:
+            runs = execute(path, args.timeout)
+        except Unreadable as e:
+            total += 1
+            print(f"  ERROR {path}: {e}")
+            continue
         for r in runs:
             if r.check:
                 total += 1
@@ -130,6 +179,17 @@ def grade_main(argv: list[str]) -> int:
         print(f"  ({time.perf_counter() - t0:.0f} s)")
     print(f"{passed}/{total} passed")
     return 0 if passed == total else 1
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds > 0, e.g. 600")
+    return value
 
 
 def _indent(s: str) -> str:

@@ -241,14 +241,17 @@ def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
         default=900,
         help="seconds the ranks may run (default 900)",
     )
-    p.add_argument(
-        "--json", default=json_default, help="where to write the results ('' for nowhere)"
-    )
+    p.add_argument("--json", default=None, help=f"where to write the results ('' for nowhere; "
+                   f"default {json_default}, ..._MODEL.json for another --model)")  # fmt: skip
+    p.set_defaults(json_stem=json_default.removesuffix(".json"))
     return p  # fmt: skip
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Options that depend on each other; returns the number of ranks."""
+    if a.json is None:  # one file per model: `--model encoder` keeps the plain run's results
+        a.json = a.json_stem + ("" if a.model == "small" else "_" + a.model.replace("-", "_"))
+        a.json += ".json"
     n = ranks(a.nprocs)
     if a.batch % n:
         fix = n * max(1, round(a.batch / n))

@@ -191,11 +191,13 @@ def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str 
         out.append(Finding("backend", "none", str(e), "pass --nprocs with a smaller number"))
         return out, n, None
     where = "one GPU per rank" if backend == "nccl" else "the CPU"
-    out += [
-        Finding("backend", f"{backend} on {where}"),
-        Finding("mechanism", mechanism),
-        Finding("why", why),
-    ]
+    out += [Finding("backend", f"{backend} on {where}"), Finding("mechanism", mechanism),
+            Finding("why", why)]  # fmt: skip
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if backend == "gloo" and cores and n > cores:
+        out[0].problem = (f"{n} CPU ranks on {cores} usable cores: oversubscribed, the ranks "
+                          "take turns on the cores (slow, and timings mean little)")  # fmt: skip
+        out[0].fix = f"--nprocs {cores} or fewer (one core per gloo rank)"
     return out, n, backend
 
 
@@ -260,6 +262,9 @@ def jupyter_findings(kernel: bool = True) -> list[Finding]:
     out.append(Finding("packages", have or "none of the course's"))
     if missing:
         out[-1].problem, out[-1].fix = f"missing: {', '.join(missing)}", install
+    if getattr(os, "geteuid", lambda: None)() == 0:  # containers, lab images
+        root = ["`jupyter lab` refuses to run as root", "jupyter lab --allow-root my-lessons/"]
+        out.append(Finding("user", "root (uid 0)", *root))
     if kernel and "ipykernel" not in missing:
         out.append(_kernel_finding())
     return out

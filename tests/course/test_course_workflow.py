@@ -103,10 +103,22 @@ def test_lessons_rewrites_an_untouched_notebook_when_its_source_changes(root, ca
     capsys.readouterr()
     assert build.lessons_main(["--root", str(root)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines() == [f"wrote lessons/{STEM}.ipynb", f"wrote solutions/{STEM}.ipynb"]
+    n = len(build.generate(root))
+    assert out.splitlines() == [
+        f"wrote lessons/{STEM}.ipynb",
+        f"wrote solutions/{STEM}.ipynb",
+        f"2 notebooks written, {n - 2} already up to date, in lessons/ and solutions/",
+    ]
     text = (root / "lessons" / f"{STEM}.ipynb").read_text()
     assert "a cell the instructor added" in text
     assert build.lessons_main(["--root", str(root), "--check"]) == 0
+    assert capsys.readouterr().out == (
+        f"lessons/ and solutions/ are up to date with course/ ({n} notebooks)\n"
+    )
+    assert build.lessons_main(["--root", str(root)]) == 0
+    assert capsys.readouterr().out == (
+        f"0 notebooks written, {n} already up to date, in lessons/ and solutions/\n"
+    )
 
 
 def test_lessons_refuses_a_notebook_without_fingerprint(root, capsys):
@@ -146,11 +158,40 @@ def test_start_copies_every_lesson_then_keeps_what_the_student_changed(root, tmp
     assert workflow.start(mine, root) == 0
     out = capsys.readouterr().out
     assert (mine / f"{STEM}.ipynb").read_bytes() == edited
-    assert f"kept    {mine / STEM}.ipynb: you have worked on it, it is left as it is" in out
+    assert f"kept    {mine / STEM}.ipynb: it is not byte for byte a lesson `start` copied" in out
     assert untouched.read_bytes() == (root / "lessons" / names[-1]).read_bytes()
     assert f"updated {untouched} (you had not changed it; now the current lesson)" in out
     assert f"same    {mine / names[1]} (already the current lesson)" in out
     assert "To start a kept lesson over from the current version, rename your file" in out
+
+
+def test_start_keeps_a_solution_copied_over_a_lesson(root, tmp_path, capsys):
+    """A solution carries the generator's fingerprint too: only the bytes `start` wrote count."""
+    mine = tmp_path / "mine"
+    assert workflow.start(mine, root) == 0
+    solved = (root / "solutions" / f"{STEM}.ipynb").read_bytes()
+    (mine / f"{STEM}.ipynb").write_bytes(solved)
+    assert build.hand_edited(mine / f"{STEM}.ipynb") is None  # the fingerprint cannot tell
+    change_source(root)
+    assert build.lessons_main(["--root", str(root)]) == 0
+    capsys.readouterr()
+    assert workflow.start(mine, root) == 0
+    out = capsys.readouterr().out
+    assert (mine / f"{STEM}.ipynb").read_bytes() == solved
+    assert f"kept    {mine / STEM}.ipynb: it is not byte for byte a lesson `start` copied" in out
+
+
+def test_start_keeps_every_file_of_a_folder_it_has_no_record_of(root, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    old = (root / "lessons" / f"{STEM}.ipynb").read_bytes()
+    (mine / f"{STEM}.ipynb").write_bytes(old)
+    change_source(root)
+    assert build.lessons_main(["--root", str(root)]) == 0
+    capsys.readouterr()
+    assert workflow.start(mine, root) == 0
+    assert (mine / f"{STEM}.ipynb").read_bytes() == old
+    assert f"kept    {mine / STEM}.ipynb" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("inside", ["lessons", "solutions", "lessons/sub"])
@@ -212,3 +253,20 @@ def test_grade_runs_the_notebooks_in_my_lessons_by_default(tmp_path, monkeypatch
     assert "AssertionError: x should be 2" in out and "1/2 passed" in out
     assert "note: lessons/" not in out
     assert (tmp_path / "my-lessons" / "b.ipynb").read_bytes() == before  # grading never writes
+
+
+@pytest.mark.timeout(120)
+def test_start_into_a_closed_pipe_ends_without_a_traceback(root, tmp_path):
+    """`python -m minizero start | head -3`: the reader leaves before start has printed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "minizero", "start", str(tmp_path / "mine"), "--root", str(root)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # like `head` after its lines: every write from now on hits a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait() == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert (tmp_path / "mine" / f"{STEM}.ipynb").exists()  # start did its work all the same

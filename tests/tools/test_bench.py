@@ -140,3 +140,37 @@ def test_demo_on_3_ranks_rounds_the_batch_up(capsys):
     text, err = capsys.readouterr()
     assert "global batch 18 sequences (6 per rank)" in text and text.count("PASS") == 4
     assert "steps: 100%" in err and "5/5" in err
+
+
+def test_bench_checkpoints_json(tmp_path, capsys):
+    from minizero.tools.bench_ckpt import bench_checkpoint
+
+    out = tmp_path / "ck.json"
+    argv = ["--model", "tiny", "--stages", "0,3", "--repeat", "1", "--nprocs", "2"]
+    bench_checkpoint([*argv, "--json", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["where"]["world"] == 2 and data["precision"] == "bf16"
+    assert [r["stage"] for r in data["rows"]] == [0, 3]
+    for row in data["rows"]:  # bf16 + AdamW: 2 + 12 bytes per element, all of it saved once
+        assert row["psi"] == PSI_TINY and row["formula"] == 14 * PSI_TINY / 2
+        assert sum(r["shards"] for r in row["ranks"]) == 14 * PSI_TINY
+    assert [r["shards"] for r in data["rows"][1]["ranks"]] == [7 * PSI_TINY] * 2  # stage 3: even
+
+
+@pytest.mark.parametrize(
+    "what, model, path",
+    [("stages", "small", "runs/bench_stages.json"),
+     ("stages", "encoder", "runs/bench_stages_encoder.json"),
+     ("ddp", "encoder-tiny", "runs/bench_ddp_encoder_tiny.json")],
+)  # fmt: skip
+def test_each_model_writes_its_own_json(what, model, path):
+    from minizero.tools import bench_steps
+
+    p = bench_steps._duel_options(what, f"runs/bench_{what}.json")
+    a = p.parse_args(["--model", model, "--nprocs", "2"])
+    bench_steps._check(p, a)
+    assert a.json == path
+    a = p.parse_args(["--model", model, "--nprocs", "2", "--json", "x.json"])
+    bench_steps._check(p, a)
+    assert a.json == "x.json"

@@ -12,7 +12,8 @@ from minizero.__main__ import PASS_THROUGH, main
 
 pytestmark = pytest.mark.timeout(120)
 HELPED = [["demo"], ["doctor"], ["compare"], ["simulate"], ["bench"], ["bench", "collectives"],
-          ["bench", "ddp"], ["bench", "stages"]]  # fmt: skip
+          ["bench", "ddp"], ["bench", "stages"], ["bench", "checkpoints"],
+          ["gradebook"]]  # fmt: skip
 
 
 def help_of(argv: list[str], capsys) -> str:
@@ -91,6 +92,12 @@ def test_run_help_lists_minizeros_defaults_and_torchruns_options(capsys):
          "--ops: unknown op(s) ['foo']"),
         (["bench", "stages", "--stages", "0,5"], "minizero bench stages: error: --stages takes a "
          "comma-separated subset of 0,1,2,3, got '0,5'"),
+        (["bench", "checkpoints", "--stages", "7"], "minizero bench checkpoints: error: argument "
+         "--stages: a comma-separated subset of 0,1,2,3, got '7'"),
+        (["bench", "checkpoints", "--stages", "abc"], "minizero bench checkpoints: error: "
+         "argument --stages: a comma-separated subset of 0,1,2,3, got 'abc'"),
+        (["bench", "checkpoints", "--repeat", "0"], "minizero bench checkpoints: error: argument "
+         "--repeat: must be a whole number >= 1, got '0'"),
         (["compare", "--steps", "0"], "minizero compare: error: argument --steps: must be a whole "
          "number >= 1, got '0'"),
         (["doctor", "--probe-seconds", "0"], "minizero doctor: error: --probe-seconds must be in "

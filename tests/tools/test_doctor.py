@@ -131,9 +131,10 @@ def test_render_prints_problem_and_fix_under_the_finding():
 
 
 # -- this machine, for real ---------------------------------------------------------------------
-def test_doctor_on_this_cpu_machine(capsys):
+def test_doctor_on_this_cpu_machine(capsys, monkeypatch):
     if L.gpu_count():
         pytest.skip("checks the CPU answers")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)  # not root: see below
     assert doctor.main(["--probe-seconds", "0.5", "--no-kernel"]) == 0
     out = capsys.readouterr().out
     cores = len(os.sched_getaffinity(0))
@@ -170,3 +171,27 @@ def test_kernel_that_imports_another_minizero_is_a_problem(tmp_path, monkeypatch
         f"{os.path.dirname(L.__path__[0])}"  # the minizero package
     )
     assert f.fix.startswith("from this environment: python -m ipykernel install --user")
+
+
+def test_more_cpu_ranks_than_cores_is_oversubscription(monkeypatch):
+    fake_machine(monkeypatch, 0, None, cuda=None)
+    cores = len(os.sched_getaffinity(0))
+    findings, n, backend = doctor.launch_findings(64)
+    assert (n, backend) == (64, "gloo")
+    (ranks,) = [f for f in findings if f.label == "ranks"]
+    assert ranks.problem.startswith(f"64 CPU ranks on {cores} usable cores: oversubscribed")
+    assert ranks.fix == f"--nprocs {cores} or fewer (one core per gloo rank)"
+    findings, _, _ = doctor.launch_findings(cores)
+    assert not [f for f in findings if f.problem]
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_root_is_told_that_jupyter_lab_needs_allow_root(monkeypatch, uid):
+    monkeypatch.setattr(os, "geteuid", lambda: uid, raising=False)
+    users = [f for f in doctor.jupyter_findings(kernel=False) if f.label == "user"]
+    if uid:
+        assert users == []
+    else:
+        (user,) = users
+        assert user.problem == "`jupyter lab` refuses to run as root"
+        assert user.fix == "jupyter lab --allow-root my-lessons/"

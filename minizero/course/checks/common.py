@@ -17,6 +17,7 @@ The lessons' own cells use the rest: how many ranks (:func:`default_nprocs`), th
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
@@ -26,6 +27,22 @@ import torch.distributed as dist
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
+TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # seconds, overrides every check's own timeout when set
+
+
+def check_timeout(default: float = TIMEOUT) -> float:
+    """Seconds a check's ranks get: ``$MINIZERO_CHECK_TIMEOUT`` when set (``python -m minizero
+    grade --check-timeout S`` sets it for the notebooks it runs), else the check's ``default``."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give a number of seconds > 0, e.g. 600")
+    return value
 
 
 class CheckFailed(AssertionError):
@@ -60,14 +77,17 @@ def guard(fn, *args, **kwargs):
 
 
 def launch_check(fn, nprocs: int | None, *args, timeout: float = TIMEOUT) -> list:
-    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed."""
+    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed whose
+    message is the launcher's whole report (for a hang: where each rank was)."""
     nprocs = nprocs or default_nprocs()
+    timeout = check_timeout(timeout)
     try:
         return launch(fn, nprocs, *args, timeout=timeout, verbose=False)
     except LaunchError as e:
         raise CheckFailed(
-            f"the ranks did not finish: {str(e).splitlines()[0]}\nEvery rank must issue the same "
-            "collectives in the same order, or they wait for each other forever."
+            f"the ranks did not finish: {e}\nEvery rank must issue the same collectives in the "
+            f"same order, or they wait for each other forever. A check that is only slow can get "
+            f"more time: `python -m minizero grade --check-timeout 600` or {TIMEOUT_ENV}=600."
         ) from e
 
 

@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minizero.course.checks.common import CheckFailed, guard, launch_check, report_pass
+from minizero.course.checks.common import (
+    CheckFailed,
+    check_timeout,
+    guard,
+    launch_check,
+    report_pass,
+)
 from minizero.launcher import LaunchError, launch
 from minizero.models import MLP, GPTConfig, TinyGPT
 
@@ -196,11 +202,12 @@ def check_read_plan(fn) -> None:
             )
     with tempfile.TemporaryDirectory(prefix="minizero-check-") as tmp:
         try:
-            launch(_save_rank, 2, f"{tmp}/ckpt", backend="gloo", timeout=TIMEOUT, verbose=False)
+            timeout = check_timeout(TIMEOUT)
+            launch(_save_rank, 2, f"{tmp}/ckpt", backend="gloo", timeout=timeout, verbose=False)
             results = launch(_reshard_rank, 3, fn, f"{tmp}/ckpt", backend="gloo",
-                             timeout=TIMEOUT, verbose=False)  # fmt: skip
+                             timeout=timeout, verbose=False)  # fmt: skip
         except LaunchError as e:
-            raise CheckFailed(f"the ranks did not finish: {str(e).splitlines()[0]}") from e
+            raise CheckFailed(f"the ranks did not finish: {e}") from e
     for rank, res in enumerate(results):
         if res["error"]:
             raise CheckFailed(f"{name} raised on rank {rank}: {res['error']}")

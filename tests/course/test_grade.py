@@ -1,0 +1,108 @@
+"""`grade` survives bad files and says where a hung check's ranks were; a check's timeout can be
+raised by an option or an environment variable."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minizero.course import grade
+from minizero.course.checks import common
+
+
+def tiny(path: Path, ok: bool) -> None:
+    """A two-cell notebook whose one check passes when ``ok``."""
+    check = nbformat.v4.new_code_cell("assert x == 2, 'x should be 2'")
+    check.metadata = {"tags": ["check"], "minizero": {"check": "x_is_two"}}
+    cells = [nbformat.v4.new_code_cell(f"x = {2 if ok else 3}"), check]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+
+
+BROKEN = {
+    "a_not_json.ipynb": "this is not JSON",
+    "b_half.ipynb": '{"cells": [{"cell_type": "code", "sou',
+    "c_empty_object.ipynb": "{}",
+    "d_empty.ipynb": "",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_read_notebook_says_in_one_line_why_a_file_is_not_a_notebook(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(BROKEN[name])
+    with pytest.raises(grade.Unreadable) as e:
+        grade.read_notebook(path)
+    assert "\n" not in str(e.value) and str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_grade_reports_every_unreadable_notebook_and_goes_on(tmp_path, capsys):
+    for name, text in BROKEN.items():
+        (tmp_path / name).write_text(text)
+    tiny(tmp_path / "z_good.ipynb", ok=True)
+    (tmp_path / "script.py").write_text("print('hi')\n")
+    (tmp_path / "README").write_text("# my notes\n")
+    args = [str(tmp_path), str(tmp_path / "script.py"), str(tmp_path / "README")]
+    assert grade.grade_main(["--timeout", "60", *args]) == 1
+    out = capsys.readouterr().out
+    for name in [*BROKEN, "script.py", "README"]:
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  ERROR {tmp_path / name}: "))
+        assert "Traceback" not in line
+    assert "Traceback" not in out
+    assert "PASS  x_is_two" in out and "1/7 passed" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "nan"])
+@pytest.mark.parametrize("option", ["--timeout", "--check-timeout"])
+def test_grade_refuses_a_timeout_that_is_not_positive(capsys, option, value):
+    with pytest.raises(SystemExit) as e:
+        grade.grade_main([option, value, "x.ipynb"])
+    assert e.value.code == 2
+    assert f"argument {option}: '{value}': give a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_check_timeout_comes_from_the_environment(monkeypatch):
+    assert grade.TIMEOUT_ENV == common.TIMEOUT_ENV == "MINIZERO_CHECK_TIMEOUT"
+    monkeypatch.delenv(common.TIMEOUT_ENV, raising=False)
+    assert common.check_timeout(180.0) == 180.0
+    monkeypatch.setenv(common.TIMEOUT_ENV, "600")
+    assert common.check_timeout(180.0) == 600.0
+    monkeypatch.setenv(common.TIMEOUT_ENV, "0")
+    with pytest.raises(ValueError, match="MINIZERO_CHECK_TIMEOUT='0': give a number of seconds"):
+        common.check_timeout()
+
+
+def test_grade_check_timeout_option_reaches_the_kernels(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(common.TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(grade, "execute", lambda path, timeout: [])  # no kernel needed here
+    tiny(tmp_path / "a.ipynb", ok=True)
+    assert grade.grade_main(["--check-timeout", "450", str(tmp_path)]) == 0
+    import os
+
+    assert os.environ[common.TIMEOUT_ENV] == "450"
+
+
+def _stuck_rank() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins it
+    else:
+        time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_check_shows_where_each_rank_was(monkeypatch):
+    monkeypatch.setenv(common.TIMEOUT_ENV, "4")
+    with pytest.raises(common.CheckFailed) as e:
+        common.launch_check(_stuck_rank, 2)
+    msg = str(e.value)
+    assert "ranks [0, 1] had not finished after 4 s" in msg
+    where = msg.split("Where they were:", 1)[1]
+    assert "rank 0:" in where and "rank 1:" in where and "all_reduce" in where
+    assert where.count("_stuck_rank") == 2  # each rank's own stack, down to the student's code
+    assert "--check-timeout 600" in msg

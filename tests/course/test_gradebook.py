@@ -1,0 +1,120 @@
+"""`gradebook` grades a class (solved, unsolved, broken) into a CSV without touching a student's
+file; bad arguments end in one line."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+
+from minizero.course import gradebook
+
+ROOT = Path(__file__).resolve().parents[2]
+LESSON = "00_collectives"  # the quickest lesson to grade (about 30 s on 2 busy cores)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.timeout(600)
+def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_path, capsys):
+    subs = tmp_path / "submissions"
+    (subs / "alice").mkdir(parents=True)
+    (subs / "bob").mkdir()
+    (subs / "carol").mkdir()
+    shutil.copy(ROOT / "solutions" / f"{LESSON}.ipynb", subs / "alice")
+    shutil.copy(ROOT / "lessons" / f"{LESSON}.ipynb", subs / "bob")
+    (subs / "carol" / f"{LESSON}.ipynb").write_text('{"cells": [{"cell_type": "co')
+    before = snapshot(subs)
+    out = tmp_path / "grades.csv"
+    assert gradebook.main([str(subs), "--out", str(out), "--jobs", "1"]) == 0
+    assert snapshot(subs) == before  # nothing written, nothing added, in any student's folder
+    with out.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["student", "lesson", "exercise", "status", "message"]
+    by = {(r["student"], r["exercise"]): r for r in rows}
+    assert {r["student"] for r in rows} == {"alice", "bob", "carol"}
+    alice = by["alice", "all_reduce_via_rs_ag"]
+    assert alice["lesson"] == LESSON and alice["status"] == "passed" and alice["message"] == ""
+    assert [r["status"] for r in rows if r["student"] == "alice"] == ["passed"]
+    bob = by["bob", "all_reduce_via_rs_ag"]
+    assert bob["status"] == "failed" and "NotImplementedError" in bob["message"]
+    carol = [r for r in rows if r["student"] == "carol"]
+    assert len(carol) == 1 and carol[0]["status"] == "error" and carol[0]["lesson"] == LESSON
+    assert carol[0]["message"].startswith("not a notebook: not JSON")
+    printed = capsys.readouterr().out
+    table = printed.split("student", 1)[1].splitlines()
+    assert any(ln.split()[:4] == ["alice", "1", "0", "0"] for ln in table)
+    assert any(ln.split()[:4] == ["carol", "0", "0", "1"] for ln in table)
+    assert f"wrote {len(rows)} rows to {out}" in printed
+
+
+def test_a_student_folder_without_notebooks_gets_an_error_row(tmp_path):
+    (tmp_path / "dave").mkdir()
+    (tmp_path / "dave" / "README").write_text("sorry")
+    rows = gradebook.gradebook(tmp_path, timeout=60, log=lambda *_: None)
+    assert rows == [gradebook.Row("dave", "", "", "error", "no notebooks (*.ipynb) in this folder")]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["nope"], "nope: no such folder"),
+        (["SUBS", "--out", "SUBS/g.csv"], "is inside"),
+        (["SUBS", "--jobs", "0"], "--jobs: must be a whole number >= 1"),
+        (["SUBS", "--timeout", "0"], "--timeout: '0': give a number of seconds > 0"),
+    ],
+)
+def test_bad_arguments_end_in_one_line(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SUBS").mkdir()
+    with pytest.raises(SystemExit) as e:
+        gradebook.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+HANG = """
+import time
+import torch
+import torch.distributed as dist
+
+def stuck():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins it
+    else:
+        time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monkeypatch):
+    import nbformat
+
+    monkeypatch.delenv("MINIZERO_CHECK_TIMEOUT", raising=False)
+    subs = tmp_path / "subs"
+    (subs / "erin").mkdir(parents=True)
+    check = nbformat.v4.new_code_cell(
+        "from minizero.course.checks.common import launch_check\nlaunch_check(stuck, 2)"
+    )
+    check.metadata = {"minizero": {"check": "collective"}}
+    cells = [nbformat.v4.new_code_cell(HANG), check]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
+    spin = [nbformat.v4.new_code_cell("while True:\n    pass")]
+    nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
+    out = tmp_path / "g.csv"
+    argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "30"]
+    assert gradebook.main(argv) == 0
+    with out.open(newline="") as f:
+        rows = {r["lesson"]: r for r in csv.DictReader(f)}
+    hang = rows["01_hang"]
+    assert hang["exercise"] == "collective" and hang["status"] == "failed"
+    assert "ranks [0, 1] had not finished after 4 s" in hang["message"]
+    assert "rank 1:" in hang["message"].split("Where they were:")[1]  # each rank's stack
+    spin = rows["02_spin"]
+    assert spin["status"] == "error" and spin["exercise"] == ""
+    assert spin["message"].startswith("CellTimeoutError")
