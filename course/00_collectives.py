@@ -16,6 +16,9 @@
 #
 #     python -m minizero grade my-lessons/00_collectives.ipynb
 #
+# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
+# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
+#
 # On a laptop or a CPU machine the ranks are processes talking over **gloo**. On a machine with
 # several GPUs the same cells run one rank per GPU over **NCCL**, with no edits: `launch` picks
 # the backend (`backend="auto"`), and each rank picks its device from the backend.

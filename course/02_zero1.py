@@ -31,6 +31,9 @@
 # together when one of them sees an overflow.
 #
 #     python -m minizero grade my-lessons/02_zero1.ipynb
+#
+# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
+# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 import matplotlib.pyplot as plt

@@ -25,6 +25,9 @@
 # while the current one computes.
 #
 #     python -m minizero grade my-lessons/04_zero3.ipynb
+#
+# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
+# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from collections import Counter

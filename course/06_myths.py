@@ -14,6 +14,9 @@
 # asynchronous, and nothing in it is specific to Transformers.
 #
 #     python -m minizero grade my-lessons/06_myths.ipynb
+#
+# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
+# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 import statistics
