@@ -5,13 +5,11 @@ chain DDP -> ZeRO1 -> ZeRO2 -> ZeRO3, each extending the one before) are ``nn.Mo
 the user's model as ``.module`` and run it unchanged; what differs between them is only what they
 keep, and which collectives they issue, from backward to the end of ``optimizer.step()``.
 
-One layout serves communication and the optimizer at once (lesson 02). Parameters are
-communicated in flat buckets; rank r owns a range of each bucket (all of it for DDP, chunk r for
-ZeRO) and keeps its fp32 master weights as one ``(owned,)`` tensor per bucket. The optimizer gets
-one tensor per :class:`Fragment`: the part of one parameter that falls in this rank's range, a view
-into that master tensor, placed in the parameter's own param group. So per-group settings (no
-weight decay on biases), skipping parameters that got no gradient, and checkpoints addressed by
-parameter name and element range all come from the same views.
+One layout serves communication and the optimizer (lesson 02): flat buckets; rank r owns a range of
+each (all of it for DDP, chunk r for ZeRO), its fp32 masters one ``(owned,)`` tensor per bucket. The
+optimizer gets one tensor per :class:`Fragment`: the part of one parameter in this rank's range, a
+view into that master tensor, in the parameter's own param group. Per-group settings, skipping
+parameters without gradient, checkpoints by parameter name and element range: all from these views.
 
 One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
 
@@ -23,8 +21,8 @@ One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
     end_step()      forget this step's gradients and norms
 
 What a stage provides (the base calls these): ``owned_grads()``, ``after_step()``,
-``reset_grads(set_to_none)``, ``full_params()``, ``reduce_norm_parts(part, op)`` (the norms of
-``clip_grad_norm_``, in sharded_grad.py's ``GradNorms``); and, for loading, ``load_param(p, full)``.
+``reset_grads(set_to_none)``, ``full_params()``, ``reduce_norm_parts(part, op)`` (sharded_grad.py's
+``GradNorms``); and, for loading, ``load_param(p, full)``.
 """
 
 from __future__ import annotations
@@ -68,6 +66,9 @@ class Fragment:
     def is_master(self) -> bool:
         """True when the optimizer steps a master view (not the parameter itself)."""
         return self.tensor is not self.param
+
+
+SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
 
 class DataParallel(GradNorms, nn.Module):
@@ -125,9 +126,9 @@ class DataParallel(GradNorms, nn.Module):
             pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
             self._arrival = weakref.ref(pg)
 
-    def expect_every_rank(self, what: str) -> None:
-        """Before a collective a habit calls on one rank only (nanoGPT's ``if master_process:``):
-        all ranks arrive within ``MINIZERO_ARRIVAL_S`` seconds (30), or an error, not a hang."""
+    def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:
+        """Before a collective one might call on rank 0 only (nanoGPT's ``if master_process:``):
+        every rank arrives within ``MINIZERO_ARRIVAL_S`` (30) seconds, or an error, no hang."""
         if self.world == 1 or self._arrival() is None:
             return
         seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
@@ -136,9 +137,8 @@ class DataParallel(GradNorms, nn.Module):
         except RuntimeError as e:
             raise RuntimeError(
                 f"{what} is collective at ZeRO stage {self.stage} (a rank holds only its shard) "
-                f"and some rank did not call it within {seconds:g} s. Call it on every rank, save "
-                f"on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, path)`, "
-                f"or minizero.save_checkpoint on every rank. ({str(e).splitlines()[0]})"
+                f"and some rank did not call it within {seconds:g} s. Call it on every rank, "
+                f"{how}. ({str(e).splitlines()[0]})"
             ) from None
 
     def cast_working(self) -> None:
@@ -327,7 +327,7 @@ class DataParallel(GradNorms, nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user's model's state dict with every parameter full and fp32 (collective)."""
         if self.stage > 0:  # the fp32 masters are sharded: gathering them is collective
-            self.expect_every_rank("model.state_dict()")
+            self.expect_every_rank("model.state_dict()", SAVE_ON_RANK_0)
         sd = self.module.state_dict(keep_vars=True)  # parameter objects are not read here
         full = self.full_params()  # id(param) -> full fp32 tensor
         names = dict(self.module.named_parameters(remove_duplicate=False))

@@ -70,6 +70,12 @@ class ShardedGrad(torch.Tensor):
         if func in (torch._foreach_norm, torch.linalg.vector_norm, torch.norm, torch.Tensor.norm):
             grads = list(first) if isinstance(first, (list, tuple)) else [first]
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2.0))
+            ord_ = 2.0 if ord_ in ("fro", None) else ord_  # p.grad.norm(): Frobenius = 2-norm
+            if len(args) > 2 or kwargs.get("dim") is not None:
+                raise RuntimeError(
+                    f"{name}(dim=...) of a sharded gradient: only whole-tensor norms are "
+                    "supported at ZeRO stages 1-3 (p.grad.norm(), clip_grad_norm_)"
+                )
             norms = [g._owner.grad_norm(g._param, ord_) for g in _mine(grads)]
             return norms if isinstance(first, (list, tuple)) else norms[0]
         if name in _INPLACE:
@@ -117,6 +123,8 @@ class GradNorms:
                     part[i] = (
                         torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
                     )
+            if self.stage > 0:  # a collective: a rank that logs alone would wait forever
+                self.expect_every_rank("a gradient norm (p.grad.norm(), clip_grad_norm_)")
             self.reduce_norm_parts(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
             norms = part if inf else part.sqrt()
             self._norms[ord_] = {id(q): norms[i] for i, q in enumerate(self.params)}

@@ -44,7 +44,7 @@ def test_state_dict_on_rank_0_only_is_an_error_not_a_hang(stage):
         run(rank0_only_state_dict, 2, stage, timeout=60)
     msg = str(e.value)
     assert f"model.state_dict() is collective at ZeRO stage {stage}" in msg, msg
-    assert "Call it on every rank, save on rank 0 only" in msg, msg
+    assert "Call it on every rank, save on rank 0 only: `sd = model.state_dict()" in msg, msg
 
 
 def every_rank_state_dict(stage: int) -> dict:
@@ -90,3 +90,30 @@ def test_loading_rank_0s_optimizer_state_elsewhere_is_refused_at_stages_1_to_3(s
         msg = results[1]["rank0"]
         assert f"saved by rank 0 of 2 at stage {stage}" in msg, msg
         assert "here is rank 1 of 2" in msg and "minizero.save_checkpoint" in msg, msg
+
+
+def grad_norms_for_logging(stage: int, rank0_only: bool) -> list[float]:
+    """``p.grad.norm()`` after backward, as a training loop logs it (every rank, or rank 0)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.environ["MINIZERO_ARRIVAL_S"] = "3"
+    model, opt = _wrapped(stage)
+    x, y = local_batch("mlp", 0, rank, world)
+    model(x, y).backward()
+    if rank0_only and rank != 0:
+        return []
+    return [float(p.grad.norm()) for p in model.module.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_p_grad_norm_logs_the_averaged_gradients_norm_at_every_stage(stage):
+    """At stages 1-3 no rank holds p.grad whole; its norm is DDP's (stage 0), on every rank."""
+    want = run(grad_norms_for_logging, 2, 0, False)[0]  # DDP: the whole averaged p.grad
+    for got in run(grad_norms_for_logging, 2, stage, False):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_p_grad_norm_on_rank_0_only_is_an_error_not_a_hang():
+    with pytest.raises(LaunchError) as e:
+        run(grad_norms_for_logging, 2, 2, True, timeout=60)
+    assert "a gradient norm (p.grad.norm(), clip_grad_norm_) is collective" in str(e.value)
+    assert "Call it on every rank, print or save on rank 0 only" in str(e.value)
