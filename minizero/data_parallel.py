@@ -121,9 +121,8 @@ class DataParallel(GradNorms, nn.Module):
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
         # expect_every_rank's own gloo group, made while every rank is here; deepcopy shares it
         self._arrival = lambda: None
-        if dist.get_backend(process_group) in ("gloo", "nccl") and self.world > 1:
-            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        if process_group is None and dist.get_backend() in ("gloo", "nccl") and self.world > 1:
+            pg = dist.new_group(backend="gloo")  # world only: a subgroup's would desync counters
             self._arrival = weakref.ref(pg)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:
