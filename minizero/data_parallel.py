@@ -27,11 +27,8 @@ What a stage provides (the base calls these): ``owned_grads()``, ``after_step()`
 
 from __future__ import annotations
 
-import os
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
+from minizero.habits import Arrival, Trainable, claim, match_keys, refuse_dtypes
 from minizero.precision import LossScaler, Precision, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
@@ -91,6 +89,9 @@ class DataParallel(GradNorms, nn.Module):
                 "torch.distributed is not initialised: run this inside minizero.launch(fn, nprocs) "
                 "or under torchrun (python -m minizero run ...)"
             )
+        self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
+        refuse_dtypes([p for p in module.parameters() if p.requires_grad], self.param_names)
+        claim(module, type(self).__name__)  # before any hook: a refused model stays clean
         self.module = module
         self.group = process_group
         self.world = dist.get_world_size(process_group)
@@ -98,6 +99,7 @@ class DataParallel(GradNorms, nn.Module):
         self.precision = resolve(precision)
         self.scaler = LossScaler() if self.precision.loss_scale else None
         self.broadcast_buffers = broadcast_buffers
+        self._sync_buffers = True  # torch DDP's rule: after a synchronised training forward
         self.find_unused_parameters = find_unused_parameters
         self.require_sync = True  # False inside no_sync()
         self._callback_queued = False
@@ -109,7 +111,7 @@ class DataParallel(GradNorms, nn.Module):
         self._hidden = False  # p.grad is a ShardedGrad until the next forward
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self._frags_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
-        self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
+        self._trainable = Trainable(module, self.param_names)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
                 C.broadcast(t.data, src=0, group=process_group, tag="initial state")
@@ -119,26 +121,13 @@ class DataParallel(GradNorms, nn.Module):
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
-        # expect_every_rank's own gloo group, made while every rank is here; deepcopy shares it
-        self._arrival = lambda: None
-        if process_group is None and dist.get_backend() in ("gloo", "nccl") and self.world > 1:
-            pg = dist.new_group(backend="gloo")  # world only: a subgroup's would desync counters
-            self._arrival = weakref.ref(pg)
+        self._arrival = Arrival(process_group, self.world)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:
         """Before a collective one might call on rank 0 only (nanoGPT's ``if master_process:``):
         every rank arrives within ``MINIZERO_ARRIVAL_S`` (30) seconds, or an error, no hang."""
-        if self.world == 1 or self._arrival() is None:
-            return
-        seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
-        try:
-            dist.monitored_barrier(self._arrival(), timeout=timedelta(seconds=seconds))
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"{what} is collective at ZeRO stage {self.stage} (a rank holds only its shard) "
-                f"and some rank did not call it within {seconds:g} s. Call it on every rank, "
-                f"{how}. ({str(e).splitlines()[0]})"
-            ) from None
+        why = f"at ZeRO stage {self.stage} (a rank holds only its shard)"
+        self._arrival.expect(what, why, how)
 
     def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
@@ -167,11 +156,13 @@ class DataParallel(GradNorms, nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._trainable.check()
         self._show_grads()
-        if self.broadcast_buffers and torch.is_grad_enabled():  # as torch DDP's default
-            with torch.no_grad():
+        if self.broadcast_buffers and self._sync_buffers:  # torch DDP's rule: rank 0's buffers
+            with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
                     C.broadcast(buf, src=0, group=self.group, tag="buffers")
+        self._sync_buffers = torch.is_grad_enabled() and self.require_sync
         dtype = self.precision.param_dtype
         if self.precision.cast_forward_inputs and dtype != torch.float32:
             cast = lambda t: t.to(dtype) if _floating(t) else t
@@ -237,10 +228,24 @@ class DataParallel(GradNorms, nn.Module):
         self._hidden = True
 
     def _show_grads(self) -> None:
-        if self._hidden:
-            for p in self.params:
-                p.grad = self.visible_grad(p)
-            self._hidden = False
+        if not self._hidden:
+            return
+        cleared = self._cleared_by_hand()
+        if cleared and len(cleared) == len(self._used):  # `p.grad = None` for every p:
+            return self.zero_grad(set_to_none=True)  # the habit that means zero_grad()
+        for p in self.params:
+            if id(p) in cleared:
+                self.clear_grad(p)
+            p.grad = None if id(p) in cleared else self.visible_grad(p)
+        self._hidden = False
+
+    def _cleared_by_hand(self) -> set[int]:
+        """id(p) of parameters whose (sharded) gradient the user replaced by None."""
+        return {id(p) for p in self.params if p.grad is None and id(p) in self._used}
+
+    def clear_grad(self, p: nn.Parameter) -> None:
+        """``p.grad = None`` by hand: forget ``p``'s gradient (the stage's part)."""
+        raise NotImplementedError
 
     # -- the step: what the optimizer returned by parallelize() calls ------------------------------
     def owned_grads(self) -> list[torch.Tensor | None]:
@@ -275,6 +280,8 @@ class DataParallel(GradNorms, nn.Module):
         if not self._grads_ok:
             return False
         unused = self._globally_unused()
+        if self._hidden:  # `p.grad = None` after backward: torch's optimizers skip p
+            unused |= self._cleared_by_hand()
         for f in self.fragments:
             g = grads[f.bucket]
             if id(f.param) in unused or g is None:
@@ -342,22 +349,8 @@ class DataParallel(GradNorms, nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (a plain model's, or this wrapper's): parameters go straight to
         the fp32 masters and the working copy, so the next step starts from exactly them."""
-        if state_dict and all(k.startswith("module.") for k in state_dict):  # torch DDP's keys
-            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
         own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
-                f"(pass strict=False to load the keys that match)"
-            )
-        for k, v in state_dict.items():
-            if k in own and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(own[k].shape):
-                raise RuntimeError(
-                    f"load_state_dict: {k!r} has shape {tuple(v.shape)} in the state dict and "
-                    f"{tuple(own[k].shape)} in the model"
-                )
+        state_dict, missing, unexpected = match_keys(own, state_dict, strict)
         names = dict(self.module.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for k, v in state_dict.items():

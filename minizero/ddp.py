@@ -187,6 +187,9 @@ class DDP(DataParallel):
                 for p in b.params:
                     p.copy_(b.view(m, p))  # fp32 master -> 16-bit working copy
 
+    def clear_grad(self, p: nn.Parameter) -> None:
+        self.bucket_of(p).view(self.grad_buffers[self.bucket_of(p).index], p).zero_()
+
     def reset_grads(self, set_to_none: bool) -> None:
         for g in self.grad_buffers:
             g.zero_()  # the next backward adds into zeros (or, in place, into the views)

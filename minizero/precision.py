@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minizero.habits import check_step_is_elementwise
+
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
 # states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -94,6 +96,8 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
             f"{type(optimizer).__name__} is not one of them; use one of those, or stage=0 with "
             f"precision='fp32' (plain DDP: the optimizer sees whole parameters)."
         )
+    base = next(c for c in type(optimizer).__mro__ if c in ELEMENTWISE)  # the nearest one
+    check_step_is_elementwise(optimizer, base)
 
 
 class LossScaler:

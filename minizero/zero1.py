@@ -85,6 +85,7 @@ class ZeRO1(DDP):
     def init_grads(self) -> None:
         super().init_grads()  # (padded,) per bucket, like flat_params; p.grad views into it
         self.reduced = False
+        self.reduced_shards: list[torch.Tensor] = []  # (shard,) per bucket, between reduce and step
 
     @property
     def shards_grads(self) -> bool:
@@ -103,23 +104,30 @@ class ZeRO1(DDP):
         return None if self.reduced else super().visible_grad(p)
 
     def reduce_gradients(self) -> list[torch.Tensor]:
-        """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average."""
-        shards = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
+        """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
+        tensor, kept until the step ends. The local buffers keep this rank's own sums, so a
+        second ``step()``, or more backwards without ``zero_grad()``, reduce them again rightly."""
         if not self.reduced:
             fp16 = self.precision.reduce_dtype == torch.float16
             if fp16:  # divide before the sum, so that the sum cannot overflow fp16
                 for g in self.grad_buffers:
                     g.div_(self.world)
+            # (shard,) per bucket: rank r's chunk of the sum over ranks
+            pairs = zip(self.buckets, self.grad_buffers)
+            self.reduced_shards = [g.new_empty(b.shard) for b, g in pairs]
             works = [
                 C.reduce_scatter(s, g, group=self.group, async_op=True, tag=f"zero1 grads {i}")
-                for i, (s, g) in enumerate(zip(shards, self.grad_buffers))
+                for i, (s, g) in enumerate(zip(self.reduced_shards, self.grad_buffers))
             ]
-            for w, s in zip(works, shards):
+            for w, s in zip(works, self.reduced_shards):
                 w.wait()
                 if not fp16:
                     s.div_(self.world)
+            if fp16:  # the local sums back (exact when N is a power of 2)
+                for g in self.grad_buffers:
+                    g.mul_(self.world)
             self.reduced = True
-        return shards  # (shard,) per bucket, averaged over ranks
+        return self.reduced_shards  # (shard,) per bucket, averaged over ranks
 
     # -- the optimizer's side ----------------------------------------------------------------
     def owned_grads(self) -> list[torch.Tensor | None]:
@@ -142,10 +150,10 @@ class ZeRO1(DDP):
                 )
         for w in works:
             w.wait()
-        self.reduced = False  # the buffers hold this step's reduced chunks until zero_grad()
+        self.reduced, self.reduced_shards = False, []  # the next step reduces the buffers again
 
     def reset_grads(self, set_to_none: bool) -> None:
-        self.reduced = False
+        self.reduced, self.reduced_shards = False, []
         super().reset_grads(set_to_none)
 
     def full_params(self) -> dict[int, torch.Tensor]:

@@ -118,6 +118,12 @@ class ZeRO2(ZeRO1):
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return None  # the full gradient of p exists only while its bucket fills
 
+    def clear_grad(self, p: nn.Parameter) -> None:
+        for f in self._frags_of.get(id(p), []):  # its ranges of this rank's shards
+            shard = self.grad_shards[f.bucket]  # (shard,) or None
+            if shard is not None:
+                shard[f.offset : f.offset + f.numel].zero_()
+
     def reset_grads(self, set_to_none: bool) -> None:
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)

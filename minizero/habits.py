@@ -1,0 +1,156 @@
+"""The habits of a PyTorch training loop that a data-parallel wrapper must notice.
+
+Each guard here stands for one habit that would otherwise train a different model without a word,
+or hang (the README's "What a PyTorch user expects" says, habit by habit, what happens). A guard
+either makes the habit mean what it means with torch DDP and FSDP2, or refuses it with one message
+that names the habit and says what works instead. Used by data_parallel.py and parallelize.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def refuse_dtypes(params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """The stages keep fp32 gradient buckets and fp32 masters and cast the 16-bit working copy
+    themselves (``precision=``): a parameter of another dtype would never get its gradient."""
+    for p in params:
+        if p.dtype != torch.float32:
+            if p.dtype in (torch.float16, torch.bfloat16):
+                fix = f"call model.float() and pass precision='{_short(p.dtype)}' instead"
+            else:
+                fix = "call model.float() (minizero trains fp32 parameters), or use torch DDP"
+            raise TypeError(
+                f"parameter {names[id(p)]!r} is {p.dtype}: minizero takes an fp32 model and "
+                f"makes the 16-bit working copy itself (precision=...); {fix}"
+            )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def claim(module: nn.Module, wrapper: str) -> None:
+    """One wrapper per model: a second ``parallelize`` of the same module (a notebook cell run
+    twice) would stack a second set of hooks and buckets on it."""
+    held = module.__dict__.get("_minizero_wrapped_by")
+    if held is not None:
+        raise RuntimeError(
+            f"this model is already wrapped by minizero ({held}): a cell run twice? Build a fresh "
+            f"model (e.g. model = Model(config)) before calling minizero.parallelize again, or "
+            f"keep using the wrapper you have"
+        )
+    module.__dict__["_minizero_wrapped_by"] = wrapper  # not an attribute nn.Module registers
+
+
+class Trainable:
+    """Which parameters train is fixed when the buckets are built: freezing or unfreezing one
+    later (``p.requires_grad_(...)``, mid-run fine-tuning) is refused at the next forward."""
+
+    def __init__(self, module: nn.Module, names: dict[int, str]):
+        self.flags = [(p, p.requires_grad) for p in module.parameters()]
+        self.names = names
+
+    def check(self) -> None:
+        changed = [p for p, flag in self.flags if p.requires_grad != flag]
+        if changed:
+            p = changed[0]
+            now = "unfrozen" if p.requires_grad else "frozen"
+            raise RuntimeError(
+                f"parameter {self.names[id(p)]!r} was {now} after minizero.parallelize built its "
+                f"buckets and shards (which parameters train is fixed then, as with FSDP2's "
+                f"construction). Set requires_grad on every parameter before parallelize; to "
+                f"unfreeze mid-run, save a checkpoint, build a new model with the new flags, "
+                f"parallelize it and load the checkpoint"
+            )
+
+
+def check_step_is_elementwise(optimizer: torch.optim.Optimizer, base: type) -> None:
+    """A subclass of an elementwise optimizer is elementwise only if it keeps the base's
+    ``step``: LAMB written on Adam (or LARS on SGD) overrides it with per-tensor norms, which on
+    a flat shard would be norms of fragments. A subclass that is elementwise anyway says so with
+    ``minizero_elementwise = True``."""
+    cls = type(optimizer)
+    if getattr(cls, "minizero_elementwise", False):
+        return
+    want = inspect.unwrap(base.step)  # torch wraps step with profiling hooks; compare the code
+    for c in cls.__mro__[: cls.__mro__.index(base)]:
+        step = c.__dict__.get("step")
+        if step is not None and inspect.unwrap(step) is not want:
+            raise TypeError(
+                f"{cls.__name__}.step overrides {base.__name__}.step: at stages 1-3 (and in mixed "
+                f"precision) each rank steps flat fragments of the parameters, so a step that "
+                f"uses per-tensor norms (LAMB, LARS) would compute them over fragments. Use "
+                f"stage=0 with precision='fp32', or, if your step is elementwise, set "
+                f"{cls.__name__}.minizero_elementwise = True"
+            )
+
+
+def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[str], list[str]]:
+    """``load_state_dict`` of a plain model's or torch DDP's (``module.``) state dict: the keys
+    and shapes must match the wrapped model's (only the keys unless ``strict``)."""
+    if state_dict and all(k.startswith("module.") for k in state_dict):  # torch DDP's keys
+        state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
+            f"(pass strict=False to load the keys that match)"
+        )
+    for k, v in state_dict.items():
+        if k in own and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(own[k].shape):
+            raise RuntimeError(
+                f"load_state_dict: {k!r} has shape {tuple(v.shape)} in the state dict and "
+                f"{tuple(own[k].shape)} in the model"
+            )
+    return state_dict, missing, unexpected
+
+
+class Arrival:
+    """Before a collective that one might call on rank 0 only (nanoGPT's ``if master_process:``):
+    every rank of ``group`` arrives within ``MINIZERO_ARRIVAL_S`` (30) seconds, or an error.
+
+    Through the process group's key-value store (the one torchrun's rendezvous made), so it
+    needs no collective of its own, works on subgroups, and costs one store round trip."""
+
+    def __init__(self, group: dist.ProcessGroup | None, world: int):
+        self.world = world
+        self.store = None
+        if world > 1:
+            try:
+                self.store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, AttributeError, ValueError):  # a store-less backend: no check
+                return
+            c10d = dist.distributed_c10d
+            name = "world" if group is None else c10d._get_process_group_name(group)
+            me = dist.get_rank()
+            # the n-th wrapper this rank builds over this group: equal on every member rank
+            n = self.store.add(f"minizero/wrappers/{name}/{me}", 1)
+            self.prefix = f"minizero/arrival/{name}/{n}"
+        self.calls = 0
+
+    def __deepcopy__(self, memo) -> Arrival:  # copy.deepcopy(model) shares the store
+        return self
+
+    def expect(self, what: str, why: str, how: str) -> None:
+        if self.store is None:
+            return
+        self.calls += 1
+        key = f"{self.prefix}/{self.calls}"
+        seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
+        if self.store.add(key, 1) == self.world:
+            self.store.set(key + "/all", "1")
+        try:
+            self.store.wait([key + "/all"], timedelta(seconds=seconds))
+        except RuntimeError:  # torch's DistStoreError is a RuntimeError
+            raise RuntimeError(
+                f"{what} is collective {why} and some rank did not call it within {seconds:g} s. "
+                f"Call it on every rank, {how}."
+            ) from None
