@@ -146,3 +146,56 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+# -- block-wise int8 quantisation: ZeRO++'s qwZ (Wang et al., arXiv 2306.10209, §3.1) -------------
+QUANT_BLOCK = 256  # elements per block, each with its own scale
+
+
+def quantize_blockwise(
+    x: torch.Tensor, block: int = QUANT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 quantisation of the 1-D ``x`` in blocks of ``block`` elements (the
+    last one may be shorter). Returns ``q`` (n,) int8 in [-127, 127] and ``scales``
+    (ceil(n / block),) fp32, with x ≈ q * scale of its block; scale = absmax(block) / 127."""
+    n = x.numel()
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    rows = padded.view(blocks, block)  # (blocks, block)
+    scales = rows.abs().amax(dim=1) / 127  # (blocks,) fp32
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: q = 0
+    q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(-1)[:n], scales
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scales: torch.Tensor, block: int = QUANT_BLOCK, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`, row by row: ``q`` (rows, n) int8 and ``scales``
+    (rows, ceil(n / block)), e.g. every rank's quantised shard after an all-gather. Writes into
+    ``out`` (rows, n) (any float dtype) when given; returns (rows, n)."""
+    q2 = q if q.dim() == 2 else q.view(1, -1)  # (rows, n) int8
+    s2 = scales if scales.dim() == 2 else scales.view(1, -1)  # (rows, blocks) fp32
+    rows, n = q2.shape
+    blocks = s2.shape[1]
+    full = torch.zeros(rows, blocks * block, dtype=torch.float32, device=q.device)
+    full[:, :n] = q2
+    deq = (full.view(rows, blocks, block) * s2[:, :, None]).view(rows, -1)[:, :n]
+    if out is None:
+        return deq
+    out.view(rows, n).copy_(deq)
+    return out
+
+
+def quantization_error(x: torch.Tensor, block: int = QUANT_BLOCK) -> dict[str, float]:
+    """How far int8 block quantisation moves ``x``: ``max_rel`` = max|x - x̂| / max|x| and
+    ``rms_rel`` = ||x - x̂|| / ||x|| (0 for an all-zero x)."""
+    x = x.detach().reshape(-1).float()
+    q, s = quantize_blockwise(x, block)
+    err = dequantize_blockwise(q, s, block).view(-1) - x
+    big, norm = float(x.abs().max()) if x.numel() else 0.0, float(x.norm())
+    return {
+        "max_rel": float(err.abs().max()) / big if big else 0.0,
+        "rms_rel": float(err.norm()) / norm if norm else 0.0,
+    }

@@ -28,7 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from minizero import collectives as C
+from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 
 Units = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
 
@@ -151,6 +155,25 @@ def _no_op(*args) -> None:
     return None
 
 
+def check_same_module(code: int, names: list[str], group, device: torch.device) -> None:
+    """Stage 3's check that the ranks run the same unit modules: each rank all-gathers its
+    ``code`` (2 * the module's index in ``names`` + 1 if backward starts from it) and all raise
+    a ``RuntimeError`` naming what each rank ran when the codes differ."""
+    mine = torch.tensor([code], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)  # not model states: not in the ledger
+    codes = [int(t) for t in every]
+    if len(set(codes)) > 1:
+        what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(names[c // 2])
+        ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
+        raise RuntimeError(
+            f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
+            "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
+            "must run the same modules with parameters in the same order: make the branch "
+            "the same on every rank (e.g. run both and select the output)."
+        )
+
+
 # -- the guard on sharded parameters -----------------------------------------------------------
 class ShardedParameterError(RuntimeError):
     """A sharded ZeRO-3 parameter was read where only this rank's chunk of it exists."""
@@ -246,3 +269,84 @@ def set_guard(params: list[nn.Parameter], on: bool) -> None:
             p.__class__ = guarded_class(type(p))
         elif not on and guarded:
             p.__class__ = type(p).__mro__[2]  # (Sharded<cls>, _Guarded, <cls>, ...)
+
+
+# -- ZeRO++: how a unit is gathered (Wang et al., arXiv 2306.10209) ----------------------------
+class SecondaryShards:
+    """hpZ (ZeRO++ §3.2; FSDP2's ``reshard_after_forward=k``): after a unit's forward, rank r
+    keeps 1/k of the unit, chunk ``r % k`` of it, so that its block of k consecutive ranks (a
+    node: ranks ``k * (r // k)`` ..) holds the whole unit between them, and backward all-gathers
+    over those k ranks only, not over all N. Cost: ``padded / k`` elements per unit per rank, in
+    the working dtype, from the end of the unit's forward to its backward.
+
+    Every rank makes every block's group (``dist.new_group`` must be entered by every process of
+    the job, in the same order), so the wrapper's group must be the world."""
+
+    def __init__(self, k: int, n_units: int) -> None:
+        world = dist.get_world_size()
+        groups = [dist.new_group(list(range(s, s + k))) for s in range(0, world, k)]
+        rank = dist.get_rank()
+        self.k, self.index = k, rank % k  # this rank's chunk of the unit within its block
+        self.group = C.name_group(groups[rank // k], "hpZ")
+        self.shards: list[torch.Tensor | None] = [None] * n_units  # (padded / k,) per unit
+
+    def keep(self, i: int, flat: torch.Tensor) -> None:
+        """Unit i's full ``flat`` (padded,) is about to be freed: keep this rank's 1/k of it."""
+        if self.shards[i] is None:
+            self.shards[i] = flat.view(self.k, -1)[self.index].clone()  # (padded / k,)
+
+    def gather(self, i: int, flat: torch.Tensor, tag: str):
+        """Async all-gather of unit i from the block's k secondary shards into ``flat``."""
+        return C.all_gather(flat, self.shards[i], group=self.group, async_op=True, tag=tag)
+
+    def drop(self, i: int | None = None) -> None:
+        """Forget unit i's secondary shard (every unit's with None)."""
+        for j in range(len(self.shards)) if i is None else [i]:
+            self.shards[j] = None
+
+
+class QuantizedGather:
+    """qwZ (ZeRO++ §3.1): all-gather a unit's shards as int8 blocks with one fp32 scale per block
+    (two all-gathers: N * shard bytes and 4 * N * ceil(shard / block) bytes, against 2 or 4 bytes
+    per element unquantised), dequantised into ``flat`` (padded,) on :meth:`wait`. The shard
+    itself (the master copy's working-dtype image) is never quantised: only the gathered copy."""
+
+    def __init__(self, flat: torch.Tensor, shard: torch.Tensor, group, tag: str) -> None:
+        n = dist.get_world_size(group)
+        self.q, self.scales = quantize_blockwise(shard, QUANT_BLOCK)  # (shard,) int8, (blocks,)
+        self.all_q = torch.empty(n, shard.numel(), dtype=torch.int8, device=shard.device)
+        self.all_scales = torch.empty(n, self.scales.numel(), device=shard.device)  # fp32
+        self.works = [
+            C.all_gather(self.all_q.view(-1), self.q, group, async_op=True, tag=tag + " int8"),
+            C.all_gather(
+                self.all_scales.view(-1), self.scales, group, async_op=True, tag=tag + " scales"
+            ),
+        ]
+        self.flat = flat
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        dequantize_blockwise(self.all_q, self.all_scales, QUANT_BLOCK, out=self.flat)
+        return True
+
+
+def reshard_size(value: bool | int, group) -> bool | int:
+    """``reshard_after_forward`` checked, by FSDP2's rule: True, False, or an int k dividing the
+    group size N; k == 1 means False, k == N means True."""
+    world = dist.get_world_size(group)
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or world % value:
+        raise ValueError(
+            f"reshard_after_forward must be True, False or an int dividing the group size "
+            f"{world} (the ranks per node, e.g. torch.cuda.device_count()), got {value!r}"
+        )
+    if value in (1, world):
+        return value == world
+    if group is not None and group != dist.group.WORLD:
+        raise ValueError(
+            f"reshard_after_forward={value} (hpZ) needs the wrapper over the world group: "
+            "its blocks of ranks are made with dist.new_group on every rank"
+        )
+    return value

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero import units as U
 from minizero.bucket import Bucket
 from minizero.precision import Precision
-from minizero.units import Hook, Units, assign_params, output_tensors, select_units, set_guard
+from minizero.units import Hook, QuantizedGather, SecondaryShards, Units, set_guard
 from minizero.zero2 import ZeRO2
 
 
@@ -47,6 +48,16 @@ class ZeRO3(ZeRO2):
     forward to the end of backward, as FSDP2 does for its root (one all-gather fewer, 3Ψ - Ψ_root
     per step).
 
+    ZeRO++ (Wang et al., arXiv 2306.10209), opt-in; measured by ``python -m minizero bench
+    zeropp``. hpZ (§3.2), ``reshard_after_forward`` as FSDP2 defines it: True, the above; False:
+    units stay whole from their forward to their reduce-scatter (no backward all-gather, up to
+    Ψ more bytes held); an int k dividing N (the ranks per node): after forward each rank keeps
+    1/k of the unit (its secondary shard; Ψ/k more between forward and backward), and backward
+    all-gathers within its block of k consecutive ranks ("hpZ" in the ledger). qwZ (§3.1),
+    ``quantize_weights=True``: all-gathers from the shards go as int8 blocks of 256 with an fp32
+    scale each (about Ψ(1 + 4/256) bytes instead of 2Ψ or 4Ψ); the shards and the optimizer's
+    masters stay full precision. qgZ (§3.3) is simulated only: minizero.tools.zeropp.
+
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
     ``RuntimeError`` naming them instead of a mismatched collective (a gloo abort or a hang). It
@@ -75,6 +86,8 @@ class ZeRO3(ZeRO2):
         process_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
         reshard_root: bool = True,
+        reshard_after_forward: bool | int = True,
+        quantize_weights: bool = False,
         check_modules: bool = True,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
@@ -89,6 +102,11 @@ class ZeRO3(ZeRO2):
         self.prefetch = prefetch
         self.reshard_root = reshard_root
         n = len(self.buckets)
+        self.reshard_after_forward = U.reshard_size(reshard_after_forward, process_group)
+        self.secondary = None  # hpZ: SecondaryShards when reshard_after_forward is an int
+        if not isinstance(self.reshard_after_forward, bool):
+            self.secondary = SecondaryShards(self.reshard_after_forward, n)
+        self.quantize_weights = bool(quantize_weights)  # qwZ: int8 all-gathers from the shards
         self.gathers: list = [None] * n  # in-flight all-gather per unit
         self.gathered = [True] * n  # flat_params[i] holds the full unit
         self._active = [0] * n  # modules using unit i whose forward is running
@@ -115,9 +133,9 @@ class ZeRO3(ZeRO2):
 
     # -- layout: one unit per selected module, the root holding the rest --------------------------
     def make_buckets(self, bucket_cap_mb: float | None = None) -> list[Bucket]:
-        unit_modules = select_units(self.module, self._units_arg)
+        unit_modules = U.select_units(self.module, self._units_arg)
         # self.units_of: unit module -> the units its forward needs (its own, tied ones)
-        groups, owners, self.units_of = assign_params(self.module, unit_modules)
+        groups, owners, self.units_of = U.assign_params(self.module, unit_modules)
         names = {m: name or "(root)" for name, m in self.module.named_modules()}
         self._module_name = names  # module -> its name, for messages
         self._unit_names = [names[m] for m in owners]  # unit index -> its module's name
@@ -158,14 +176,22 @@ class ZeRO3(ZeRO2):
         if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) storage back to full size, then filled
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self.gathers[i] = C.all_gather(
-                flat, self.param_shards[i], group=self.group, async_op=True, tag=f"zero3 params {i}"
-            )
+            self.gathers[i] = self._all_gather(i, flat)
             self.gathered[i] = True
             self.max_gathered = max(self.max_gathered, sum(self.gathered))
         if wait and self.gathers[i] is not None:
             self.gathers[i].wait()
             self.gathers[i] = None
+
+    def _all_gather(self, i: int, flat: torch.Tensor):
+        """Start filling unit i's ``flat`` (padded,): from the block's secondary shards (hpZ,
+        backward after an int reshard_after_forward), int8-quantised (qwZ) or plainly."""
+        tag = f"zero3 params {i}"
+        if self.secondary is not None and self.secondary.shards[i] is not None:
+            return self.secondary.gather(i, flat, tag + " hpZ")
+        if self.quantize_weights:
+            return QuantizedGather(flat, self.param_shards[i], self.group, tag + " qwZ")
+        return C.all_gather(flat, self.param_shards[i], group=self.group, async_op=True, tag=tag)
 
     def free(self, i: int) -> None:
         if self.gathers[i] is not None:
@@ -174,8 +200,17 @@ class ZeRO3(ZeRO2):
         self.flat_params[i].untyped_storage().resize_(0)  # p.data views stay, with 0 bytes
         self.gathered[i] = False
 
-    def _release(self, i: int) -> None:
-        """Free unit i and guard its parameters (their storage is empty now)."""
+    def _release(self, i: int, after_forward: bool = False) -> None:
+        """Free unit i and guard its parameters (their storage is empty now). ``after_forward``
+        (a forward that backward will follow): reshard_after_forward=False keeps the unit
+        whole; an int keeps this rank's secondary shard (hpZ) first."""
+        if after_forward and self.reshard_after_forward is False:
+            return  # stays gathered (and unguarded) until its gradients are reduce-scattered
+        if self.secondary is not None and after_forward:
+            self.gather(i)  # gathered already: waits until the whole unit is here
+            self.secondary.keep(i, self.flat_params[i])
+        elif self.secondary is not None:
+            self.secondary.drop(i)
         self.free(i)
         set_guard(self.buckets[i].params, True)
 
@@ -197,6 +232,8 @@ class ZeRO3(ZeRO2):
     def _forward_pre_hook(self, m: nn.Module, args) -> None:
         if m is self.module:  # a new forward: nothing of an earlier one (an exception) is running
             self._active = [0] * len(self.buckets)
+            if self.secondary is not None:  # an earlier forward's hpZ shards: maybe stale
+                self.secondary.drop()
         if self.check_modules:
             self._check_same_module(m, backward=False)
         self.pre_forward(m, args)
@@ -222,14 +259,14 @@ class ZeRO3(ZeRO2):
             keep = set() if self.reshard_root or not grad else set(self.units_of[m])
             for i, gathered in enumerate(self.gathered):
                 if gathered and i not in keep:
-                    self._release(i)
+                    self._release(i, after_forward=grad)
         else:  # free the units no running module uses and no later module needs
             pos = self._pos.get(m)
             for i in self.units_of[m]:
                 if self._active[i] == 0 and (pos is None or self._last_use.get(i, -1) <= pos):
-                    self._release(i)
+                    self._release(i, after_forward=grad)
         if grad:
-            for t in output_tensors(out):
+            for t in U.output_tensors(out):
                 if t.requires_grad:
                     t.register_hook(Hook(lambda g, m=m: self._backward_hook(m)))
 
@@ -287,21 +324,7 @@ class ZeRO3(ZeRO2):
     # -- ranks must run the same modules ---------------------------------------------------------
     def _check_same_module(self, m: nn.Module, backward: bool) -> None:
         code = 2 * self._module_index[m] + backward
-        mine = torch.tensor([code], dtype=torch.int64, device=self._check_device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)  # not model states: not in the ledger
-        codes = [int(t) for t in every]
-        if len(set(codes)) > 1:
-            what = lambda c: (
-                ("backward, from " if c % 2 else "forward of ") + repr(self._module_names[c // 2])
-            )
-            ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
-            raise RuntimeError(
-                f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
-                "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
-                "must run the same modules with parameters in the same order: make the branch "
-                "the same on every rank (e.g. run both and select the output)."
-            )
+        U.check_same_module(code, self._module_names, self.group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     @contextmanager
@@ -353,6 +376,8 @@ class ZeRO3(ZeRO2):
 
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop()
         if self.precision.master:
             with torch.no_grad():
                 for shard, m in zip(self.param_shards, self.masters):
@@ -361,7 +386,8 @@ class ZeRO3(ZeRO2):
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         state = super()._minizero_state_tensors()
         frozen = [p for p in self.module.parameters() if not p.requires_grad]  # replicated
-        state["params"] = self.param_shards + frozen
+        hpz = [t for t in self.secondary.shards if t is not None] if self.secondary else []
+        state["params"] = self.param_shards + frozen + hpz  # hpZ: between forward and backward
         gathered = [f for f, g in zip(self.flat_params, self.gathered) if g]  # transient
         state["comm"] = state["comm"] + gathered
         return state
