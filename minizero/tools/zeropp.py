@@ -1,0 +1,209 @@
+"""ZeRO++ measured: ``python -m minizero bench zeropp [--nprocs 4 --node-size 2 --steps 20]``.
+For lesson 08 (beyond one node); the library side is minizero/zero3.py (``reshard_after_forward``,
+``quantize_weights``) with units.py (SecondaryShards, QuantizedGather) and precision.py (the
+block quantiser). Wang et al., arXiv 2306.10209.
+
+:func:`measure` trains the same TinyGPT at stage 3 under each configuration on gloo ranks and
+reads, on the last step, per rank: bytes all-gathered in forward and in backward per group, the
+bytes of backward that cross a node boundary (``CommLedger.node_bytes``, the ring model of
+minizero/topology.py, nodes = blocks of ``node_size`` consecutive ranks), the bytes reduce-
+scattered, and the model-state bytes that forward leaves behind for backward (hpZ's cost). Every
+configuration's loss per step is kept, to set qwZ's against the unquantised run's.
+
+:func:`unit_errors` measures qwZ's quantisation error per unit (what forward sees, against the
+full-precision weights), and :func:`qgz_simulation` is qgZ (§3.3) *simulated*, not built: every
+rank's gradient is quantised block-wise to int8 and dequantised before it is summed, as an
+all-to-all based quantised reduce-scatter does (one quantisation per contribution), and as a
+ring would do it (the partial sum quantised again at each of the N-1 hops), against the exact
+sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import collectives as C
+from minizero.memory import format_bytes, model_state_bytes
+from minizero.models import GPTConfig, TinyGPT, synthetic_batch
+from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
+from minizero.tools.cli import Parser, positive_int
+from minizero.units import assign_params, select_units
+
+GLOBAL_BATCH = 16
+
+
+def configurations(world: int, node_size: int) -> dict[str, dict]:
+    """name -> stage-3 options: hpZ's three settings (the int one when it is non-trivial) and
+    qwZ against the unquantised gathers in fp32 and bf16."""
+    out = {"hpZ True (ZeRO-3)": {"reshard_after_forward": True},
+           "hpZ False": {"reshard_after_forward": False}}  # fmt: skip
+    if 1 < node_size < world and world % node_size == 0:
+        out[f"hpZ {node_size}"] = {"reshard_after_forward": node_size}
+    out["bf16 gathers"] = {"precision": "bf16"}
+    out["qwZ (int8)"] = {"quantize_weights": True}
+    if f"hpZ {node_size}" in out:
+        both = {"quantize_weights": True, "reshard_after_forward": node_size}
+        out[f"qwZ + hpZ {node_size}"] = both
+    return out
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig.tiny())
+
+
+def _gathered(ledger: C.CommLedger) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in ledger.records:
+        if r.op == "all_gather":
+            out[r.group] = out.get(r.group, 0) + r.nbytes
+    return out
+
+
+def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, kw in configs.items():
+        opt_fn = lambda ps: torch.optim.AdamW(ps, lr=3e-3)
+        wrapped, opt = minizero.parallelize(model(), 3, opt_fn, **kw)
+        losses, row = [], {}
+        for step in range(steps):
+            x, y = synthetic_batch("gpt", GLOBAL_BATCH, step, rank=rank, world=world, seq_len=32)
+            last = step == steps - 1  # measured: forward's order is recorded by then
+            fwd = C.CommLedger(node_size=node_size) if last else nullcontext()
+            bwd = C.CommLedger(node_size=node_size) if last else nullcontext()
+            before = model_state_bytes(wrapped, opt, include_comm=True)
+            with fwd:
+                loss = wrapped(x, y)
+            between = model_state_bytes(wrapped, opt, include_comm=True)
+            with bwd:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)  # equal local batches: the global mean loss
+            losses.append(float(mean) / world)
+            if last:
+                nodes = bwd.node_bytes()["total"]
+                row = dict(
+                    fwd=_gathered(fwd),
+                    bwd=_gathered(bwd),
+                    rs=sum(r.nbytes for r in bwd.records if r.op == "reduce_scatter"),
+                    bwd_across=nodes["across"],
+                    bwd_inside=nodes["inside"],
+                    held=sum(between.values()) - sum(before.values()),
+                )
+        out[name] = dict(row, losses=losses)
+    return out
+
+
+def measure(world: int = 4, node_size: int = 2, steps: int = 20, timeout: float = 600) -> dict:
+    """Every configuration on ``world`` gloo ranks; rank 0's figures (each rank's are alike)."""
+    configs = configurations(world, node_size)
+    return minizero.launch(
+        _rank, world, configs, steps, node_size, backend="gloo", timeout=timeout, verbose=False
+    )[0]
+
+
+def unit_errors(net: torch.nn.Module, world: int) -> list[dict]:
+    """qwZ's error per unit of ``net`` (stage 3's default units): each unit flat, padded to a
+    multiple of N, split in N shards each quantised in blocks of 256 as the gather does."""
+    groups, owners, _ = assign_params(net, select_units(net))
+    names = {m: n or "(root)" for n, m in net.named_modules()}
+    rows = []
+    for params, owner in zip(groups, owners, strict=True):
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params])  # (Ψ_unit,)
+        padded = -(-flat.numel() // world) * world
+        full = torch.zeros(padded)
+        full[: flat.numel()] = flat
+        back = torch.cat([dequantize_blockwise(*quantize_blockwise(s)).view(-1)
+                          for s in full.view(world, -1)])  # fmt: skip
+        err = back - full
+        rows.append(dict(unit=names[owner], numel=flat.numel(),
+                         max_rel=float(err.abs().max() / full.abs().max()),
+                         rms_rel=float(err.norm() / full.norm())))  # fmt: skip
+    return rows
+
+
+def _qdq(x: torch.Tensor) -> torch.Tensor:
+    return dequantize_blockwise(*quantize_blockwise(x)).view(-1)
+
+
+def qgz_simulation(world: int = 4, seed: int = 0) -> dict:
+    """qgZ simulated on one process: the N ranks' gradients (each from its slice of one global
+    batch), summed exactly, summed after one int8 quantisation each (all-to-all qgZ), and
+    summed along a ring that quantises the partial sum at every hop. Relative errors of the
+    sum, and the bytes each rank sends for one reduce-scatter: fp32 ring vs int8 all-to-all."""
+    net = model(seed)
+    grads = []
+    for r in range(world):
+        x, y = synthetic_batch("gpt", GLOBAL_BATCH, 0, rank=r, world=world, seq_len=32)
+        net.zero_grad()
+        net(x, y).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))  # (Ψ,)
+    exact = torch.stack(grads).sum(0)  # (Ψ,)
+    a2a = torch.stack([_qdq(g) for g in grads]).sum(0)
+    ring = _qdq(grads[0])
+    for g in grads[1:]:  # each hop: receive the quantised partial sum, add, quantise, send
+        ring = _qdq(ring + g)
+    psi = exact.numel()
+    rel = lambda s: dict(max_rel=float((s - exact).abs().max() / exact.abs().max()),
+                         rms_rel=float((s - exact).norm() / exact.norm()))  # fmt: skip
+    blocks = -(-psi // world // QUANT_BLOCK) * world
+    return dict(psi=psi, world=world, all_to_all=rel(a2a), ring=rel(ring),
+                fp32_bytes=4 * psi * (world - 1) / world,
+                int8_bytes=(psi + 4 * blocks) * (world - 1) / world)  # fmt: skip
+
+
+def report(res: dict, world: int, node_size: int) -> str:
+    """The table :func:`measure`'s figures make, per rank and step."""
+    base = res["hpZ True (ZeRO-3)"]["losses"]
+    cols = ("fwd gather", "bwd gather", "bwd group", "bwd across", "held fwd->bwd", "final loss")
+    head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols) + f"{'vs ZeRO-3':>10}"
+    lines = [f"ZeRO++ at stage 3: TinyGPT, {world} gloo ranks, nodes of {node_size}; per rank, "
+             "last step (bytes sent are the ring model's, minizero/topology.py)", head]  # fmt: skip
+    for name, row in res.items():
+        bwd = sum(row["bwd"].values())
+        group = ",".join(row["bwd"]) or "-"
+        loss = row["losses"][-1]
+        sizes = [sum(row["fwd"].values()), bwd, group, row["bwd_across"], row["held"]]
+        cells = [format_bytes(c) if not isinstance(c, str) else c for c in sizes]
+        cells.append(f"{loss:.4f}")
+        lines.append(f"{name:22}" + "".join(f"{c:>14}" for c in cells)
+                     + f"{loss / base[-1] - 1:+10.2%}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = Parser(prog="minizero bench zeropp",
+               description="ZeRO++ at stage 3 on gloo ranks: hpZ (reshard_after_forward True, "
+               "False, node size), qwZ (int8 weight all-gathers) against fp32 and bf16, qwZ's "
+               "error per unit, qgZ simulated.")  # fmt: skip
+    p.add_argument("--nprocs", type=positive_int, default=4, help="ranks (default 4)")
+    p.add_argument("--node-size", type=positive_int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--steps", type=positive_int, default=20, help="steps per configuration")
+    a = p.parse_args(argv)
+    if a.nprocs % a.node_size:
+        p.error(f"--node-size ({a.node_size}) must divide --nprocs ({a.nprocs})")
+    res = measure(a.nprocs, a.node_size, a.steps)
+    print(report(res, a.nprocs, a.node_size))
+    print(f"\nqwZ error per unit (int8, blocks of {QUANT_BLOCK}, fp32 scales), initial weights:")
+    for row in unit_errors(model(), a.nprocs):
+        print(f"  {row['unit']:18}{row['numel']:>9,} elements  max {row['max_rel']:.2e}  "
+              f"rms {row['rms_rel']:.2e}")  # fmt: skip
+    q = qgz_simulation(a.nprocs)
+    print(f"\nqgZ (simulated, int8): gradient sum of {q['world']} ranks, Ψ={q['psi']:,}: "
+          f"all-to-all rms {q['all_to_all']['rms_rel']:.2e} max {q['all_to_all']['max_rel']:.2e}; "
+          f"ring (re-quantised each hop) rms {q['ring']['rms_rel']:.2e}; bytes sent per rank "
+          f"{format_bytes(q['int8_bytes'])} vs fp32 {format_bytes(q['fp32_bytes'])}")  # fmt: skip
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("zeropp", help="ZeRO++ at stage 3: hpZ, qwZ bytes and memory, qgZ simulated",
+                   add_help=False)  # fmt: skip
