@@ -32,6 +32,7 @@ from minizero.memory import format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, synthetic_batch
 from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 from minizero.tools.cli import Parser, positive_int
+from minizero.topology import ring_bytes
 from minizero.units import assign_params, select_units
 
 GLOBAL_BATCH = 16
@@ -65,6 +66,12 @@ def _gathered(ledger: C.CommLedger) -> dict[str, int]:
     return out
 
 
+def _across(ledger: C.CommLedger, node_size: int) -> float:
+    """Bytes this rank's all-gathers sent to another node (topology.py's ring model)."""
+    return sum(ring_bytes(r.op, r.nbytes, r.ranks, r.rank, node_size)[1]
+               for r in ledger.records if r.op == "all_gather")  # fmt: skip
+
+
 def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -89,13 +96,12 @@ def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
             dist.all_reduce(mean)  # equal local batches: the global mean loss
             losses.append(float(mean) / world)
             if last:
-                nodes = bwd.node_bytes()["total"]
                 row = dict(
                     fwd=_gathered(fwd),
                     bwd=_gathered(bwd),
                     rs=sum(r.nbytes for r in bwd.records if r.op == "reduce_scatter"),
-                    bwd_across=nodes["across"],
-                    bwd_inside=nodes["inside"],
+                    across=_across(fwd, node_size) + _across(bwd, node_size),
+                    bwd_across=_across(bwd, node_size),
                     held=sum(between.values()) - sum(before.values()),
                 )
         out[name] = dict(row, losses=losses)
@@ -103,11 +109,18 @@ def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
 
 
 def measure(world: int = 4, node_size: int = 2, steps: int = 20, timeout: float = 600) -> dict:
-    """Every configuration on ``world`` gloo ranks; rank 0's figures (each rank's are alike)."""
+    """Every configuration on ``world`` gloo ranks: rank 0's figures (the payloads, memory and
+    losses are the same on every rank), with ``across`` and ``bwd_across`` summed over the ranks
+    (in a ring, only the ranks whose successor is on another node send across)."""
     configs = configurations(world, node_size)
-    return minizero.launch(
+    ranks = minizero.launch(
         _rank, world, configs, steps, node_size, backend="gloo", timeout=timeout, verbose=False
-    )[0]
+    )
+    out = ranks[0]
+    for name, row in out.items():
+        for key in ("across", "bwd_across"):
+            row[key] = sum(r[name][key] for r in ranks)
+    return out
 
 
 def unit_errors(net: torch.nn.Module, world: int) -> list[dict]:
@@ -164,9 +177,12 @@ def report(res: dict, world: int, node_size: int) -> str:
     """The table :func:`measure`'s figures make, per rank and step."""
     base = res["hpZ True (ZeRO-3)"]["losses"]
     cols = ("fwd gather", "bwd gather", "bwd group", "bwd across", "held fwd->bwd", "final loss")
+    # gather columns: the payload S of the all-gathers of one step, per rank; "bwd across": bytes
+    # backward's all-gathers send over a node boundary, all ranks together (the ring model).
     head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols) + f"{'vs ZeRO-3':>10}"
-    lines = [f"ZeRO++ at stage 3: TinyGPT, {world} gloo ranks, nodes of {node_size}; per rank, "
-             "last step (bytes sent are the ring model's, minizero/topology.py)", head]  # fmt: skip
+    lines = [f"ZeRO++ at stage 3: TinyGPT, {world} gloo ranks, nodes of {node_size}; one step "
+             "(gathers: payload per rank; across: all ranks, minizero/topology.py's ring)",
+             head]  # fmt: skip
     for name, row in res.items():
         bwd = sum(row["bwd"].values())
         group = ",".join(row["bwd"]) or "-"
