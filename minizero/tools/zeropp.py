@@ -32,6 +32,7 @@ from minizero.memory import format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, synthetic_batch
 from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 from minizero.tools.cli import Parser, positive_int
+from minizero.tools.report import header, measured_on, write_json
 from minizero.topology import ring_bytes
 from minizero.units import assign_params, select_units
 
@@ -105,7 +106,7 @@ def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
                     held=sum(between.values()) - sum(before.values()),
                 )
         out[name] = dict(row, losses=losses)
-    return out
+    return {"where": measured_on(), "rows": out}
 
 
 def measure(world: int = 4, node_size: int = 2, steps: int = 20, timeout: float = 600) -> dict:
@@ -117,9 +118,9 @@ def measure(world: int = 4, node_size: int = 2, steps: int = 20, timeout: float 
         _rank, world, configs, steps, node_size, backend="gloo", timeout=timeout, verbose=False
     )
     out = ranks[0]
-    for name, row in out.items():
+    for name, row in out["rows"].items():
         for key in ("across", "bwd_across"):
-            row[key] = sum(r[name][key] for r in ranks)
+            row[key] = sum(r["rows"][name][key] for r in ranks)
     return out
 
 
@@ -173,25 +174,28 @@ def qgz_simulation(world: int = 4, seed: int = 0) -> dict:
                 int8_bytes=(psi + 4 * blocks) * (world - 1) / world)  # fmt: skip
 
 
-def report(res: dict, world: int, node_size: int) -> str:
+def report(res: dict, node_size: int) -> str:
     """The table :func:`measure`'s figures make, per rank and step."""
-    base = res["hpZ True (ZeRO-3)"]["losses"]
+    where, rows = res["where"], res["rows"]
+    base = rows["hpZ True (ZeRO-3)"]["losses"]
     cols = ("fwd gather", "bwd gather", "bwd group", "bwd across", "held fwd->bwd", "final loss")
     # gather columns: the payload S of the all-gathers of one step, per rank; "bwd across": bytes
-    # backward's all-gathers send over a node boundary, all ranks together (the ring model).
-    head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols) + f"{'vs ZeRO-3':>10}"
-    lines = [f"ZeRO++ at stage 3: TinyGPT, {world} gloo ranks, nodes of {node_size}; one step "
-             "(gathers: payload per rank; across: all ranks, minizero/topology.py's ring)",
-             head]  # fmt: skip
-    for name, row in res.items():
+    # backward's all-gathers send over a node boundary, all ranks together (the ring model);
+    # "vs ZeRO-3": the final loss against hpZ True's, "worst step": the largest |relative| gap.
+    head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols) + f"{'vs ZeRO-3':>10}{'worst step':>11}"
+    lines = [header("zeropp", where),
+             f"ZeRO++ at stage 3: TinyGPT, nodes of {node_size} ranks; one step (gathers: "
+             "payload per rank; across: all ranks, minizero/topology.py's ring)", head]  # fmt: skip
+    for name, row in rows.items():
         bwd = sum(row["bwd"].values())
         group = ",".join(row["bwd"]) or "-"
         loss = row["losses"][-1]
         sizes = [sum(row["fwd"].values()), bwd, group, row["bwd_across"], row["held"]]
         cells = [format_bytes(c) if not isinstance(c, str) else c for c in sizes]
         cells.append(f"{loss:.4f}")
+        worst = max(abs(q / b - 1) for q, b in zip(row["losses"], base, strict=True))
         lines.append(f"{name:22}" + "".join(f"{c:>14}" for c in cells)
-                     + f"{loss / base[-1] - 1:+10.2%}")  # fmt: skip
+                     + f"{loss / base[-1] - 1:+10.2%}{worst:11.2%}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -203,20 +207,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nprocs", type=positive_int, default=4, help="ranks (default 4)")
     p.add_argument("--node-size", type=positive_int, default=2, help="ranks per node (default 2)")
     p.add_argument("--steps", type=positive_int, default=20, help="steps per configuration")
+    p.add_argument("--json", default="runs/bench_zeropp.json",
+                   help="where to write the results ('' for nowhere)")  # fmt: skip
     a = p.parse_args(argv)
     if a.nprocs % a.node_size:
         p.error(f"--node-size ({a.node_size}) must divide --nprocs ({a.nprocs})")
     res = measure(a.nprocs, a.node_size, a.steps)
-    print(report(res, a.nprocs, a.node_size))
+    print(report(res, a.node_size))
+    res["unit_errors"] = unit_errors(model(), a.nprocs)
     print(f"\nqwZ error per unit (int8, blocks of {QUANT_BLOCK}, fp32 scales), initial weights:")
-    for row in unit_errors(model(), a.nprocs):
+    for row in res["unit_errors"]:
         print(f"  {row['unit']:18}{row['numel']:>9,} elements  max {row['max_rel']:.2e}  "
               f"rms {row['rms_rel']:.2e}")  # fmt: skip
-    q = qgz_simulation(a.nprocs)
+    q = res["qgz"] = qgz_simulation(a.nprocs)
+    a2a, ring = q["all_to_all"], q["ring"]
     print(f"\nqgZ (simulated, int8): gradient sum of {q['world']} ranks, Ψ={q['psi']:,}: "
-          f"all-to-all rms {q['all_to_all']['rms_rel']:.2e} max {q['all_to_all']['max_rel']:.2e}; "
-          f"ring (re-quantised each hop) rms {q['ring']['rms_rel']:.2e}; bytes sent per rank "
+          f"all-to-all rms {a2a['rms_rel']:.2e} max {a2a['max_rel']:.2e}; ring (re-quantised "
+          f"each hop) rms {ring['rms_rel']:.2e} max {ring['max_rel']:.2e}; bytes sent per rank "
           f"{format_bytes(q['int8_bytes'])} vs fp32 {format_bytes(q['fp32_bytes'])}")  # fmt: skip
+    if a.json:
+        write_json(a.json, res)
     return 0
 
 
