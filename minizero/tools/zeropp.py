@@ -182,7 +182,8 @@ def report(res: dict, node_size: int) -> str:
     # gather columns: the payload S of the all-gathers of one step, per rank; "bwd across": bytes
     # backward's all-gathers send over a node boundary, all ranks together (the ring model);
     # "vs ZeRO-3": the final loss against hpZ True's, "worst step": the largest |relative| gap.
-    head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols) + f"{'vs ZeRO-3':>10}{'worst step':>11}"
+    head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols)
+    head += f"{'vs ZeRO-3':>10}{'worst step':>11}"
     lines = [header("zeropp", where),
              f"ZeRO++ at stage 3: TinyGPT, nodes of {node_size} ranks; one step (gathers: "
              "payload per rank; across: all ranks, minizero/topology.py's ring)", head]  # fmt: skip
