@@ -56,8 +56,10 @@ def parallelize(
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
     ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
     ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
-    also takes ``units`` (module classes or a predicate; default: the repeated blocks) and
-    ``prefetch``. Under NCCL the model is moved to this rank's GPU.
+    also takes ``units`` (module classes or a predicate; default: the repeated blocks),
+    ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
+    as FSDP2 defines it) and ``quantize_weights`` (qwZ: int8 all-gathers); see minizero/zero3.py.
+    Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")

@@ -18,6 +18,10 @@ would crash the process, so its class is switched to a guarded subclass whose
 ``__torch_function__`` lets metadata through (shape, dtype, ``.grad``, hooks, ``detach()``) and
 raises :class:`ShardedParameterError` on anything that reads values. The switch costs a class
 assignment per parameter when a unit is gathered or freed, and nothing on the ops of forward.
+
+At the end, how a unit can be gathered otherwise (ZeRO++, opt-in in ZeRO3): from secondary shards
+within a block of ranks (hpZ, :class:`SecondaryShards`) or as int8 blocks (qwZ,
+:class:`QuantizedGather`).
 """
 
 from __future__ import annotations

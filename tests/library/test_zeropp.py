@@ -243,7 +243,8 @@ def _losses(kind: str, steps: int, quantize: bool) -> list[float]:
 
 
 QWZ_STEPS = 30
-QWZ_LOSS_RTOL = 0.02  # measured: see README, "ZeRO++"
+# measured on TinyGPT width 32, 2 gloo ranks, 30 steps: 0.087% at worst (README, "ZeRO++")
+QWZ_LOSS_RTOL = 0.005
 
 
 def test_qwz_trains_within_tolerance_of_unquantised():
