@@ -2,7 +2,8 @@
 (True, False, or k ranks per node) and qwZ (``quantize_weights=True``, int8 block all-gathers).
 
 hpZ changes where backward's all-gather runs, never what is computed: every setting trains what
-one process trains (1e-5, fp32). The ledger shows backward's all-gather over the world (True),
+one process trains (1e-5, fp32), and k=2 what FSDP2's ``fully_shard(reshard_after_forward=2)``
+trains. The ledger shows backward's all-gather over the world (True),
 absent (False) or within the block of k ranks ("hpZ", no byte crossing a node of k ranks), and
 the memory meter shows what it costs between forward and backward: nothing (True), the whole
 units (False, in "comm") or the secondary shards, padded / k elements per unit (k, in "params").
@@ -85,6 +86,13 @@ def _train_settings(kind: str, settings: list) -> dict:
         res["measured"] = _measured_step(model, opt, kind, STEPS, node_size=2)
         res["resolved"] = model.reshard_after_forward
         out[raf] = res
+    if world == 4 and kind == "gpt":  # FSDP2's own hpZ, on the same units
+        out["fsdp2 2"] = run_steps(*_fsdp2(build(kind), 2), kind, rank=rank, world=world)
+        model, opt = minizero.parallelize(  # mixed precision: the secondary shards are bf16
+            build(kind), 3, optimizer_fn(OPT[kind]), precision="bf16", reshard_after_forward=2
+        )
+        run_steps(model, opt, kind, rank=rank, world=world, steps=1)
+        out["bf16 2"] = _measured_step(model, opt, kind, 1, node_size=2)
     if world == 4:  # FSDP2's rule for an int: a divisor of N; 1 is False, N is True
         errors = {}
         for bad in (3, 0, 2.0):
@@ -101,6 +109,17 @@ def _train_settings(kind: str, settings: list) -> dict:
         out["trivial"] = [ZeRO3(build(kind), reshard_after_forward=k).reshard_after_forward
                           for k in (1, 4)]  # fmt: skip
     return out
+
+
+def _fsdp2(model, reshard_after_forward):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model, optimizer_fn("adamw")([p for p in model.parameters() if p.requires_grad])
 
 
 def _gathers(records: list[dict], group: str | None = None) -> list[dict]:
@@ -148,8 +167,10 @@ def _check_hpz(results: list[dict], kind: str, settings: list) -> None:
                 # memory: the secondary shards, padded / k fp32 elements per unit
                 assert grown == {"params": 4 * psi_padded // k, "grads": 0, "optimizer": 0,
                                  "comm": 0}  # fmt: skip
-            if world == 4 and raf is True:  # the flat backward all-gather crosses nodes of 2
-                assert m["bwd_nodes"]["world"]["across"] + m["bwd_nodes"]["world"]["inside"] > 0
+            if world == 4 and raf is True:  # the ring over 4 ranks crosses after ranks 1 and 3:
+                sent = 2 * 4 * psi_padded * 3 / 4  # backward's all-gather and reduce-scatter
+                across = sent if rank % 2 else 0.0
+                assert m["bwd_nodes"]["world"] == {"inside": sent - across, "across": across}
 
 
 def test_hpz_int_on_4_ranks_trains_one_process_and_gathers_backward_within_the_block():
@@ -161,6 +182,13 @@ def test_hpz_int_on_4_ranks_trains_one_process_and_gathers_backward_within_the_b
         assert res["trivial"] == [False, True]
         assert set(res["errors"]) == {3, 0, 2.0}
         assert "needs the wrapper over the world group" in res["subgroup"]
+        if kind == "gpt":
+            for r, rank_res in enumerate(results):  # FSDP2's reshard_after_forward=2: the same
+                assert_same_run(rank_res[2], rank_res["fsdp2 2"], ATOL[("gpt", "adamw")], f"{r}")
+                m = rank_res["bf16 2"]
+                grown = {c: m["between"][c] - m["before"][c] for c in m["before"]}
+                assert grown["params"] == 2 * sum(m["padded"]) // 2  # bf16: 2 bytes, over k=2
+                assert sum(r["nbytes"] for r in _gathers(m["bwd"], "hpZ")) == 2 * sum(m["padded"])
         for msg in res["errors"].values():
             assert "reshard_after_forward must be True, False or an int dividing" in msg
 
