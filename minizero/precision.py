@@ -153,19 +153,23 @@ QUANT_BLOCK = 256  # elements per block, each with its own scale
 
 
 def quantize_blockwise(
-    x: torch.Tensor, block: int = QUANT_BLOCK
+    x: torch.Tensor, block: int = QUANT_BLOCK, bits: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax int8 quantisation of the 1-D ``x`` in blocks of ``block`` elements (the
-    last one may be shorter). Returns ``q`` (n,) int8 in [-127, 127] and ``scales``
-    (ceil(n / block),) fp32, with x ≈ q * scale of its block; scale = absmax(block) / 127."""
+    """Symmetric absmax quantisation of the 1-D ``x`` in blocks of ``block`` elements (the last
+    one may be shorter). Returns ``q`` (n,) int8 in [-L, L], L = 2^(bits-1) - 1 (127 for int8;
+    7 for ``bits=4``, still one int8 per element: not packed), and ``scales`` (ceil(n / block),)
+    fp32, with x ≈ q * scale of its block; scale = absmax(block) / L."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be 2..8, got {bits}")
+    levels = 2 ** (bits - 1) - 1
     n = x.numel()
     blocks = -(-n // block)
     padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
     padded[:n] = x.reshape(-1)
     rows = padded.view(blocks, block)  # (blocks, block)
-    scales = rows.abs().amax(dim=1) / 127  # (blocks,) fp32
+    scales = rows.abs().amax(dim=1) / levels  # (blocks,) fp32
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: q = 0
-    q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(rows / safe[:, None]).clamp_(-levels, levels).to(torch.int8)
     return q.view(-1)[:n], scales
 
 

@@ -144,15 +144,24 @@ def unit_errors(net: torch.nn.Module, world: int) -> list[dict]:
     return rows
 
 
-def _qdq(x: torch.Tensor) -> torch.Tensor:
-    return dequantize_blockwise(*quantize_blockwise(x)).view(-1)
+def _qdq(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return dequantize_blockwise(*quantize_blockwise(x, QUANT_BLOCK, bits)).view(-1)
 
 
-def qgz_simulation(world: int = 4, seed: int = 0) -> dict:
-    """qgZ simulated on one process: the N ranks' gradients (each from its slice of one global
-    batch), summed exactly, summed after one int8 quantisation each (all-to-all qgZ), and
-    summed along a ring that quantises the partial sum at every hop. Relative errors of the
-    sum, and the bytes each rank sends for one reduce-scatter: fp32 ring vs int8 all-to-all."""
+def qgz_simulation(world: int = 4, node_size: int = 2, seed: int = 0) -> dict:
+    """qgZ simulated on one process. The N ranks' gradients (each from its slice of one global
+    batch) are summed exactly, and as a quantised reduce-scatter would sum them, in int8 and in
+    int4 (ZeRO++'s choice), with fp32 scales per block of 256 and sums in fp32:
+
+    * ``all_to_all``: one hop; every rank's contribution quantised once;
+    * ``hierarchical``: ZeRO++'s two hops: quantised, summed within each node (``node_size``
+      consecutive ranks), the node's partial sum quantised again and summed across nodes;
+    * ``ring``: what a ring reduce-scatter would do, the partial sum quantised at each of the
+      N - 1 hops (the error ZeRO++ avoids by using all-to-all).
+
+    Returns the relative errors of the sum (``max_rel``, ``rms_rel``) per scheme and width, and
+    the bytes each rank sends in one reduce-scatter: fp32 ring (N-1)/N * 4Ψ, one-hop int8 and
+    int4 (N-1)/N * (Ψ * bits / 8 + 4 * blocks), int4 if packed two to a byte."""
     net = model(seed)
     grads = []
     for r in range(world):
@@ -161,17 +170,24 @@ def qgz_simulation(world: int = 4, seed: int = 0) -> dict:
         net(x, y).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))  # (Ψ,)
     exact = torch.stack(grads).sum(0)  # (Ψ,)
-    a2a = torch.stack([_qdq(g) for g in grads]).sum(0)
-    ring = _qdq(grads[0])
-    for g in grads[1:]:  # each hop: receive the quantised partial sum, add, quantise, send
-        ring = _qdq(ring + g)
     psi = exact.numel()
     rel = lambda s: dict(max_rel=float((s - exact).abs().max() / exact.abs().max()),
                          rms_rel=float((s - exact).norm() / exact.norm()))  # fmt: skip
+    out = dict(psi=psi, world=world, node_size=node_size)
+    for bits in (8, 4):
+        a2a = torch.stack([_qdq(g, bits) for g in grads]).sum(0)
+        nodes = [torch.stack([_qdq(g, bits) for g in grads[s : s + node_size]]).sum(0)
+                 for s in range(0, world, node_size)]  # fmt: skip
+        hier = torch.stack([_qdq(n, bits) for n in nodes]).sum(0)
+        ring = _qdq(grads[0], bits)
+        for g in grads[1:]:  # each hop: receive the quantised partial sum, add, quantise, send
+            ring = _qdq(ring + g, bits)
+        out[f"int{bits}"] = dict(all_to_all=rel(a2a), hierarchical=rel(hier), ring=rel(ring))
     blocks = -(-psi // world // QUANT_BLOCK) * world
-    return dict(psi=psi, world=world, all_to_all=rel(a2a), ring=rel(ring),
-                fp32_bytes=4 * psi * (world - 1) / world,
-                int8_bytes=(psi + 4 * blocks) * (world - 1) / world)  # fmt: skip
+    share = (world - 1) / world
+    out.update(fp32_bytes=4 * psi * share, int8_bytes=(psi + 4 * blocks) * share,
+               int4_bytes=(psi / 2 + 4 * blocks) * share)  # fmt: skip
+    return out
 
 
 def report(res: dict, node_size: int) -> str:
@@ -220,12 +236,16 @@ def main(argv: list[str]) -> int:
     for row in res["unit_errors"]:
         print(f"  {row['unit']:18}{row['numel']:>9,} elements  max {row['max_rel']:.2e}  "
               f"rms {row['rms_rel']:.2e}")  # fmt: skip
-    q = res["qgz"] = qgz_simulation(a.nprocs)
-    a2a, ring = q["all_to_all"], q["ring"]
-    print(f"\nqgZ (simulated, int8): gradient sum of {q['world']} ranks, Ψ={q['psi']:,}: "
-          f"all-to-all rms {a2a['rms_rel']:.2e} max {a2a['max_rel']:.2e}; ring (re-quantised "
-          f"each hop) rms {ring['rms_rel']:.2e} max {ring['max_rel']:.2e}; bytes sent per rank "
-          f"{format_bytes(q['int8_bytes'])} vs fp32 {format_bytes(q['fp32_bytes'])}")  # fmt: skip
+    q = res["qgz"] = qgz_simulation(a.nprocs, a.node_size)
+    print(
+        f"\nqgZ, simulated (not built): the gradient sum of {q['world']} ranks, Ψ={q['psi']:,}, "
+        "relative error (rms / max) per scheme; bytes each rank sends per reduce-scatter"
+    )
+    for bits in (8, 4):
+        row = q[f"int{bits}"]
+        cells = "  ".join(f"{k} {v['rms_rel']:.1e} / {v['max_rel']:.1e}" for k, v in row.items())
+        print(f"  int{bits}: {cells}; {format_bytes(q[f'int{bits}_bytes'])}")
+    print(f"  fp32 ring: exact; {format_bytes(q['fp32_bytes'])}")
     if a.json:
         write_json(a.json, res)
     return 0

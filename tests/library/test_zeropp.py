@@ -214,6 +214,10 @@ def test_blockwise_int8_round_trip_is_within_half_a_step():
     assert not zeros[0].any() and not dequantize_blockwise(*zeros).any()  # no 0/0
     exact = torch.arange(-127, 128, dtype=torch.float32) * 0.5  # multiples of the scale
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(exact)).view(-1), exact)
+    q4, s4 = quantize_blockwise(x, bits=4)  # qgZ's width, simulated: 15 levels, one int8 each
+    assert int(q4.abs().max()) == 7 and q4.dtype == torch.int8
+    back4 = dequantize_blockwise(q4, s4).view(-1)
+    assert bool(((back4 - x).abs() <= s4.repeat_interleave(QUANT_BLOCK)[:1000] / 2 + 1e-7).all())
 
 
 def _qwz_bytes(kind: str) -> dict:
