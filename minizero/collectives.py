@@ -35,9 +35,11 @@ BUSBW_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 # ZeRO paper §7.1: elements moved per element of payload S.
-PAPER_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+PAPER_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
+                "all_to_all": 1}  # fmt: skip
 LATENCY_BOUND = 2**20  # bytes: below this a collective's time is mostly its per-call latency
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
@@ -49,7 +51,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class CommRecord:
     """One collective issued by this rank while a ledger was open."""
 
-    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
+    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast" | "all_to_all"
     dtype: torch.dtype
     numel: int  # S in elements (full, unsharded size for reduce-scatter and all-gather)
     world: int  # size of the process group it ran on
@@ -301,6 +303,16 @@ def all_gather(
     """
     fn = lambda a: _all_gather(output, input, group=group, async_op=a)
     return _run("all_gather", fn, output, output.numel(), group, async_op, tag)
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, tag: str = ""
+):
+    """``output`` (world, ...) gets row r of every rank's ``input`` (world, ...) at row r' = that
+    rank: rank j's row r lands in rank r's row j. S = input.numel(); each rank keeps 1/N of it
+    and sends the rest straight to its owners (qgZ's reduce-scatter, ZeRO++ §3.3)."""
+    fn = lambda a: dist.all_to_all_single(output, input, group=group, async_op=a)
+    return _run("all_to_all", fn, input, input.numel(), group, async_op, tag)
 
 
 def broadcast(

@@ -10,6 +10,7 @@ of S/n:
     reduce-scatter   n-1 steps, S/n per step
     all-gather       n-1 steps, S/n per step
     broadcast        a chain from the source along the ring: every rank but the last sends S once
+    all-to-all       no ring: each rank sends S/n straight to each of the n-1 others
 
 so in a ring a rank sends ``2(n-1)/n * S`` for an all-reduce, all of it to its successor. Those
 bytes cross a node boundary when the successor is on another node: in a group spread over k
@@ -45,6 +46,9 @@ def ring_bytes(
         return 0.0, 0.0
     me = ranks.index(rank)
     successor = ranks[(me + 1) % n]
+    if op == "all_to_all":  # S/n to each other rank, directly
+        away = sum(node_of(r, node_size) != node_of(rank, node_size) for r in ranks)
+        return (n - 1 - away) * nbytes / n, away * nbytes / n
     if op == "broadcast":  # the chain src, src+1, ..., src+n-1 (group ranks, mod n)
         sent = 0.0 if (me - src) % n == n - 1 else float(nbytes)
     else:

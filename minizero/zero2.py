@@ -13,6 +13,7 @@ from torch import nn
 
 from minizero import collectives as C
 from minizero.bucket import Bucket
+from minizero.units import QuantizedReduceScatter
 from minizero.zero1 import ZeRO1
 
 
@@ -42,6 +43,7 @@ class ZeRO2(ZeRO1):
     """
 
     stage = 2
+    quantize_gradients = False  # qgZ (ZeRO++ §3.3): stage 3's option, see zero3.py
 
     def init_grads(self) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards;
@@ -88,9 +90,11 @@ class ZeRO2(ZeRO1):
         out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
         if buf.dtype == torch.float16:  # divide before the sum, so that it cannot overflow fp16
             buf.div_(self.world)
-        work = C.reduce_scatter(
-            out, buf, group=self.group, async_op=True, tag=f"zero2 grads {b.index}"
-        )
+        tag = f"zero2 grads {b.index}"
+        if self.quantize_gradients:  # int8 blocks by all-to-all, summed in fp32 on arrival
+            work = QuantizedReduceScatter(out, buf, self.group, tag + " qgZ")
+        else:
+            work = C.reduce_scatter(out, buf, group=self.group, async_op=True, tag=tag)
         self.in_flight = (b, work, buf, out)
         self.pending[b.index] = -1
 

@@ -56,7 +56,9 @@ class ZeRO3(ZeRO2):
     all-gathers within its block of k consecutive ranks ("hpZ" in the ledger). qwZ (§3.1),
     ``quantize_weights=True``: all-gathers from the shards go as int8 blocks of 256 with an fp32
     scale each (about Ψ(1 + 4/256) bytes instead of 2Ψ or 4Ψ); the shards and the optimizer's
-    masters stay full precision. qgZ (§3.3) is simulated only: minizero.tools.zeropp.
+    masters stay full precision. qgZ (§3.3), ``quantize_gradients=True``: each unit's gradient
+    goes as int8 blocks by one all-to-all, dequantised and summed in fp32 by its owner (one
+    quantisation per contribution; minizero.tools.zeropp simulates the alternatives).
 
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
@@ -88,6 +90,7 @@ class ZeRO3(ZeRO2):
         reshard_root: bool = True,
         reshard_after_forward: bool | int = True,
         quantize_weights: bool = False,
+        quantize_gradients: bool = False,
         check_modules: bool = True,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
     ):
@@ -107,6 +110,7 @@ class ZeRO3(ZeRO2):
         if not isinstance(self.reshard_after_forward, bool):
             self.secondary = SecondaryShards(self.reshard_after_forward, n)
         self.quantize_weights = bool(quantize_weights)  # qwZ: int8 all-gathers from the shards
+        self.quantize_gradients = bool(quantize_gradients)  # qgZ: int8 all-to-all, zero2.launch
         self.gathers: list = [None] * n  # in-flight all-gather per unit
         self.gathered = [True] * n  # flat_params[i] holds the full unit
         self._active = [0] * n  # modules using unit i whose forward is running

@@ -9,7 +9,9 @@ the memory meter shows what it costs between forward and backward: nothing (True
 units (False, in "comm") or the secondary shards, padded / k elements per unit (k, in "params").
 qwZ's bytes are asserted exactly (int8 payload + fp32 scales against bf16 and fp32 gathers); it
 changes the weights forward sees by at most 1/254 of a block's largest magnitude, and training
-with it stays within a stated tolerance of the unquantised run."""
+with it stays within a stated tolerance of the unquantised run. qgZ (``quantize_gradients=True``)
+replaces each unit's reduce-scatter by all-to-alls of int8 rows and fp32 scales (bytes exact)
+and trains within the same tolerance.""
 
 from __future__ import annotations
 
@@ -224,14 +226,15 @@ def _qwz_bytes(kind: str) -> dict:
     """Forward's all-gather records of one step at fp32, bf16 and fp32 with qwZ."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, kw in {"fp32": {}, "bf16": {"precision": "bf16"},
-                     "qwZ": {"quantize_weights": True}}.items():  # fmt: skip
+    for name, kw in {"fp32": {}, "bf16": {"precision": "bf16"}, "qwZ": {"quantize_weights": True},
+                     "qgZ": {"quantize_gradients": True}}.items():  # fmt: skip
         model, opt = minizero.parallelize(build(kind), 3, optimizer_fn(OPT[kind]), **kw)
         x, y = local_batch(kind, 0, rank, world)
         with C.CommLedger() as fwd:
             loss = model(x, y)
-        with C.CommLedger() as bwd:
+        with C.CommLedger(node_size=1) as bwd:  # node_size 1: every other rank is away
             loss.backward()
+        out[f"{name} nodes"] = bwd.node_bytes()
         padded = [b.padded for b in model.buckets]
         out[name] = dict(fwd=_records(fwd), bwd=_records(bwd), padded=padded)
     return out
@@ -254,13 +257,26 @@ def test_qwz_gathers_int8_blocks_and_fp32_scales_exactly():
         total = sum(r["nbytes"] for r in qwz)
         assert total == sum(padded) + 4 * sum(blocks)
         assert total < 0.6 * sum(r["nbytes"] for r in bf16)
-
-
-def _losses(kind: str, steps: int, quantize: bool) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = minizero.parallelize(
-        build(kind), 3, optimizer_fn(OPT[kind]), quantize_weights=quantize
+    # qgZ: no reduce-scatter; per unit one all-to-all of int8 rows and one of fp32 scales
+    fp32_rs = [r for r in res["fp32"]["bwd"] if r["op"] == "reduce_scatter"]
+    assert sorted(r["nbytes"] for r in fp32_rs) == sorted(4 * p for p in padded)
+    ops = {r["op"] for r in res["qgZ"]["bwd"]}
+    assert ops == {"all_gather", "all_to_all"}, ops
+    a2a = [r for r in res["qgZ"]["bwd"] if r["op"] == "all_to_all"]
+    int8 = sorted(r["nbytes"] for r in a2a if r["dtype"] == "torch.int8")
+    scales = sorted(r["nbytes"] for r in a2a if r["dtype"] == "torch.float32")
+    assert int8 == sorted(padded) and scales == sorted(4 * b for b in blocks)
+    # all-to-all sends (N-1)/N of S straight to the owners: with N = 2, half, all away
+    sent = sum(int8) + sum(scales)
+    assert (
+        res["qgZ nodes"]["total"]["across"]
+        == res["fp32 nodes"]["total"]["across"] - sum(4 * p for p in padded) / 2 + sent / 2
     )
+
+
+def _losses(kind: str, steps: int, **quantize: bool) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = minizero.parallelize(build(kind), 3, optimizer_fn(OPT[kind]), **quantize)
     losses = []
     for step in range(steps):
         x, y = local_batch(kind, step, rank, world)
@@ -279,9 +295,10 @@ QWZ_STEPS = 30
 QWZ_LOSS_RTOL = 0.005
 
 
-def test_qwz_trains_within_tolerance_of_unquantised():
-    plain = run(_losses, 2, "gpt", QWZ_STEPS, False)[0]
-    quant = run(_losses, 2, "gpt", QWZ_STEPS, True)[0]
+@pytest.mark.parametrize("what", ["quantize_weights", "quantize_gradients"])
+def test_qwz_and_qgz_train_within_tolerance_of_unquantised(what):
+    plain = run(_losses, 2, "gpt", QWZ_STEPS)[0]
+    quant = run(_losses, 2, "gpt", QWZ_STEPS, **{what: True})[0]
     assert sum(quant[-5:]) < 0.9 * sum(quant[:5])  # it trains
     for step, (q, p) in enumerate(zip(quant, plain, strict=True)):
-        assert abs(q - p) <= QWZ_LOSS_RTOL * p, f"step {step}: qwZ loss {q}, unquantised {p}"
+        assert abs(q - p) <= QWZ_LOSS_RTOL * p, f"step {step}: {what} loss {q}, unquantised {p}"
