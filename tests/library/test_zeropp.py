@@ -11,7 +11,7 @@ qwZ's bytes are asserted exactly (int8 payload + fp32 scales against bf16 and fp
 changes the weights forward sees by at most 1/254 of a block's largest magnitude, and training
 with it stays within a stated tolerance of the unquantised run. qgZ (``quantize_gradients=True``)
 replaces each unit's reduce-scatter by all-to-alls of int8 rows and fp32 scales (bytes exact)
-and trains within the same tolerance.""
+and trains within the same tolerance."""
 
 from __future__ import annotations
 
