@@ -11,11 +11,11 @@ scattered, and the model-state bytes that forward leaves behind for backward (hp
 configuration's loss per step is kept, to set qwZ's against the unquantised run's.
 
 :func:`unit_errors` measures qwZ's quantisation error per unit (what forward sees, against the
-full-precision weights), and :func:`qgz_simulation` is qgZ (§3.3) *simulated*, not built: every
-rank's gradient is quantised block-wise to int8 and dequantised before it is summed, as an
-all-to-all based quantised reduce-scatter does (one quantisation per contribution), and as a
-ring would do it (the partial sum quantised again at each of the N-1 hops), against the exact
-sum.
+full-precision weights). qgZ (§3.3) is built (``quantize_gradients=True``: one all-to-all of
+int8 blocks, measured above) and its schemes are *simulated* by :func:`qgz_simulation`: every
+rank's gradient quantised block-wise (int8, int4) and dequantised before it is summed, in one hop
+(what minizero builds), in ZeRO++'s two hierarchical hops, and as a ring would (the partial sum
+quantised again at each of the N-1 hops), against the exact sum.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def configurations(world: int, node_size: int) -> dict[str, dict]:
         out[f"hpZ {node_size}"] = {"reshard_after_forward": node_size}
     out["bf16 gathers"] = {"precision": "bf16"}
     out["qwZ (int8)"] = {"quantize_weights": True}
+    out["qgZ (int8)"] = {"quantize_gradients": True}
     if f"hpZ {node_size}" in out:
         both = {"quantize_weights": True, "reshard_after_forward": node_size}
         out[f"qwZ + hpZ {node_size}"] = both
@@ -100,7 +101,7 @@ def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
                 row = dict(
                     fwd=_gathered(fwd),
                     bwd=_gathered(bwd),
-                    rs=sum(r.nbytes for r in bwd.records if r.op == "reduce_scatter"),
+                    rs=sum(r.nbytes for r in bwd.records if r.op != "all_gather"),  # grads
                     across=_across(fwd, node_size) + _across(bwd, node_size),
                     bwd_across=_across(bwd, node_size),
                     held=sum(between.values()) - sum(before.values()),
@@ -194,9 +195,11 @@ def report(res: dict, node_size: int) -> str:
     """The table :func:`measure`'s figures make, per rank and step."""
     where, rows = res["where"], res["rows"]
     base = rows["hpZ True (ZeRO-3)"]["losses"]
-    cols = ("fwd gather", "bwd gather", "bwd group", "bwd across", "held fwd->bwd", "final loss")
+    cols = ("fwd gather", "bwd gather", "bwd group", "bwd across", "held fwd->bwd", "grad reduce",
+            "final loss")  # fmt: skip
     # gather columns: the payload S of the all-gathers of one step, per rank; "bwd across": bytes
     # backward's all-gathers send over a node boundary, all ranks together (the ring model);
+    # "grad reduce": the payload of the gradients' reduce-scatter (qgZ: its all-to-alls);
     # "vs ZeRO-3": the final loss against hpZ True's, "worst step": the largest |relative| gap.
     head = f"{'configuration':22}" + "".join(f"{c:>14}" for c in cols)
     head += f"{'vs ZeRO-3':>10}{'worst step':>11}"
@@ -207,7 +210,7 @@ def report(res: dict, node_size: int) -> str:
         bwd = sum(row["bwd"].values())
         group = ",".join(row["bwd"]) or "-"
         loss = row["losses"][-1]
-        sizes = [sum(row["fwd"].values()), bwd, group, row["bwd_across"], row["held"]]
+        sizes = [sum(row["fwd"].values()), bwd, group, row["bwd_across"], row["held"], row["rs"]]
         cells = [format_bytes(c) if not isinstance(c, str) else c for c in sizes]
         cells.append(f"{loss:.4f}")
         worst = max(abs(q / b - 1) for q, b in zip(row["losses"], base, strict=True))
@@ -219,8 +222,9 @@ def report(res: dict, node_size: int) -> str:
 def main(argv: list[str]) -> int:
     p = Parser(prog="minizero bench zeropp",
                description="ZeRO++ at stage 3 on gloo ranks: hpZ (reshard_after_forward True, "
-               "False, node size), qwZ (int8 weight all-gathers) against fp32 and bf16, qwZ's "
-               "error per unit, qgZ simulated.")  # fmt: skip
+               "False, node size), qwZ (int8 weight all-gathers) against fp32 and bf16, qgZ "
+               "(int8 all-to-all gradient reduce-scatter), qwZ's error per unit, qgZ's schemes "
+               "simulated.")  # fmt: skip
     p.add_argument("--nprocs", type=positive_int, default=4, help="ranks (default 4)")
     p.add_argument("--node-size", type=positive_int, default=2, help="ranks per node (default 2)")
     p.add_argument("--steps", type=positive_int, default=20, help="steps per configuration")
@@ -238,7 +242,7 @@ def main(argv: list[str]) -> int:
               f"rms {row['rms_rel']:.2e}")  # fmt: skip
     q = res["qgz"] = qgz_simulation(a.nprocs, a.node_size)
     print(
-        f"\nqgZ, simulated (not built): the gradient sum of {q['world']} ranks, Ψ={q['psi']:,}, "
+        f"\nqgZ's schemes, simulated: the gradient sum of {q['world']} ranks, Ψ={q['psi']:,}, "
         "relative error (rms / max) per scheme; bytes each rank sends per reduce-scatter"
     )
     for bits in (8, 4):
@@ -252,5 +256,5 @@ def main(argv: list[str]) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("zeropp", help="ZeRO++ at stage 3: hpZ, qwZ bytes and memory, qgZ simulated",
+    sub.add_parser("zeropp", help="ZeRO++ at stage 3: hpZ, qwZ, qgZ: bytes, memory, loss",
                    add_help=False)  # fmt: skip

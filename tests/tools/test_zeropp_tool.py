@@ -41,6 +41,8 @@ def test_bench_zeropp_figures(tmp_path, capsys):
     qwz = sum(rows["qwZ (int8)"]["fwd"].values())
     assert psi_padded + 4 * 4 * math.ceil(psi_padded / 4 / QUANT_BLOCK) <= qwz
     assert qwz < psi_padded + 4 * 4 * (psi_padded / 4 / QUANT_BLOCK + 3)
+    assert rows["qgZ (int8)"]["rs"] == qwz  # the same int8 rows and scales, by all-to-all
+    assert rows["hpZ True (ZeRO-3)"]["rs"] == full
     for name in ("hpZ False", "hpZ 2"):  # hpZ moves bytes, not results
         assert rows[name]["losses"] == rows["hpZ True (ZeRO-3)"]["losses"]
     for row in data["unit_errors"]:
