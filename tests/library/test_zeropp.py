@@ -302,3 +302,12 @@ def test_qwz_and_qgz_train_within_tolerance_of_unquantised(what):
     assert sum(quant[-5:]) < 0.9 * sum(quant[:5])  # it trains
     for step, (q, p) in enumerate(zip(quant, plain, strict=True)):
         assert abs(q - p) <= QWZ_LOSS_RTOL * p, f"step {step}: {what} loss {q}, unquantised {p}"
+
+
+def test_all_to_all_sends_a_chunk_straight_to_each_peer():
+    from minizero.topology import ring_bytes
+
+    # 4 ranks, nodes of 2, S = 400 bytes: 100 to each of the 3 others, 1 inside, 2 across
+    assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 0, node_size=2) == (100.0, 200.0)
+    assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 3, node_size=4) == (300.0, 0.0)
+    assert ring_bytes("all_to_all", 400, (2, 3), 2, node_size=1) == (0.0, 200.0)
