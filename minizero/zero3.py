@@ -105,7 +105,7 @@ class ZeRO3(ZeRO2):
         self.prefetch = prefetch
         self.reshard_root = reshard_root
         n = len(self.buckets)
-        self.reshard_after_forward = U.reshard_size(reshard_after_forward, process_group)
+        self.reshard_after_forward = U.reshard_size(reshard_after_forward, self.group)
         self.secondary = None  # hpZ: SecondaryShards when reshard_after_forward is an int
         if not isinstance(self.reshard_after_forward, bool):
             self.secondary = SecondaryShards(self.reshard_after_forward, n)
