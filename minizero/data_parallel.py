@@ -36,7 +36,16 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
-from minizero.habits import Arrival, Trainable, claim, match_keys, refuse_dtypes
+from minizero.habits import (
+    SAVE_ON_RANK_0,
+    Arrival,
+    TorchNames,
+    Trainable,
+    claim,
+    full_module_state_dict,
+    match_keys,
+    refuse_dtypes,
+)  # fmt: skip
 from minizero.precision import LossScaler, Precision, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
@@ -66,10 +75,7 @@ class Fragment:
         return self.tensor is not self.param
 
 
-SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
-
-
-class DataParallel(GradNorms, nn.Module):
+class DataParallel(GradNorms, TorchNames, nn.Module):
     """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
 
     stage = 0
@@ -121,6 +127,7 @@ class DataParallel(GradNorms, nn.Module):
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
+        module.register_state_dict_post_hook(full_module_state_dict(self))
         self._arrival = Arrival(process_group, self.world)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:
@@ -305,18 +312,9 @@ class DataParallel(GradNorms, nn.Module):
 
     def grads_finite(self, grads: list[torch.Tensor | None]) -> bool:
         """fp16: unscale ``grads`` in place, once per step; True when no rank saw an inf or NaN."""
-        if self._grads_ok is not None:
-            return self._grads_ok
-        if self.scaler is None:
-            self._grads_ok = True
-            return True
-        bad = torch.zeros(1, device=self.params[0].device)  # (1,) inf or NaN seen on some rank
-        for g in (g for g in grads if g is not None):
-            g.div_(self.scaler.scale)
-            bad += (~torch.isfinite(g)).any()
-        C.all_reduce(bad, group=self.group, tag="fp16 inf check")
-        self._grads_ok = bad.is_meta or not bad.item()  # meta (minizero.simulate): no values
-        self.scaler.update(found_inf=not self._grads_ok)
+        if self._grads_ok is None:
+            dev = self.params[0].device
+            self._grads_ok = self.scaler is None or self.scaler.unscale(grads, self.group, dev)
         return self._grads_ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
