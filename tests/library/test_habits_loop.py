@@ -21,7 +21,7 @@ STAGES = [0, 1, 2, 3]
 STEPS = 3
 
 
-# -- the loop, with one habit, in one process or on every rank --------------------------------------
+# -- the loop, with one habit, in one process or on every rank ------------------------------------
 def habit_loop(model, opt, rank, world, habit):
     """SGD with momentum (linear in the gradient: a lost or doubled gradient shows)."""
     states = []
@@ -76,11 +76,8 @@ def test_loop_habits_train_what_one_process_trains(habit):
         for stage in STAGES:
             for step, (g, w) in enumerate(zip(got[stage], want, strict=True)):
                 for k in w:
-                    torch.testing.assert_close(
-                        g[k], w[k], atol=1e-6, rtol=0,
-                        msg=lambda m, k=k, s=step, st=stage: f"{habit} stage {st} rank {r} "
-                        f"step {s} {k}: {m}",
-                    )  # fmt: skip
+                    where = f"{habit} stage {stage} rank {r} step {step} {k}"
+                    torch.testing.assert_close(g[k], w[k], atol=1e-6, rtol=0, msg=where)
 
 
 def test_the_habits_differ():
@@ -93,7 +90,7 @@ def test_the_habits_differ():
         assert any(not torch.allclose(other[k], plain[k], atol=1e-4) for k in plain), habit
 
 
-# -- refusals: dtypes, unfreezing, a second parallelize ---------------------------------------------
+# -- refusals: dtypes, unfreezing, a second parallelize -------------------------------------------
 def refusal_rank(stage):
     errors = {}
 
@@ -211,10 +208,32 @@ def test_lars_like_at_stage_0_fp32_trains_what_one_process_trains():
             torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=k)
 
 
-# -- BatchNorm evaluated between steps: torch DDP's rule ---------------------------------------------
+# -- BatchNorm evaluated between steps: torch DDP's rule -------------------------------------------
 def bn_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def bn_batch(step, rank):
+    torch.manual_seed(100 + step + 7 * rank)  # different data per rank
+    return torch.randn(6, 5) + rank
+
+
+def bn_train(model, opt, step, rank, sync=True):
+    model.train()
+    with model.no_sync() if not sync else torch.enable_grad():
+        model(bn_batch(step, rank)).pow(2).mean().backward()
+    if sync:
+        opt.step()
+        opt.zero_grad()
+
+
+def bn_evaluate(model, step, rank):
+    model.eval()
+    with torch.no_grad():
+        out = model(bn_batch(50 + step, rank))
+    model.train()
+    return out
 
 
 def bn_eval_rank(stage):
@@ -230,38 +249,20 @@ def bn_eval_rank(stage):
                 model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9)
             )
         seen = []
-
-        def batch(step):
-            torch.manual_seed(100 + step + 7 * rank)  # different data per rank
-            return torch.randn(6, 5) + rank
-
-        def train(step, sync=True):
-            model.train()
-            ctx = model.no_sync() if not sync else torch.enable_grad()
-            with ctx:
-                model(batch(step)).pow(2).mean().backward()
-            if sync:
-                opt.step()
-                opt.zero_grad()
-
-        def evaluate(step):
-            model.eval()
-            with torch.no_grad():
-                seen.append(model(batch(50 + step)))
-            model.train()
-
         for step in range(3):
-            train(step)
-            evaluate(step)  # follows a synchronised training forward: rank 0's buffers
-            evaluate(step + 10)  # follows a no_grad forward: this rank's (= rank 0's) buffers
+            bn_train(model, opt, step, rank)
+            # follows a synchronised training forward: rank 0's buffers
+            seen.append(bn_evaluate(model, step, rank))
+            # follows a no_grad forward: this rank's buffers (rank 0's, just broadcast)
+            seen.append(bn_evaluate(model, step + 10, rank))
             with torch.no_grad():  # a no_grad "target" forward in train mode, then training
-                model(batch(20 + step))
-            train(30 + step)
+                model(bn_batch(20 + step, rank))
+            bn_train(model, opt, 30 + step, rank)
         if stage < 2:  # no_sync: stages 2-3 keep no full gradient and refuse it
-            train(40, sync=False)
-            evaluate(41)  # after a no_sync forward: no broadcast, this rank's own statistics
-            train(42)
-            evaluate(43)
+            bn_train(model, opt, 40, rank, sync=False)
+            seen.append(bn_evaluate(model, 41, rank))  # after no_sync: this rank's statistics
+            bn_train(model, opt, 42, rank)
+            seen.append(bn_evaluate(model, 43, rank))
         seen.append({k: v.clone() for k, v in model.module.named_buffers()})
         out[spec] = seen
     return out
