@@ -37,8 +37,24 @@ class StageStep:
     """Mixin placed before the user's optimizer class; ``self._stage`` is the wrapper."""
 
     _stage: Stage
+    minizero_wraps_step = True  # runs the user's class's own step (habits.check_step_...)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's GradScaler asks this. Where this rank holds only shards (stages 1-3, fp32
+        masters) its inf check would be this rank's alone, so ranks could disagree on skipping a
+        step (FSDP has a ShardedGradScaler for this): True sends GradScaler to ``step()``,
+        which refuses it by name. fp32 DDP: False, GradScaler works as with torch DDP."""
+        return not getattr(self, "_minizero_closure_through", False)
 
     def step(self, closure=None):
+        if "found_inf" in self.__dict__:  # set by torch's GradScaler.step (see above)
+            raise RuntimeError(
+                "torch's GradScaler cannot see whole gradients here (each rank holds a shard, "
+                "so its inf check is not global): drop GradScaler and fp16 autocast and pass "
+                "precision='fp16' to minizero.parallelize, which scales the loss and checks "
+                "every rank's shards; or use bf16 autocast, which needs no scaler"
+            )
         loss = None
         if closure is not None and getattr(self, "_minizero_closure_through", False):
             # fp32 DDP: the optimizer holds the parameters themselves; a closure (LBFGS calls it

@@ -135,3 +135,41 @@ def test_attributes_of_the_model_and_an_optimizer_built_after_wrapping(stage):
         assert got["late"] is None
     else:
         assert "pass it to minizero.parallelize" in got["late"], got["late"]
+
+
+def grad_scaler_rank(stage):
+    from minizero.precision import check_elementwise
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build("mlp")
+    model, opt = minizero.parallelize(model, stage, sgd)
+    check_elementwise(opt)  # the optimizer parallelize returned is still the user's class's
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    states = []
+    try:
+        for step in range(2):  # nanoGPT's loop (fp32 here: the scaler's arithmetic is exact)
+            x, y = local_batch("mlp", step, rank, world)
+            scaler.scale(model(x, y)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            states.append(snapshot(model))
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"states": states}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torchs_grad_scaler_works_on_whole_gradients_and_is_refused_on_shards(stage):
+    model = build("mlp")
+    want = accumulate_loop(model, sgd(model.parameters()), 0, 1, None)
+    for got in run(grad_scaler_rank, 2, stage):
+        if stage > 0:
+            assert "GradScaler cannot see whole gradients" in got["error"]
+            assert "precision='fp16'" in got["error"]
+            continue
+        for g, w in zip(got["states"], want, strict=True):
+            for k in w:
+                torch.testing.assert_close(g[k], w[k], atol=1e-6, rtol=0, msg=k)
