@@ -323,6 +323,15 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         self._hidden = False
         self.reset_grads(set_to_none)
 
+    def zero_grad_of(self, ids: set[int], set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()`` of an optimizer over some of the trainable parameters (``ids``
+        of them): as in torch, the others keep their gradients and accumulate into them."""
+        for p in self.params:
+            if id(p) in ids and id(p) in self._used:
+                self.clear_grad(p)
+                self._used.discard(id(p))
+                p.grad = None if set_to_none else p.grad
+
     def reset_grads(self, set_to_none: bool) -> None:
         """The stage's part of ``zero_grad()``: clear (or free) its gradient buffers."""
         raise NotImplementedError

@@ -70,7 +70,29 @@ class StageStep:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._stage.zero_grad(set_to_none)
+        """As torch's: the gradients of this optimizer's parameters (all of them: the stage's
+        ``zero_grad``; some: those only, the others keep accumulating, as in torch)."""
+        trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
+        if trains is None or all(id(p) in trains for p in self._stage.params):
+            self._stage.zero_grad(set_to_none)
+        else:
+            self._stage.zero_grad_of(trains, set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group`` (a parameter that starts training later, with its own
+        settings): its parameters are swapped for this rank's fragments of them, as ``regroup``
+        does for the groups the optimizer was built with."""
+        stage = getattr(self, "_stage", None)
+        if stage is not None:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            self._minizero_trains |= {id(p) for p in params}
+            if any(f.is_master for f in stage.fragments):
+                frags = stage._frags_of  # id(param) -> its fragments on this rank
+                mine = [f.tensor for p in params for f in frags.get(id(p), [])]
+                frozen = [p for p in params if not p.requires_grad]  # no fragments: as they are
+                param_group = {**param_group, "params": mine + frozen}
+        super().add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
@@ -128,6 +150,7 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             if id(p) in group_of:
                 raise ValueError("a parameter appears in two param groups")
             group_of[id(p)] = gi
+    optimizer._minizero_trains = set(group_of)  # id(param) of every parameter it steps
     known = {id(p) for p in module.parameters()}
     strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
     if strangers:

@@ -310,3 +310,43 @@ def test_a_subgroup_wrapper_notices_a_missing_rank(stage):
     want = build("mlp").state_dict()
     for k, v in want.items():
         torch.testing.assert_close(res[1]["full"][k], v.float(), atol=0, rtol=0, msg=k)
+
+
+# -- add_param_group: a parameter that starts training later --------------------------------------
+def later_loop(model, opt, rank, world, late):
+    states = []
+    for step in range(3):
+        if step == 1:  # the body starts training, with its own lr
+            opt.add_param_group({"params": late, "lr": 0.02, "momentum": 0.5})
+        x, y = local_batch("mlp", step, rank, world)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(snapshot(model))
+    return states
+
+
+def head_and_body(model):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    head = [p for n, p in named if n.startswith(("gain", "layers.2"))]
+    body = [p for n, p in named if not n.startswith(("gain", "layers.2"))]
+    return head, body
+
+
+def later_rank(stage):
+    model = build("mlp")
+    head, body = head_and_body(model)
+    model, opt = minizero.parallelize(model, stage, torch.optim.SGD(head, 0.05, 0.9))
+    return later_loop(model, opt, dist.get_rank(), dist.get_world_size(), body)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_add_param_group_later_trains_what_one_process_trains(stage):
+    model = build("mlp")
+    head, body = head_and_body(model)
+    want = later_loop(model, torch.optim.SGD(head, 0.05, 0.9), 0, 1, body)
+    for r, got in enumerate(run(later_rank, 2, stage)):
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            for k in w:
+                msg = f"stage {stage} rank {r} step {step} {k}"
+                torch.testing.assert_close(g[k], w[k], atol=1e-6, rtol=0, msg=msg)
