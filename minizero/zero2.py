@@ -76,7 +76,7 @@ class ZeRO2(ZeRO1):
         p.grad = None  # the full gradient is freed as soon as it is in the bucket
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch(b)
+            self.launch_in_order(b)
 
     def launch(self, b: Bucket) -> None:
         self.finish_in_flight()  # at most one reduce-scatter in flight
@@ -111,6 +111,7 @@ class ZeRO2(ZeRO1):
                 self.launch(b)
         self.finish_in_flight()
         self.pending = [len(b.params) for b in self.buckets]
+        self.next_bucket = 0
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
         return self.grad_shards  # already reduced during backward (None: no backward since)
