@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
-from minizero.precision import LossScaler, Precision, resolve
+from minizero import hsdp
+from minizero.precision import LossScaler, Precision, floating, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
 
@@ -84,6 +85,7 @@ class DataParallel(GradNorms, nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -93,6 +95,7 @@ class DataParallel(GradNorms, nn.Module):
             )
         self.module = module
         self.group = process_group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding my shard (hsdp.py)
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -112,7 +115,7 @@ class DataParallel(GradNorms, nn.Module):
         self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
-                C.broadcast(t.data, src=0, group=process_group, tag="initial state")
+                hsdp.broadcast(t.data, process_group, replicate_group, tag="initial state")
         for p in module.parameters():
             if p.requires_grad:  # registered before any stage's hook, so it runs first
                 p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
@@ -121,7 +124,8 @@ class DataParallel(GradNorms, nn.Module):
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
         # expect_every_rank's own gloo group, made while every rank is here; deepcopy shares it
         self._arrival = lambda: None
-        if process_group is None and dist.get_backend() in ("gloo", "nccl") and self.world > 1:
+        everyone = process_group is None or replicate_group is not None  # every rank is here
+        if everyone and dist.get_backend() in ("gloo", "nccl") and dist.get_world_size() > 1:
             pg = dist.new_group(backend="gloo")  # world only: a subgroup's would desync counters
             self._arrival = weakref.ref(pg)
 
@@ -171,15 +175,15 @@ class DataParallel(GradNorms, nn.Module):
         if self.broadcast_buffers and torch.is_grad_enabled():  # as torch DDP's default
             with torch.no_grad():
                 for buf in self.module.buffers():
-                    C.broadcast(buf, src=0, group=self.group, tag="buffers")
+                    hsdp.broadcast(buf, self.group, self.replicate_group, tag="buffers")
         dtype = self.precision.param_dtype
         if self.precision.cast_forward_inputs and dtype != torch.float32:
-            cast = lambda t: t.to(dtype) if _floating(t) else t
+            cast = lambda t: t.to(dtype) if floating(t) else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         out = self.module(*args, **kwargs)
         if self.precision.output_dtype is not None:
             out_dtype = self.precision.output_dtype
-            out = tree_map(lambda t: t.to(out_dtype) if _floating(t) else t, out)
+            out = tree_map(lambda t: t.to(out_dtype) if floating(t) else t, out)
         if self.scaler is not None and torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -261,7 +265,7 @@ class DataParallel(GradNorms, nn.Module):
             return set()
         used = torch.tensor([id(p) in self._used for p in self.params], dtype=torch.uint8)
         used = used.to(self.params[0].device)  # (P,) 1 where this rank saw a gradient
-        C.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, tag="used parameters")
+        hsdp.all_reduce(used, self.group, self.replicate_group, dist.ReduceOp.MAX, "used params")
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
@@ -393,7 +397,3 @@ class DataParallel(GradNorms, nn.Module):
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         ps = list(self.module.parameters())
         return {"params": ps, "grads": [p.grad for p in ps if p.grad is not None]}
-
-
-def _floating(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets
 from minizero.ddp import DDP
 
@@ -118,6 +119,7 @@ class ZeRO1(DDP):
                 w.wait()
                 if not fp16:
                     s.div_(self.world)
+            hsdp.average_replicas(shards, self.replicate_group, "zero1 replicas")  # HSDP
             self.reduced = True
         return shards  # (shard,) per bucket, averaged over ranks
 
