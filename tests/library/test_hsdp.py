@@ -14,13 +14,16 @@ from harness import (
     CLIP,
     assert_same_run,
     build,
+    drift,
     hsdp_mesh,
     reference,
     run,
     run_steps,
+    snapshot,
     train_rank,
     wrap,
 )
+from torch import nn
 
 import minizero
 from minizero import collectives as C
@@ -97,8 +100,74 @@ def _everything() -> dict:
         out["clip", spec] = run_steps(model, o, "mlp", rank=rank, world=world, clip=CLIP)
     out["steps"] = {spec: _even_step(spec) for spec in ("hsdp0", "hsdp1", "hsdp2", "hsdp3")}
     out["steps"]["flat3"] = _even_step("stage3")
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        specs = ["hsdp1", "hsdp2", "hsdp3", "stage0"]
+        out["mp", precision] = train_rank(specs, "mlp", "sgd", precision=precision,
+                                          init_dtype=dtype)  # fmt: skip
+    out["unused"] = _unused_on_one_node()
     out["errors"] = _errors()
+    out["modules"] = _modules_differ_across_nodes()  # last: it leaves a model mid-forward
     return out
+
+
+class Branchy(nn.Module):
+    """Two units; ``b`` is used only where ``use_b`` (on one node, below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.layers[0](x)
+        return (self.layers[1](h) if use_b else h).pow(2).mean()
+
+
+def _branchy_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _unused_on_one_node() -> dict:
+    """Stage 1 with a mesh and find_unused_parameters: ``layers.1`` is used on the second node
+    only; every rank must still step it (used somewhere), with the world's average."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)
+    model, opt = minizero.parallelize(
+        Branchy(), 1, sgd, mesh=hsdp_mesh(), find_unused_parameters=True
+    )
+    for step in range(2):
+        model(_branchy_batch(rank, step), rank >= NODE).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in minizero.full_state_dict(model).items()}
+
+
+def _branchy_reference() -> dict:
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        sum(model(_branchy_batch(r, step), r >= NODE) / WORLD for r in range(WORLD)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _modules_differ_across_nodes() -> str:
+    """Stage 3 with a mesh: the second node runs another unit first. Inside each node the ranks
+    agree, so a check over the shard group alone would pass (and the replicas' all-reduces
+    would pair up different units); the check runs over every rank."""
+    torch.manual_seed(0)
+    model, _ = minizero.parallelize(Branchy(), 3, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                    mesh=hsdp_mesh())  # fmt: skip
+    inner = model.module
+    if dist.get_rank() >= NODE:
+        inner.layers[0], inner.layers[1] = inner.layers[1], inner.layers[0]
+    try:
+        model(torch.ones(3, 4), True)
+    except RuntimeError as e:
+        return str(e)
+    return ""
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +249,35 @@ def test_bad_meshes_and_hsdp_checkpoints_are_refused_clearly(ranks):
         assert "1-D mesh" in e["1-D"] and "('dp', 'shard')" in e["names"], e
         assert "not both" in e["both"], e["both"]
         assert "mesh (HSDP)" in e["checkpoint"] and "state_dict()" in e["checkpoint"], e
+
+
+def test_mixed_precision_with_a_mesh_tracks_stage0_and_fp32(ranks):
+    """As test_zero.py's test_mixed_precision (its tolerances, SGD): fp32 masters, 16-bit
+    working copy and gradients; fp16 skips the overflowing steps as stage 0 does."""
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        init = snapshot(build("mlp", dtype))
+        scales = ranks[0]["mp", precision]["stage0"]["scales"]
+        skip = tuple(i for i, s in enumerate(scales) if s < ([2.0**16] + scales)[i])
+        want = reference("mlp", "sgd", skip=skip, init_dtype=dtype)
+        for r, res in enumerate(ranks):
+            runs = res["mp", precision]
+            for spec in ("hsdp1", "hsdp2", "hsdp3"):
+                assert runs[spec]["scales"] == scales, (precision, spec, r)
+                apart = drift(runs[spec], runs["stage0"], init)
+                assert apart <= 0.01, f"rank {r}: {spec} vs stage 0 in {precision}: {apart:.3g}"
+                apart = drift(runs[spec], want, init)
+                assert apart <= 0.02, f"rank {r}: {spec} {precision} vs fp32: {apart:.3g}"
+
+
+def test_a_parameter_used_on_one_node_only_is_stepped_everywhere(ranks):
+    want = _branchy_reference()
+    for r, res in enumerate(ranks):
+        for k, v in want.items():
+            torch.testing.assert_close(res["unused"][k], v, atol=1e-6, rtol=0, msg=f"{k} rank {r}")
+
+
+def test_stage3_checks_the_modules_across_nodes(ranks):
+    for r, res in enumerate(ranks):
+        e = res["modules"]
+        assert "ranks ran different modules" in e, (r, e)
+        assert "rank 0: forward of 'layers.0'" in e and "rank 2: forward of 'layers.1'" in e, e
