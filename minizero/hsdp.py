@@ -19,10 +19,12 @@ DDP over every rank (the world group). Per rank and step (paper volumes, Ψ elem
     "shard"      2Ψ (stages 1-2: reduce-scatter + all-gather), 3Ψ (stage 3: two all-gathers too)
     "replicate"  2 x Ψ/N_s (an all-reduce of this rank's shard, Ψ/N_s elements)
 
-so what crosses the node boundary is the replicate all-reduce only, 2(R-1)/R x Ψ/N_s elements
-sent per rank in a ring (minizero/topology.py), where flat ZeRO-3 over the same ranks sends its
-whole 3Ψ(N-1)/N through a ring that crosses nodes. Memory per rank is that of N_s ranks: the
-price of keeping the all-gathers inside the node.
+so only the replicate all-reduce crosses a node boundary: in the ring model of
+minizero/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over the
+same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
+sends all of it across (on 2 nodes x 2 ranks, fp32: 9Ψ bytes from each of 2 ranks, against 2Ψ
+from each of 4 with HSDP; tests/library/test_hsdp.py). The price: model states per rank are those
+of a world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
 
 What else uses the replicate group: the initial state and the buffers (broadcast from global
 rank 0 over "replicate", then over "shard"), ``find_unused_parameters`` (used anywhere). Norms and

@@ -104,7 +104,9 @@ class ZeRO1(DDP):
         return None if self.reduced else super().visible_grad(p)
 
     def reduce_gradients(self) -> list[torch.Tensor]:
-        """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average."""
+        """Reduce-scatter every bucket in place: chunk r of rank r's buffer gets the average.
+        With a mesh (HSDP, as FSDP2's: minizero/hsdp.py) each chunk is then averaged over the
+        replicas, the ranks of the other nodes that hold the same chunk."""
         shards = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         if not self.reduced:
             fp16 = self.precision.reduce_dtype == torch.float16

@@ -101,6 +101,7 @@ class ZeRO2(ZeRO1):
             work.wait()
             if out.dtype != torch.float16:  # (fp16 was divided before the sum)
                 out.div_(self.world)
+            # HSDP (a mesh, as FSDP2's; minizero/hsdp.py): then over the other nodes' replicas
             hsdp.average_replicas([out], self.replicate_group, f"zero2 replicas {b.index}")
             self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
