@@ -93,6 +93,8 @@ def _everything() -> dict:
         specs = ["hsdp0", "hsdp1", "hsdp2", "hsdp3", "fsdp2_hsdp"]
         for spec, res in train_rank(specs, "mlp", opt).items():
             out["train"][spec, opt] = res
+    for spec, res in train_rank(["hsdp3", "fsdp2_hsdp"], "gpt", "adamw").items():
+        out["train"][spec, "gpt"] = res  # TinyGPT: a unit per block, the tied embedding
     # clipping: the norm is reduced over the shard group only (the replicas hold equal shards).
     # (No accumulation here: 12 rows over 4 ranks leave 3 a rank, no 2 equal micro-batches.)
     for spec in ("hsdp1", "hsdp3"):
@@ -192,6 +194,15 @@ def test_hsdp_stage3_trains_what_fsdp2_hsdp_trains(ranks, opt):
         assert_same_run(fsdp2, want, ATOL["mlp", opt], f"FSDP2 HSDP {opt} rank {r}")
         got = res["train"]["hsdp3", opt]
         assert_same_run(got, fsdp2, ATOL["mlp", opt], f"hsdp3 vs FSDP2 HSDP {opt} rank {r}")
+
+
+def test_hsdp_stage3_trains_tinygpt_as_one_process_and_fsdp2_hsdp(ranks):
+    want, atol = reference("gpt", "adamw"), ATOL["gpt", "adamw"]
+    for r, res in enumerate(ranks):
+        fsdp2, got = res["train"]["fsdp2_hsdp", "gpt"], res["train"]["hsdp3", "gpt"]
+        assert_same_run(fsdp2, want, atol, f"FSDP2 HSDP TinyGPT rank {r}")
+        assert_same_run(got, want, atol, f"hsdp3 TinyGPT rank {r}")
+        assert_same_run(got, fsdp2, atol, f"hsdp3 vs FSDP2 HSDP TinyGPT rank {r}")
 
 
 def test_clip_grad_norm_with_a_mesh_clips_by_the_global_norm(ranks):
