@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.habits import (
     SAVE_ON_RANK_0,
     Arrival,
@@ -46,7 +47,7 @@ from minizero.habits import (
     match_keys,
     refuse_dtypes,
 )  # fmt: skip
-from minizero.precision import LossScaler, Precision, resolve
+from minizero.precision import LossScaler, Precision, floating, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
 
@@ -88,6 +89,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -100,6 +102,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         claim(module, type(self).__name__)  # before any hook: a refused model stays clean
         self.module = module
         self.group = process_group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding my shard (hsdp.py)
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -120,7 +123,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         self._trainable = Trainable(module, self.param_names)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
-                C.broadcast(t.data, src=0, group=process_group, tag="initial state")
+                hsdp.broadcast(t.data, process_group, replicate_group, tag="initial state")
         for p in module.parameters():
             if p.requires_grad:  # registered before any stage's hook, so it runs first
                 p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
@@ -168,16 +171,16 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         if self.broadcast_buffers and self._sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
-                    C.broadcast(buf, src=0, group=self.group, tag="buffers")
+                    hsdp.broadcast(buf, self.group, self.replicate_group, tag="buffers")
         self._sync_buffers = torch.is_grad_enabled() and self.require_sync
         dtype = self.precision.param_dtype
         if self.precision.cast_forward_inputs and dtype != torch.float32:
-            cast = lambda t: t.to(dtype) if _floating(t) else t
+            cast = lambda t: t.to(dtype) if floating(t) else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         out = self.module(*args, **kwargs)
         if self.precision.output_dtype is not None:
             out_dtype = self.precision.output_dtype
-            out = tree_map(lambda t: t.to(out_dtype) if _floating(t) else t, out)
+            out = tree_map(lambda t: t.to(out_dtype) if floating(t) else t, out)
         if self.scaler is not None and torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -273,7 +276,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
             return set()
         used = torch.tensor([id(p) in self._used for p in self.params], dtype=torch.uint8)
         used = used.to(self.params[0].device)  # (P,) 1 where this rank saw a gradient
-        C.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, tag="used parameters")
+        hsdp.all_reduce(used, self.group, self.replicate_group, dist.ReduceOp.MAX, "used params")
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
@@ -393,7 +396,3 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         ps = list(self.module.parameters())
         return {"params": ps, "grads": [p.grad for p in ps if p.grad is not None]}
-
-
-def _floating(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
@@ -178,6 +179,7 @@ class DDP(DataParallel):
         for w in self.works:
             w.wait()
         self.works.clear()
+        hsdp.average_replicas(self.grad_buffers, self.replicate_group, "ddp replicas")
         self.pending = [len(b.params) for b in self.buckets]
         self.next_bucket = 0
 

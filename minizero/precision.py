@@ -160,3 +160,8 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def floating(t) -> bool:
+    """Whether ``t`` is a floating-point tensor (what a precision policy casts)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point()

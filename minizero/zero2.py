@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket
 from minizero.zero1 import ZeRO1
 
@@ -100,6 +101,8 @@ class ZeRO2(ZeRO1):
             work.wait()
             if out.dtype != torch.float16:  # (fp16 was divided before the sum)
                 out.div_(self.world)
+            # HSDP (a mesh, as FSDP2's; minizero/hsdp.py): then over the other nodes' replicas
+            hsdp.average_replicas([out], self.replicate_group, f"zero2 replicas {b.index}")
             self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 

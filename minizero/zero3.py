@@ -288,8 +288,9 @@ class ZeRO3(ZeRO2):
     def _check_same_module(self, m: nn.Module, backward: bool) -> None:
         code = 2 * self._module_index[m] + backward
         mine = torch.tensor([code], dtype=torch.int64, device=self._check_device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)  # not model states: not in the ledger
+        group = None if self.replicate_group is not None else self.group  # HSDP: every rank
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)  # not model states: not in the ledger
         codes = [int(t) for t in every]
         if len(set(codes)) > 1:
             what = lambda c: (
