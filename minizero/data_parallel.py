@@ -36,8 +36,18 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
-from minizero.habits import Arrival, Trainable, claim, match_keys, refuse_dtypes
-from minizero.precision import LossScaler, Precision, resolve
+from minizero import hsdp
+from minizero.habits import (
+    SAVE_ON_RANK_0,
+    Arrival,
+    TorchNames,
+    Trainable,
+    claim,
+    full_module_state_dict,
+    match_keys,
+    refuse_dtypes,
+)  # fmt: skip
+from minizero.precision import LossScaler, Precision, floating, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
 
@@ -66,10 +76,7 @@ class Fragment:
         return self.tensor is not self.param
 
 
-SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
-
-
-class DataParallel(GradNorms, nn.Module):
+class DataParallel(GradNorms, TorchNames, nn.Module):
     """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
 
     stage = 0
@@ -82,6 +89,7 @@ class DataParallel(GradNorms, nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -94,6 +102,7 @@ class DataParallel(GradNorms, nn.Module):
         claim(module, type(self).__name__)  # before any hook: a refused model stays clean
         self.module = module
         self.group = process_group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding my shard (hsdp.py)
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -114,13 +123,14 @@ class DataParallel(GradNorms, nn.Module):
         self._trainable = Trainable(module, self.param_names)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
-                C.broadcast(t.data, src=0, group=process_group, tag="initial state")
+                hsdp.broadcast(t.data, process_group, replicate_group, tag="initial state")
         for p in module.parameters():
             if p.requires_grad:  # registered before any stage's hook, so it runs first
                 p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
+        module.register_state_dict_post_hook(full_module_state_dict(self))
         self._arrival = Arrival(process_group, self.world)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:
@@ -161,16 +171,16 @@ class DataParallel(GradNorms, nn.Module):
         if self.broadcast_buffers and self._sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
-                    C.broadcast(buf, src=0, group=self.group, tag="buffers")
+                    hsdp.broadcast(buf, self.group, self.replicate_group, tag="buffers")
         self._sync_buffers = torch.is_grad_enabled() and self.require_sync
         dtype = self.precision.param_dtype
         if self.precision.cast_forward_inputs and dtype != torch.float32:
-            cast = lambda t: t.to(dtype) if _floating(t) else t
+            cast = lambda t: t.to(dtype) if floating(t) else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         out = self.module(*args, **kwargs)
         if self.precision.output_dtype is not None:
             out_dtype = self.precision.output_dtype
-            out = tree_map(lambda t: t.to(out_dtype) if _floating(t) else t, out)
+            out = tree_map(lambda t: t.to(out_dtype) if floating(t) else t, out)
         if self.scaler is not None and torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -266,7 +276,7 @@ class DataParallel(GradNorms, nn.Module):
             return set()
         used = torch.tensor([id(p) in self._used for p in self.params], dtype=torch.uint8)
         used = used.to(self.params[0].device)  # (P,) 1 where this rank saw a gradient
-        C.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, tag="used parameters")
+        hsdp.all_reduce(used, self.group, self.replicate_group, dist.ReduceOp.MAX, "used params")
         return {id(p) for p, u in zip(self.params, used.tolist(), strict=True) if not u}
 
     def before_step(self) -> bool:
@@ -305,18 +315,9 @@ class DataParallel(GradNorms, nn.Module):
 
     def grads_finite(self, grads: list[torch.Tensor | None]) -> bool:
         """fp16: unscale ``grads`` in place, once per step; True when no rank saw an inf or NaN."""
-        if self._grads_ok is not None:
-            return self._grads_ok
-        if self.scaler is None:
-            self._grads_ok = True
-            return True
-        bad = torch.zeros(1, device=self.params[0].device)  # (1,) inf or NaN seen on some rank
-        for g in (g for g in grads if g is not None):
-            g.div_(self.scaler.scale)
-            bad += (~torch.isfinite(g)).any()
-        C.all_reduce(bad, group=self.group, tag="fp16 inf check")
-        self._grads_ok = bad.is_meta or not bad.item()  # meta (minizero.simulate): no values
-        self.scaler.update(found_inf=not self._grads_ok)
+        if self._grads_ok is None:
+            dev = self.params[0].device
+            self._grads_ok = self.scaler is None or self.scaler.unscale(grads, self.group, dev)
         return self._grads_ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -324,6 +325,15 @@ class DataParallel(GradNorms, nn.Module):
         self._used.clear()
         self._hidden = False
         self.reset_grads(set_to_none)
+
+    def zero_grad_of(self, ids: set[int], set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()`` of an optimizer over some of the trainable parameters (``ids``
+        of them): as in torch, the others keep their gradients and accumulate into them."""
+        for p in self.params:
+            if id(p) in ids and id(p) in self._used:
+                self.clear_grad(p)
+                self._used.discard(id(p))
+                p.grad = None if set_to_none else p.grad
 
     def reset_grads(self, set_to_none: bool) -> None:
         """The stage's part of ``zero_grad()``: clear (or free) its gradient buffers."""
@@ -386,7 +396,3 @@ class DataParallel(GradNorms, nn.Module):
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         ps = list(self.module.parameters())
         return {"params": ps, "grads": [p.grad for p in ps if p.grad is not None]}
-
-
-def _floating(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()

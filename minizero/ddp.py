@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
@@ -98,6 +99,7 @@ class DDP(DataParallel):
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
+        self.next_bucket = 0  # buckets below it are launched (launch_in_order)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
@@ -147,7 +149,15 @@ class DDP(DataParallel):
         b = self.bucket_of(p)
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch(b)
+            self.launch_in_order(b)
+
+    def launch_in_order(self, b: Bucket) -> None:
+        """Bucket ``b`` is complete: launch it and the complete buckets after it, in index order,
+        as torch DDP does. Ranks whose backwards complete buckets in other orders (a parameter
+        used on some ranks only) then still issue the same collectives in the same order."""
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self.launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
 
     def launch(self, b: Bucket) -> None:
         buf = self.grad_buffers[b.index]  # (numel,) flat, this rank's local gradient
@@ -169,7 +179,9 @@ class DDP(DataParallel):
         for w in self.works:
             w.wait()
         self.works.clear()
+        hsdp.average_replicas(self.grad_buffers, self.replicate_group, "ddp replicas")
         self.pending = [len(b.params) for b in self.buckets]
+        self.next_bucket = 0
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         view = self.bucket_of(p).view(self.grad_buffers[self.bucket_of(p).index], p)

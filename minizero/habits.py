@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
 
 def refuse_dtypes(params: list[nn.Parameter], names: dict[int, str]) -> None:
@@ -81,7 +85,7 @@ def check_step_is_elementwise(optimizer: torch.optim.Optimizer, base: type) -> N
         return
     want = inspect.unwrap(base.step)  # torch wraps step with profiling hooks; compare the code
     for c in cls.__mro__[: cls.__mro__.index(base)]:
-        step = c.__dict__.get("step")
+        step = None if c.__dict__.get("minizero_wraps_step") else c.__dict__.get("step")
         if step is not None and inspect.unwrap(step) is not want:
             raise TypeError(
                 f"{cls.__name__}.step overrides {base.__name__}.step: at stages 1-3 (and in mixed "
@@ -111,6 +115,56 @@ def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[st
                 f"{tuple(own[k].shape)} in the model"
             )
     return state_dict, missing, unexpected
+
+
+class TorchNames:
+    """What PyTorch users reach for on torch DDP's and FSDP2's wrappers, on minizero's too.
+
+    ``model.config`` and other attributes of the wrapped model (FSDP2 keeps the model's class, so
+    they work there); ``model.set_requires_gradient_sync(False)`` (FSDP2) and nanoGPT's
+    ``model.require_backward_grad_sync = False`` (torch DDP's attribute): ``no_sync()`` until set
+    back, refused where ``no_sync()`` is (stages 2-3 keep no local gradient to accumulate into)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (nn.Module's)
+        except AttributeError:
+            if name.startswith("_") or name == "module" or "module" not in self._modules:
+                raise
+            return getattr(self.module, name)
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        with nullcontext() if requires else self.no_sync():  # stages 2-3 refuse here
+            pass
+        self.require_sync = requires
+
+    require_backward_grad_sync = property(
+        lambda self: self.require_sync, set_requires_gradient_sync
+    )
+
+
+def full_module_state_dict(wrapper) -> callable:
+    """A state-dict hook for the wrapped model itself (nanoGPT's ``raw_model.state_dict()``,
+    Hugging Face's ``unwrap_model(model).save_pretrained``): its parameters full and fp32, as
+    the wrapper's ``state_dict()`` gives them, not stage 3's empty shards or the 16-bit working
+    copy (collective then, as the wrapper's). ``keep_vars=True`` keeps the parameter objects."""
+    ref = weakref.ref(wrapper)
+
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        w = ref()
+        if w is None or not (w.stage == 3 or w.precision.master):
+            return  # the working copy is full fp32 there already
+        named = [(prefix + n, p) for n, p in module.named_parameters(remove_duplicate=False)]
+        if any(isinstance(state_dict.get(k), nn.Parameter) for k, _ in named):
+            return  # keep_vars=True (minizero itself asks so)
+        if w.stage > 0:
+            w.expect_every_rank("model.module.state_dict()", SAVE_ON_RANK_0)
+        full = w.full_params()  # id(param) -> full fp32
+        for k, p in named:  # (frozen ones: kept once in the working dtype; fp32 out)
+            if k in state_dict:
+                state_dict[k] = full[id(p)] if id(p) in full else state_dict[k].float()
+
+    return hook
 
 
 class Arrival:

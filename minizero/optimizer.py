@@ -37,8 +37,24 @@ class StageStep:
     """Mixin placed before the user's optimizer class; ``self._stage`` is the wrapper."""
 
     _stage: Stage
+    minizero_wraps_step = True  # runs the user's class's own step (habits.check_step_...)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's GradScaler asks this. Where this rank holds only shards (stages 1-3, fp32
+        masters) its inf check would be this rank's alone, so ranks could disagree on skipping a
+        step (FSDP has a ShardedGradScaler for this): True sends GradScaler to ``step()``,
+        which refuses it by name. fp32 DDP: False, GradScaler works as with torch DDP."""
+        return not getattr(self, "_minizero_closure_through", False)
 
     def step(self, closure=None):
+        if "found_inf" in self.__dict__:  # set by torch's GradScaler.step (see above)
+            raise RuntimeError(
+                "torch's GradScaler cannot see whole gradients here (each rank holds a shard, "
+                "so its inf check is not global): drop GradScaler and fp16 autocast and pass "
+                "precision='fp16' to minizero.parallelize, which scales the loss and checks "
+                "every rank's shards; or use bf16 autocast, which needs no scaler"
+            )
         loss = None
         if closure is not None and getattr(self, "_minizero_closure_through", False):
             # fp32 DDP: the optimizer holds the parameters themselves; a closure (LBFGS calls it
@@ -54,7 +70,29 @@ class StageStep:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._stage.zero_grad(set_to_none)
+        """As torch's: the gradients of this optimizer's parameters (all of them: the stage's
+        ``zero_grad``; some: those only, the others keep accumulating, as in torch)."""
+        trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
+        if trains is None or all(id(p) in trains for p in self._stage.params):
+            self._stage.zero_grad(set_to_none)
+        else:
+            self._stage.zero_grad_of(trains, set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group`` (a parameter that starts training later, with its own
+        settings): its parameters are swapped for this rank's fragments of them, as ``regroup``
+        does for the groups the optimizer was built with."""
+        stage = getattr(self, "_stage", None)
+        if stage is not None:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            self._minizero_trains |= {id(p) for p in params}
+            if any(f.is_master for f in stage.fragments):
+                frags = stage._frags_of  # id(param) -> its fragments on this rank
+                mine = [f.tensor for p in params for f in frags.get(id(p), [])]
+                frozen = [p for p in params if not p.requires_grad]  # no fragments: as they are
+                param_group = {**param_group, "params": mine + frozen}
+        super().add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
@@ -112,6 +150,7 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             if id(p) in group_of:
                 raise ValueError("a parameter appears in two param groups")
             group_of[id(p)] = gi
+    optimizer._minizero_trains = set(group_of)  # id(param) of every parameter it steps
     known = {id(p) for p in module.parameters()}
     strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
     if strangers:

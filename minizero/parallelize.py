@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.optimizer import attach, regroup
@@ -27,6 +29,9 @@ from minizero.precision import Precision, check_elementwise, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -42,6 +47,7 @@ def parallelize(
     precision: str | Precision = "fp32",
     bucket_cap_mb: float | None = None,
     process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
     **stage_options,
@@ -55,6 +61,10 @@ def parallelize(
     (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
     ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
+    ``process_group``: the ranks to train on (default: the world). ``mesh``: hybrid sharding
+    (HSDP, as FSDP2's ``fully_shard(mesh=2-D mesh)``): a 2-D ``DeviceMesh`` with dims
+    ("replicate", "shard"); stages 1-3 shard over "shard" and average each gradient shard over
+    "replicate"; stage 0 is DDP over every rank (minizero/hsdp.py).
     ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
     also takes ``units`` (module classes or a predicate; default: the repeated blocks),
     ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
@@ -76,6 +86,12 @@ def parallelize(
         )
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
+    if mesh is not None:
+        if process_group is not None:
+            raise TypeError("pass a mesh (HSDP) or a process_group (one dimension), not both")
+        shard, replicate = hsdp.mesh_groups(mesh)
+        if stage > 0:  # (stage 0 with a mesh: DDP over every rank, the world group)
+            process_group, stage_options["replicate_group"] = shard, replicate
     policy = resolve(precision)
     if isinstance(optimizer, torch.optim.Optimizer):
         built = optimizer

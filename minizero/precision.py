@@ -15,7 +15,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from minizero import collectives as C
 from minizero.habits import check_step_is_elementwise
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
@@ -122,6 +124,18 @@ class LossScaler:
     def scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scale
 
+    def unscale(self, grads: list, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        """Divide ``grads`` by the scale in place; True when no rank of ``group`` saw an inf or
+        NaN. Updates the scale (once per step: the stage calls it once)."""
+        bad = torch.zeros(1, device=device)  # (1,) inf or NaN seen on some rank
+        for g in (g for g in grads if g is not None):
+            g.div_(self.scale)
+            bad += (~torch.isfinite(g)).any()
+        C.all_reduce(bad, group=group, tag="fp16 inf check")
+        ok = bad.is_meta or not bad.item()  # meta (minizero.simulate): no values
+        self.update(found_inf=not ok)
+        return ok
+
     def update(self, found_inf: bool) -> None:
         if found_inf:
             self.scale /= 2
@@ -146,6 +160,11 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def floating(t) -> bool:
+    """Whether ``t`` is a floating-point tensor (what a precision policy casts)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 # -- block-wise int8 quantisation: ZeRO++'s qwZ (Wang et al., arXiv 2306.10209, §3.1) -------------

@@ -88,7 +88,9 @@ class ShardedGrad(torch.Tensor):
             f"{name or func}: at ZeRO stage 1-3 no rank holds the full averaged gradient of a "
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
-            f"model.grad_fragments(p) for this rank's ranges of the averaged gradient (fp32 views)."
+            f"model.grad_fragments(p) for this rank's ranges of the averaged gradient (fp32 "
+            f"views). An optimizer built over model.parameters() after parallelize cannot step "
+            f"shards: pass it to minizero.parallelize, which returns the optimizer that does."
         )
 
 

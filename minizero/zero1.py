@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets
 from minizero.ddp import DDP
 
@@ -106,7 +107,9 @@ class ZeRO1(DDP):
     def reduce_gradients(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
         tensor, kept until the step ends. The local buffers keep this rank's own sums, so a
-        second ``step()``, or more backwards without ``zero_grad()``, reduce them again rightly."""
+        second ``step()``, or more backwards without ``zero_grad()``, reduce them again rightly.
+        With a mesh (HSDP, as FSDP2's: minizero/hsdp.py) each chunk is then averaged over the
+        replicas, the ranks of the other nodes that hold the same chunk."""
         if not self.reduced:
             fp16 = self.precision.reduce_dtype == torch.float16
             if fp16:  # divide before the sum, so that the sum cannot overflow fp16
@@ -126,6 +129,7 @@ class ZeRO1(DDP):
             if fp16:  # the local sums back (exact when N is a power of 2)
                 for g in self.grad_buffers:
                     g.mul_(self.world)
+            hsdp.average_replicas(self.reduced_shards, self.replicate_group, "zero1 replicas")
             self.reduced = True
         return self.reduced_shards  # (shard,) per bucket, averaged over ranks
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from minizero import collectives as C
+from minizero import hsdp
 from minizero.bucket import Bucket
 from minizero.units import QuantizedReduceScatter
 from minizero.zero1 import ZeRO1
@@ -78,7 +79,7 @@ class ZeRO2(ZeRO1):
         p.grad = None  # the full gradient is freed as soon as it is in the bucket
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch(b)
+            self.launch_in_order(b)
 
     def launch(self, b: Bucket) -> None:
         self.finish_in_flight()  # at most one reduce-scatter in flight
@@ -104,6 +105,8 @@ class ZeRO2(ZeRO1):
             work.wait()
             if out.dtype != torch.float16:  # (fp16 was divided before the sum)
                 out.div_(self.world)
+            # HSDP (a mesh, as FSDP2's; minizero/hsdp.py): then over the other nodes' replicas
+            hsdp.average_replicas([out], self.replicate_group, f"zero2 replicas {b.index}")
             self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
@@ -115,6 +118,7 @@ class ZeRO2(ZeRO1):
                 self.launch(b)
         self.finish_in_flight()
         self.pending = [len(b.params) for b in self.buckets]
+        self.next_bucket = 0
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
         return self.grad_shards  # already reduced during backward (None: no backward since)

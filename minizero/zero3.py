@@ -328,7 +328,8 @@ class ZeRO3(ZeRO2):
     # -- ranks must run the same modules ---------------------------------------------------------
     def _check_same_module(self, m: nn.Module, backward: bool) -> None:
         code = 2 * self._module_index[m] + backward
-        U.check_same_module(code, self._module_names, self.group, self._check_device)
+        group = None if self.replicate_group is not None else self.group  # HSDP: every rank
+        U.check_same_module(code, self._module_names, group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     @contextmanager

@@ -40,6 +40,7 @@ GLOBAL_BATCH = 12  # divides by world sizes 1, 2, 3 and, per rank, by 2 micro-ba
 SEQ_LEN = 16  # TinyGPT tokens per row
 STEPS = 3
 TINY_BUCKET_MB = 2e-3  # 2 KiB: one bucket per parameter or two, so DDP has many buckets
+HSDP_NODE = 2  # ranks per "node" of the "hsdpN" and "fsdp2_hsdp" specs' mesh
 CLIP = 0.05  # below every model's gradient norm at these steps, so clipping really scales
 
 # Largest |difference| allowed between a data-parallel run and the single process, per model and
@@ -123,14 +124,19 @@ def wrap(
     """Wrap ``model`` as ``spec`` says and build its optimizer.
 
     "naive", "ddp": minizero.ddp's classes with a plain torch optimizer. "stage0".."stage3":
-    ``minizero.parallelize``. "torch_ddp": DistributedDataParallel. "torch_zero": torch DDP +
-    ZeroRedundancyOptimizer. "fsdp2": ``fully_shard`` on each transformer block, then the root.
+    ``minizero.parallelize``; "hsdp0".."hsdp3": the same with ``mesh=hsdp_mesh()``. "torch_ddp":
+    DistributedDataParallel. "torch_zero": torch DDP + ZeroRedundancyOptimizer. "fsdp2":
+    ``fully_shard`` on each transformer block, then the root; "fsdp2_hsdp": the same on
+    ``hsdp_mesh()`` (FSDP2's HSDP).
     """
     make = optimizer_fn(opt)
-    if spec.startswith("stage"):
-        stage = int(spec[5:])
+    if spec.startswith(("stage", "hsdp")):
+        stage = int(spec[-1])
         cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
-        return minizero.parallelize(model, stage, make, precision=precision, bucket_cap_mb=cap)
+        mesh = hsdp_mesh() if spec.startswith("hsdp") else None  # a (nodes, 2) mesh
+        return minizero.parallelize(
+            model, stage, make, precision=precision, bucket_cap_mb=cap, mesh=mesh
+        )
     model = model.to(rank_device())
     if spec == "naive":
         wrapped = NaiveDDP(model)
@@ -143,17 +149,29 @@ def wrap(
 
             cls, kw = OPTIMIZERS[opt]
             return wrapped, ZeroRedundancyOptimizer(trainable(model), optimizer_class=cls, **kw)
-    elif spec == "fsdp2":
+    elif spec in ("fsdp2", "fsdp2_hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+        hsdp = spec == "fsdp2_hsdp"  # FSDP2's HSDP: the same 2-D mesh as "hsdpN"
+        world = (dist.get_world_size(),)
+        mesh = hsdp_mesh() if hsdp else init_device_mesh(rank_device().type, world)
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)  # the root: embeddings, tied lm_head, MLP layers
     else:
         raise ValueError(f"unknown spec {spec!r}")
     return wrapped, make(trainable(wrapped))
+
+
+def hsdp_mesh(node_size: int = HSDP_NODE):
+    """A 2-D mesh ("replicate", "shard"): nodes of ``node_size`` consecutive ranks, as FSDP2's
+    HSDP takes it (``minizero.parallelize(..., mesh=)``, ``fully_shard(mesh=)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    shape = (world // node_size, node_size)
+    return init_device_mesh(rank_device().type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -246,6 +246,11 @@ def _check_pair(model, optimizer, what: str) -> None:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")
+    if getattr(model, "replicate_group", None) is not None:  # HSDP: every node holds the shards
+        raise NotImplementedError(
+            f"{what} does not take a model parallelized with a mesh (HSDP) yet: save "
+            f"model.state_dict() (full, fp32; call it on every rank, save on rank 0) instead"
+        )
 
 
 # -- collectives: every rank succeeds or fails alike ----------------------------------------------

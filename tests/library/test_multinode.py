@@ -1,6 +1,7 @@
 """Two torchrun agents on 127.0.0.1 (c10d rendezvous, one rank each) act as two nodes: every stage
-trains what one process trains, and a node killed mid-run ends the other with an error within
-seconds. Every subprocess has a timeout: a hang fails the test, it never blocks the suite."""
+trains what one process trains, HSDP (two ranks each) too, and a node killed mid-run ends the
+other with an error within seconds. Every subprocess has a timeout: a hang fails the test, it
+never blocks the suite."""
 
 import os
 import signal
@@ -25,10 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(out: Path, port: int, *script_args: str) -> subprocess.Popen:
-    """One torchrun agent (a "node" of one rank), in its own session (torchrun puts its worker in
-    another); its output in ``out/agent-<i>.log``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+def start_node(out: Path, port: int, *script_args: str, nproc: int = 1) -> subprocess.Popen:
+    """One torchrun agent (a "node" of ``nproc`` ranks), in its own session (torchrun puts its
+    workers in another); its output in ``out/agent-<i>.log``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-conf", "join_timeout=60", "--max-restarts", "0",
            str(SCRIPT), str(out), *script_args]  # fmt: skip
@@ -89,6 +91,25 @@ def test_two_nodes_train_what_one_process_trains_at_every_stage(tmp_path):
         assert sorted(got) == ["stage0", "stage1", "stage2", "stage3"]
         for spec, run in got.items():
             assert_same_run(run, want, ATOL["mlp", "adam"], f"{spec} rank {rank} of 2 nodes")
+
+
+def test_two_nodes_of_two_ranks_train_hsdp_what_one_process_and_fsdp2_train(tmp_path):
+    """HSDP across the two agents: mesh (2 nodes, 2 ranks), "shard" inside an agent (torchrun
+    numbers an agent's ranks consecutively), "replicate" across; minizero's stage 3 with the mesh
+    and FSDP2's HSDP against one process."""
+    port = free_port()
+    nodes = [start_node(tmp_path, port, "train", "hsdp3,fsdp2_hsdp", nproc=2) for _ in range(2)]
+    try:
+        codes = [p.wait(timeout=180) for p in nodes]
+    finally:
+        stop(nodes, tmp_path)
+    assert codes == [0, 0], logs(tmp_path)
+    want = reference("mlp", "adam")
+    for rank in range(4):
+        got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert sorted(got) == ["fsdp2_hsdp", "hsdp3"]
+        for spec, run in got.items():
+            assert_same_run(run, want, ATOL["mlp", "adam"], f"{spec} rank {rank} of 2 nodes x 2")
 
 
 def test_a_killed_node_ends_the_other_with_an_error_within_seconds(tmp_path):

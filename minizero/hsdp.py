@@ -1,0 +1,103 @@
+"""Hybrid sharding (HSDP): shard inside a node, replicate across nodes. Issue 17, lesson 08.
+
+The reference is FSDP2's HSDP, ``fully_shard(model, mesh=mesh)`` with a 2-D ``DeviceMesh`` whose
+dims are (replicate, shard) (torch/distributed/fsdp/_fully_shard/_fully_shard.py; the reduction:
+_fsdp_collectives.py's ``foreach_reduce``, a reduce-scatter over the shard dim, then an
+all-reduce of the shard over the replicate dim). DeepSpeed calls the same layout MiCS (Zhang et
+al., arXiv 2205.00119). minizero builds it from its stages with one more group:
+
+    mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    model, optimizer = minizero.parallelize(model, 3, optimizer, mesh=mesh)
+
+At stages 1-3 the model states are sharded over "shard" (the ranks of one node: N_s of them) and
+every node holds the same shards: the stage runs on the shard group exactly as on a world of N_s
+ranks, and each gradient shard, once reduce-scattered and averaged there, is all-reduced over
+"replicate" (the R ranks, one per node, that hold the same shard) and divided by R: an average
+over all R * N_s ranks. Stage 3 all-gathers parameters over "shard" only. Stage 0 with a mesh is
+DDP over every rank (the world group). Per rank and step (paper volumes, Ψ elements):
+
+    "shard"      2Ψ (stages 1-2: reduce-scatter + all-gather), 3Ψ (stage 3: two all-gathers too)
+    "replicate"  2 x Ψ/N_s (an all-reduce of this rank's shard, Ψ/N_s elements)
+
+so only the replicate all-reduce crosses a node boundary: in the ring model of
+minizero/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over the
+same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
+sends all of it across (on 2 nodes x 2 ranks, fp32: 9Ψ bytes from each of 2 ranks, against 2Ψ
+from each of 4 with HSDP; tests/library/test_hsdp.py). The price: model states per rank are those
+of a world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
+
+What else uses the replicate group: the initial state and the buffers (broadcast from global
+rank 0 over "replicate", then over "shard"), ``find_unused_parameters`` (used anywhere). Norms and
+the fp16 overflow check reduce over "shard" only: the replicas hold equal shards after the
+all-reduce. Checkpoints (minizero.checkpoint) refuse a mesh: save ``model.state_dict()`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minizero import collectives as C
+
+MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, dim 1 inside one
+
+
+def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard, replicate): this rank's groups of a 2-D mesh with dims ("replicate", "shard"),
+    named "shard" and "replicate" in every ledger. Refuses any other mesh with what to do."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    make = 'init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))'
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(
+            f"minizero's HSDP takes a 2-D mesh with dims named {MESH_DIMS} (FSDP2's order), got "
+            f"a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}: make it with {make}; for one "
+            f"dimension pass process_group= (or nothing: the world)"
+        )
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"the mesh has {mesh.size()} ranks and the world {dist.get_world_size()}: "
+            f"minizero's HSDP needs a mesh over every rank, {make}"
+        )
+    shard = C.name_group(mesh.get_group("shard"), "shard")
+    replicate = C.name_group(mesh.get_group("replicate"), "replicate")
+    return shard, replicate
+
+
+def broadcast(t: torch.Tensor, group, replicate_group, tag: str) -> None:
+    """Global rank 0's ``t`` to every rank: over ``replicate_group`` first (the first node's
+    values to the same shard rank on every node), then over ``group`` (a node)."""
+    if replicate_group is not None:
+        C.broadcast(t, src=0, group=replicate_group, tag=tag)
+    C.broadcast(t, src=0, group=group, tag=tag)
+
+
+def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: str) -> None:
+    """``t`` combined with ``op`` over every rank in place: over ``group``, then over
+    ``replicate_group`` (when there is one)."""
+    C.all_reduce(t, op=op, group=group, tag=tag)
+    if replicate_group is not None:
+        C.all_reduce(t, op=op, group=replicate_group, tag=tag)
+
+
+def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: str) -> None:
+    """HSDP's second step: each gradient shard (shard,), already averaged over its node, is
+    averaged over the R nodes holding the same shard (all-reduce, then / R; fp16: / R before,
+    so that the sum cannot overflow). Nothing without a replicate group."""
+    if replicate_group is None:
+        return
+    r = dist.get_world_size(replicate_group)
+    live = {i: s for i, s in enumerate(shards) if s is not None}  # index: the bucket's
+    for s in live.values():
+        if s.dtype == torch.float16:
+            s.div_(r)
+    name = lambda i: tag if len(shards) == 1 else f"{tag} {i}"
+    works = [
+        C.all_reduce(s, group=replicate_group, async_op=True, tag=name(i)) for i, s in live.items()
+    ]
+    for w, s in zip(works, live.values(), strict=True):
+        w.wait()
+        if s.dtype != torch.float16:
+            s.div_(r)
