@@ -311,3 +311,48 @@ def test_all_to_all_sends_a_chunk_straight_to_each_peer():
     assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 0, node_size=2) == (100.0, 200.0)
     assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 3, node_size=4) == (300.0, 0.0)
     assert ring_bytes("all_to_all", 400, (2, 3), 2, node_size=1) == (0.0, 200.0)
+
+
+def _with_mesh(steps: int) -> dict:
+    """HSDP (a 2 x 2 mesh): qwZ and qgZ over the "shard" group, the replicas' average as
+    without them; hpZ's int is checked against the shard group (2 there: k = 2 means True)."""
+    from harness import hsdp_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, kw in {"plain": {}, "quantized": dict(quantize_weights=True,
+                                                    quantize_gradients=True)}.items():  # fmt: skip
+        model, opt = minizero.parallelize(build("gpt"), 3, optimizer_fn("adamw"),
+                                          mesh=hsdp_mesh(), **kw)  # fmt: skip
+        losses = []
+        for step in range(steps):
+            x, y = local_batch("gpt", step, rank, world)
+            with C.CommLedger() as ledger:
+                loss = model(x, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / world)
+        ops = sorted({(r.op, r.group, str(r.dtype)) for r in ledger.records})
+        out[name] = dict(losses=losses, ops=ops)
+    model, _ = minizero.parallelize(build("gpt"), 3, optimizer_fn("adamw"), mesh=hsdp_mesh(),
+                                    reshard_after_forward=2)  # fmt: skip
+    out["resolved"] = model.reshard_after_forward
+    return out
+
+
+def test_qwz_and_qgz_with_a_mesh_run_over_the_shard_group():
+    res = run(_with_mesh, 4, 10)[0]
+    assert res["quantized"]["ops"] == [
+        ("all_gather", "shard", "torch.float32"),  # qwZ's scales
+        ("all_gather", "shard", "torch.int8"),
+        ("all_reduce", "replicate", "torch.float32"),  # the replicas' average of each shard
+        ("all_to_all", "shard", "torch.float32"),  # qgZ's scales
+        ("all_to_all", "shard", "torch.int8"),
+    ]
+    plain, quant = res["plain"]["losses"], res["quantized"]["losses"]
+    for step, (q, p) in enumerate(zip(quant, plain, strict=True)):
+        assert abs(q - p) <= QWZ_LOSS_RTOL * p, f"step {step}: {q} vs {p}"
+    assert res["resolved"] is True  # FSDP2's rule: k equal to the shard group's size is True
