@@ -34,7 +34,7 @@ PASS_THROUGH = {
     "simulate": ("tools.simulate:main", "ZeRO's Table 1 (7.5B-1T parameters) from the real "
                  "stage code on meta tensors"),
     "bench": ("tools.bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
-              "own), checkpoints"),
+              "own), checkpoints, zeropp"),
     "run": ("tools.run:torchrun_main", "run a script under torchrun (one rank per GPU, "
             "multi-node)"),
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "
