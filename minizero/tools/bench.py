@@ -1,5 +1,5 @@
 """Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp [options]``.
-Lessons 00, 01, 05, 07.
+Lessons 00, 01, 05, 07; zeropp (minizero/tools/zeropp.py) for lesson 08.
 
 Every figure is measured here and printed with the backend, device, world size and torch version it
 came from; nothing is compared with a hard-coded hardware peak. Each command shows a progress bar
