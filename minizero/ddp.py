@@ -99,6 +99,7 @@ class DDP(DataParallel):
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         for p in self.params:
+            p.register_hook(self.grad_arriving)  # before autograd accumulates into p.grad
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     # -- layout ------------------------------------------------------------------------------
@@ -126,6 +127,12 @@ class DDP(DataParallel):
         self.works: list = []  # all-reduces in flight
 
     # -- backward: fill the bucket, launch its all-reduce once full ----------------------------
+    def grad_arriving(self, grad: torch.Tensor) -> None:
+        """A gradient reaches a parameter. After a backward, stages 1-3 (and fp16) leave a
+        ``ShardedGrad`` in ``p.grad`` until the next forward; a second backward before it
+        (``retain_graph=True``, as FSDP2 allows) accumulates into what backward sees instead."""
+        self._show_grads()
+
     def accumulate(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
         b = self.bucket_of(p)
