@@ -22,7 +22,7 @@ from torch import nn
 
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, regroup
+from minizero.optimizer import attach, refuse_sparse_adam, regroup
 from minizero.precision import Precision, check_elementwise, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
@@ -89,6 +89,7 @@ def parallelize(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
             f"params -> optimizer, got {type(optimizer).__name__}"
         )
+    refuse_sparse_adam(built)
     if stage > 0 or policy.master:
         check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
