@@ -108,7 +108,9 @@ class ZeRO3(ZeRO2):
             for p in b.params:
                 p._minizero_where = (self.param_names[id(p)], self._unit_names[b.index], self.world)
         for m in self.units_of:
-            m.register_forward_pre_hook(Hook(self._forward_pre_hook))
+            # first of m's pre-hooks (as FSDP2's): one of the user's may read the parameters
+            # (torch.nn.utils.prune, weight_norm compute the weight from them)
+            m.register_forward_pre_hook(Hook(self._forward_pre_hook), prepend=True)
             m.register_forward_hook(Hook(self._post_forward))
         for i in range(n):
             self._release(i)

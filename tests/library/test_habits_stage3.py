@@ -6,9 +6,12 @@ on the inputs (adversarial training, gradient penalties).
 Each habit either trains what one process trains on the global batch (FSDP2's answer) or is
 refused with one message that names it and says what works instead."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.utils.prune as prune
 from harness import build, local_batch, run, snapshot
 from torch import nn
 
@@ -143,3 +146,47 @@ def sparse_adam_rank(stage):
 def test_sparse_adam_is_refused_by_name(stage):
     with pytest.raises(LaunchError, match="SparseAdam needs sparse gradients.*SGD or Adagrad"):
         run(sparse_adam_rank, 2, stage)
+
+
+# -- 14. forward pre-hooks that read parameters: pruning, the old weight_norm ----------------------
+def hooked_model() -> nn.Module:
+    """Three Linear layers (stage 3 makes each a unit: repeated in an nn.Sequential); the first
+    pruned (a pre-hook computes weight = weight_orig * weight_mask), the second under the old
+    torch.nn.utils.weight_norm (a pre-hook computes weight from weight_g and weight_v). Both
+    pre-hooks were registered on the unit module before minizero's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    prune.l1_unstructured(model[0], "weight", amount=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still in wide use
+        torch.nn.utils.weight_norm(model[2])
+    return model
+
+
+def hooked_loop(model, opt, rank, world):
+    states = []
+    for step in range(STEPS):
+        torch.manual_seed(step)
+        x = torch.randn(12, 5).chunk(world)[rank]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(snapshot(model))
+    return states
+
+
+def hooked_rank(stage):
+    model = hooked_model()
+    model, opt = minizero.parallelize(model, stage, sgd(model))
+    return hooked_loop(model, opt, dist.get_rank(), dist.get_world_size())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_pruning_and_old_weight_norm_train_as_one_process(stage):
+    """Stage 3's pre-hook that gathers a unit runs before the user's own pre-hooks on that module
+    (it was a ShardedParameterError: the user's hook ran first and read sharded parameters)."""
+    model = hooked_model()
+    want = hooked_loop(model, sgd(model), 0, 1)
+    assert {"0.weight_orig", "0.weight_mask", "2.weight_g", "2.weight_v"} <= set(want[0])
+    for r, got in enumerate(run(hooked_rank, 2, stage)):
+        assert_same_states(got, want, 1e-6, f"stage {stage} rank {r}")
