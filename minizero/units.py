@@ -133,6 +133,24 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def pass_accumulates(accumulators: list) -> bool:
+    """From a hook inside backward: whether this pass accumulates into some ``p.grad``
+    (``loss.backward()``; ``accumulators``: the parameters' AccumulateGrad nodes) or computes
+    other gradients only (``torch.autograd.grad(loss, inputs)``). Refuses a pass that builds a
+    graph of the gradients (``create_graph=True``): that graph keeps parameters stage 3 frees."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "minizero ZeRO-3: backward with create_graph=True (a gradient penalty, double "
+            "backward) is not supported at stage 3: the graph of the gradients holds unit "
+            "parameters that stage 3 frees after use. Use stage 2 (parameters stay whole); "
+            "torch.autograd.grad(loss, inputs) without create_graph works at every stage."
+        )
+    try:
+        return any(map(torch._C._will_engine_execute_node, accumulators))
+    except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates
+        return False
+
+
 class Hook:
     """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
     the whole wrapper, process group included): the copy is a plain, unsharded model."""

@@ -12,11 +12,20 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from minizero import collectives as C
 from minizero.bucket import Bucket
 from minizero.precision import Precision
-from minizero.units import Hook, Units, assign_params, output_tensors, select_units, set_guard
+from minizero.units import (
+    Hook,
+    Units,
+    assign_params,
+    output_tensors,
+    pass_accumulates,
+    select_units,
+    set_guard,
+)
 from minizero.zero2 import ZeRO2
 
 
@@ -98,7 +107,9 @@ class ZeRO3(ZeRO2):
         self.recording = True
         self._pos: dict[nn.Module, int] = {}  # module -> place in order (after recording)
         self._last_use: dict[int, int] = {}  # unit -> place in order of its last user
-        self._checked_backward = False
+        # this backward pass: None before its first hook, True when it accumulates into .grad,
+        # False for torch.autograd.grad(loss, inputs) (input gradients only: nothing to reduce)
+        self._accumulating: bool | None = None
         self._module_names = [self._module_name[m] for m in self.units_of]
         self._module_index = {m: k for k, m in enumerate(self.units_of)}
         dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
@@ -112,6 +123,8 @@ class ZeRO3(ZeRO2):
             # (torch.nn.utils.prune, weight_norm compute the weight from them)
             m.register_forward_pre_hook(Hook(self._forward_pre_hook), prepend=True)
             m.register_forward_hook(Hook(self._post_forward))
+        # each parameter's AccumulateGrad node (kept alive: it is the one autograd runs)
+        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
         for i in range(n):
             self._release(i)
 
@@ -236,12 +249,26 @@ class ZeRO3(ZeRO2):
                     t.register_hook(Hook(lambda g, m=m: self._backward_hook(m)))
 
     def _backward_hook(self, m: nn.Module) -> None:
-        if self.check_modules and not self._checked_backward:  # once, as backward starts
-            self._checked_backward = True
-            self._check_same_module(m, backward=True)
-        self.pre_backward(m)
+        if self._accumulating is None:  # once, as a backward pass starts
+            self._accumulating = pass_accumulates(self._accumulators)
+            if self.check_modules:
+                self._check_same_module(m, backward=True)
+            if not self._accumulating:
+                Variable._execution_engine.queue_callback(self._input_grads_end)
+        if self._accumulating:
+            self.pre_backward(m)
+        else:  # the unit's parameters are needed for its input's gradient, nothing else
+            for i in self.units_of[m]:
+                self.gather(i)
         for i in self.units_of[m]:
             set_guard(self.buckets[i].params, False)
+
+    def _input_grads_end(self) -> None:
+        """After a pass that accumulated no parameter gradient: free the units it gathered."""
+        self._accumulating = None
+        for i, gathered in enumerate(self.gathered):
+            if gathered:
+                self._release(i)
 
     def pre_backward(self, m: nn.Module) -> None:
         self.queue_backward_end()
@@ -280,7 +307,7 @@ class ZeRO3(ZeRO2):
         for i in range(len(self.buckets)):
             if self.gathered[i]:
                 self._release(i)
-        self._checked_backward = False
+        self._accumulating = None
         if self.recording:  # the forward order is known now: where each unit is last used
             self.recording = False
             self._pos = {m: j for j, m in enumerate(self.order)}

@@ -190,3 +190,53 @@ def test_pruning_and_old_weight_norm_train_as_one_process(stage):
     assert {"0.weight_orig", "0.weight_mask", "2.weight_g", "2.weight_v"} <= set(want[0])
     for r, got in enumerate(run(hooked_rank, 2, stage)):
         assert_same_states(got, want, 1e-6, f"stage {stage} rank {r}")
+
+
+# -- 15. torch.autograd.grad on the inputs: adversarial training, gradient penalty -----------------
+def adversarial_loop(model, opt, rank, world, penalty=False):
+    """FGSM adversarial training (the input gradient's sign; the local loss's gradient has the
+    global one's sign), or a gradient penalty (WGAN-GP: the input gradient's norm in the loss)."""
+    states = []
+    for step in range(STEPS):
+        x, y = local_batch("mlp", step, rank, world)
+        x = x.clone().requires_grad_()
+        loss = model(x, y)
+        (gx,) = torch.autograd.grad(loss, x, create_graph=penalty)
+        if penalty:  # gx / world: the global mean loss's gradient at these rows
+            loss = loss + (gx / world).norm(dim=1).sub(1).pow(2).mean()
+        else:
+            loss = model((x + 0.1 * gx.sign()).detach(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(snapshot(model))
+    return states
+
+
+def adversarial_rank(stage, penalty):
+    model = build("mlp")
+    model, opt = minizero.parallelize(model, stage, sgd(model))
+    return adversarial_loop(model, opt, dist.get_rank(), dist.get_world_size(), penalty)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_autograd_grad_on_inputs_then_backward_trains_as_one_process(stage):
+    """At stage 3 the pass of torch.autograd.grad gathers each unit for its input's gradient and
+    frees it, reducing nothing (it was a misleading "pass find_unused_parameters=True")."""
+    model = build("mlp")
+    want = adversarial_loop(model, sgd(model), 0, 1)
+    for r, got in enumerate(run(adversarial_rank, 2, stage, False)):
+        assert_same_states(got, want, 1e-6, f"stage {stage} rank {r}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_penalty_trains_as_one_process_at_stages_0_to_2(stage):
+    model = build("mlp")
+    want = adversarial_loop(model, sgd(model), 0, 1, penalty=True)
+    for r, got in enumerate(run(adversarial_rank, 2, stage, True)):
+        assert_same_states(got, want, 1e-6, f"stage {stage} rank {r}")
+
+
+def test_gradient_penalty_is_refused_at_stage_3():
+    with pytest.raises(LaunchError, match="create_graph=True .*not supported at stage 3.*stage 2"):
+        run(adversarial_rank, 2, 3, True)
