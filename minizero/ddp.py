@@ -16,6 +16,7 @@ from minizero import collectives as C
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
+from minizero.units import Hook
 
 
 class NaiveDDP(DataParallel):
@@ -99,7 +100,8 @@ class DDP(DataParallel):
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         for p in self.params:
-            p.register_hook(self.grad_arriving)  # before autograd accumulates into p.grad
+            # before autograd accumulates into p.grad (Hook: a deepcopy of p drops it)
+            p.register_hook(Hook(self.grad_arriving))
             p.register_post_accumulate_grad_hook(self.densify)  # hooks run in this order
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 

@@ -133,22 +133,31 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def pass_accumulates(accumulators: list) -> bool:
-    """From a hook inside backward: whether this pass accumulates into some ``p.grad``
-    (``loss.backward()``; ``accumulators``: the parameters' AccumulateGrad nodes) or computes
-    other gradients only (``torch.autograd.grad(loss, inputs)``). Refuses a pass that builds a
-    graph of the gradients (``create_graph=True``): that graph keeps parameters stage 3 frees."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "minizero ZeRO-3: backward with create_graph=True (a gradient penalty, double "
-            "backward) is not supported at stage 3: the graph of the gradients holds unit "
-            "parameters that stage 3 frees after use. Use stage 2 (parameters stay whole); "
-            "torch.autograd.grad(loss, inputs) without create_graph works at every stage."
-        )
-    try:
-        return any(map(torch._C._will_engine_execute_node, accumulators))
-    except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates
-        return False
+class Accumulators:
+    """The AccumulateGrad nodes of ``params`` (kept alive: the ones autograd runs), to tell from a
+    hook inside backward what kind of pass it is. A deepcopy of the model gets none."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+
+    def __deepcopy__(self, memo) -> Accumulators:
+        return Accumulators([])
+
+    def will_run(self) -> bool:
+        """Whether this pass accumulates into some ``p.grad`` (``loss.backward()``) or computes
+        other gradients only (``torch.autograd.grad(loss, inputs)``). Refuses a pass that builds
+        a graph of the gradients (``create_graph=True``): it keeps parameters stage 3 frees."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "minizero ZeRO-3: backward with create_graph=True (a gradient penalty, double "
+                "backward) is not supported at stage 3: the graph of the gradients holds unit "
+                "parameters that stage 3 frees after use. Use stage 2 (parameters stay whole); "
+                "torch.autograd.grad(loss, inputs) without create_graph works at every stage."
+            )
+        try:
+            return any(map(torch._C._will_engine_execute_node, self.nodes))
+        except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates
+            return False
 
 
 class Hook:

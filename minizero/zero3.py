@@ -18,11 +18,11 @@ from minizero import collectives as C
 from minizero.bucket import Bucket
 from minizero.precision import Precision
 from minizero.units import (
+    Accumulators,
     Hook,
     Units,
     assign_params,
     output_tensors,
-    pass_accumulates,
     select_units,
     set_guard,
 )
@@ -123,8 +123,7 @@ class ZeRO3(ZeRO2):
             # (torch.nn.utils.prune, weight_norm compute the weight from them)
             m.register_forward_pre_hook(Hook(self._forward_pre_hook), prepend=True)
             m.register_forward_hook(Hook(self._post_forward))
-        # each parameter's AccumulateGrad node (kept alive: it is the one autograd runs)
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        self._accumulators = Accumulators(self.params)
         for i in range(n):
             self._release(i)
 
@@ -250,7 +249,7 @@ class ZeRO3(ZeRO2):
 
     def _backward_hook(self, m: nn.Module) -> None:
         if self._accumulating is None:  # once, as a backward pass starts
-            self._accumulating = pass_accumulates(self._accumulators)
+            self._accumulating = self._accumulators.will_run()
             if self.check_modules:
                 self._check_same_module(m, backward=True)
             if not self._accumulating:
