@@ -120,9 +120,11 @@ class ZeRO3(ZeRO2):
                 p._minizero_where = (self.param_names[id(p)], self._unit_names[b.index], self.world)
         for m in self.units_of:
             # first of m's pre-hooks (as FSDP2's): one of the user's may read the parameters
-            # (torch.nn.utils.prune, weight_norm compute the weight from them)
-            m.register_forward_pre_hook(Hook(self._forward_pre_hook), prepend=True)
-            m.register_forward_hook(Hook(self._post_forward))
+            # (torch.nn.utils.prune, weight_norm compute the weight from them). Under
+            # torch.compile(model) both hooks run eagerly (graph breaks): tracing them would
+            # read sharded parameters, and the gathers and frees must really happen
+            m.register_forward_pre_hook(Hook(torch._dynamo.disable(self._forward_pre_hook)), prepend=True)
+            m.register_forward_hook(Hook(torch._dynamo.disable(self._post_forward)))
         self._accumulators = Accumulators(self.params)
         for i in range(n):
             self._release(i)
