@@ -123,8 +123,9 @@ class ZeRO3(ZeRO2):
             # (torch.nn.utils.prune, weight_norm compute the weight from them). Under
             # torch.compile(model) both hooks run eagerly (graph breaks): tracing them would
             # read sharded parameters, and the gathers and frees must really happen
-            m.register_forward_pre_hook(Hook(torch._dynamo.disable(self._forward_pre_hook)), prepend=True)
-            m.register_forward_hook(Hook(torch._dynamo.disable(self._post_forward)))
+            eager = torch._dynamo.disable
+            m.register_forward_pre_hook(Hook(eager(self._forward_pre_hook)), prepend=True)
+            m.register_forward_hook(Hook(eager(self._post_forward)))
         self._accumulators = Accumulators(self.params)
         for i in range(n):
             self._release(i)

@@ -242,7 +242,7 @@ def test_gradient_penalty_is_refused_at_stage_3():
         run(adversarial_rank, 2, 3, True)
 
 
-# -- 13. torch.compile(model) on the wrapped model --------------------------------------------------
+# -- 13. torch.compile(model) on the wrapped model -------------------------------------------------
 def compiled_loop(model, opt, kind, rank, world, backend):
     graphs = []
 
