@@ -285,3 +285,55 @@ def test_compiled_wrapper_trains_as_one_process(stage, kind):
         assert_same_states(got["states"], want, 1e-5, f"stage {stage} rank {r}")
         assert got["left"] == [0] * STEPS  # stage 3: every unit freed after forward
         assert got["graphs"] > 0  # compiled, not run eagerly as a whole
+
+
+# -- the ImageNet example and the FSDP tutorial: eval between epochs, saving model.module ---------
+def eval_loop(model, opt, rank, world, inner=None):
+    """Train a step, evaluate (model.eval(), torch.no_grad()), back to model.train(); then save
+    ``model.module.state_dict()`` as the ImageNet example does (on rank 0 only)."""
+    states, evals = [], []
+    for step in range(STEPS):
+        x, y = local_batch("mlp", step, rank, world)
+        model.train()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            evals.append(float(model(*local_batch("mlp", 9, 0, 1))))  # the whole held-out batch
+        states.append(snapshot(model))
+    model.train()
+    saved = None
+    if rank == 0:
+        try:
+            saved = {k: v.clone() for k, v in (inner or model).state_dict().items()}
+        except minizero.units.ShardedParameterError as e:
+            saved = str(e)
+    return {"states": states, "evals": evals, "saved": saved, "training": model.training}
+
+
+def eval_rank(stage):
+    model = build("mlp")
+    inner = model
+    model, opt = minizero.parallelize(model, stage, sgd(model))
+    return eval_loop(model, opt, dist.get_rank(), dist.get_world_size(), inner)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_eval_between_steps_and_saving_model_module(stage):
+    """train()/eval() toggles and no_grad evaluation change nothing in training, and evaluate
+    the model one process has. ``model.module.state_dict()`` on rank 0 alone holds the trained
+    parameters at stages 0-2 (each rank has them whole); at stage 3 it holds shards, and saving
+    it is refused with a message that points to ``minizero.full_state_dict``."""
+    model = build("mlp")
+    want = eval_loop(model, sgd(model), 0, 1)
+    res = run(eval_rank, 2, stage)
+    for r, got in enumerate(res):
+        assert_same_states(got["states"], want["states"], 1e-6, f"stage {stage} rank {r}")
+        assert got["evals"] == pytest.approx(want["evals"], abs=1e-6) and got["training"]
+    saved = res[0]["saved"]
+    if stage == 3:
+        assert "sharded" in saved and "minizero.full_state_dict(model)" in saved
+    else:
+        for k, v in want["saved"].items():
+            torch.testing.assert_close(saved[k], v, atol=1e-6, rtol=0, msg=k)
