@@ -32,6 +32,13 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
+STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"}
+TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
+    "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
+    "static_graph": "minizero needs no declaration that the graph is static",
+    "device_ids": "under NCCL the model is moved to this rank's GPU by parallelize",
+    "output_device": "the output stays where the model computed it",
+}
 
 
 def parallelize(
@@ -65,6 +72,14 @@ def parallelize(
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    unknown = sorted(set(stage_options) - STAGE3_OPTIONS)
+    if unknown:
+        hints = " ".join(f"{k}: {TORCH_DDP_ONLY[k]}." for k in unknown if k in TORCH_DDP_ONLY)
+        raise TypeError(
+            f"parallelize() got unknown option(s) {unknown}; it takes precision, bucket_cap_mb, "
+            f"process_group, broadcast_buffers, find_unused_parameters, and at stage 3 "
+            f"{sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
+        )
     if stage_options and stage != 3:
         raise TypeError(f"{sorted(stage_options)}: only stage 3 takes these options")
     if bucket_cap_mb is not None and stage == 3:
