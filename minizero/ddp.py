@@ -17,6 +17,7 @@ from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
+from minizero.units import Hook
 
 
 class NaiveDDP(DataParallel):
@@ -101,6 +102,9 @@ class DDP(DataParallel):
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         self.next_bucket = 0  # buckets below it are launched (launch_in_order)
         for p in self.params:
+            # before autograd accumulates into p.grad (Hook: a deepcopy of p drops it)
+            p.register_hook(Hook(self.grad_arriving))
+            p.register_post_accumulate_grad_hook(self.densify)  # hooks run in this order
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     # -- layout ------------------------------------------------------------------------------
@@ -128,6 +132,21 @@ class DDP(DataParallel):
         self.works: list = []  # all-reduces in flight
 
     # -- backward: fill the bucket, launch its all-reduce once full ----------------------------
+    def grad_arriving(self, grad: torch.Tensor) -> None:
+        """A gradient reaches a parameter, before autograd adds it into ``p.grad``. After a
+        backward, stages 1-3 (and fp16) leave a ``ShardedGrad`` in ``p.grad`` until the next
+        forward; a second backward before it (``retain_graph=True``, as FSDP2 allows)
+        accumulates into what backward sees instead."""
+        self._show_grads()
+
+    @staticmethod
+    def densify(p: nn.Parameter) -> None:
+        """``nn.Embedding(sparse=True)``: its sparse gradient is made dense before the stage's
+        hook sees it. The buckets are dense, and SGD or Adagrad step a dense gradient exactly
+        as its sparse form (SparseAdam, which needs the sparse one, is refused)."""
+        if p.grad is not None and p.grad.layout != torch.strided:
+            p.grad = p.grad.to_dense()
+
     def accumulate(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
         b = self.bucket_of(p)

@@ -139,7 +139,7 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             f"function params -> optimizer; got {type(optimizer).__name__}. (A list of optimizers "
             f"is not supported: put every parameter in one optimizer, with param groups.)"
         )
-    if optimizer.state:
+    if not _fresh(optimizer):
         raise ValueError(
             "the optimizer has already stepped (its state is not empty): build it fresh, pass it "
             "to parallelize, and load a checkpoint afterwards"
@@ -167,6 +167,25 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             new[group_of[id(f.param)]].append(f.tensor)
     for group, params in zip(optimizer.param_groups, new, strict=True):
         group["params"] = params
+    if optimizer.state:  # built with its state (Adagrad's sum): each fragment gets its range
+        old = dict(optimizer.state)
+        optimizer.state.clear()
+        for f in stage.fragments:
+            if f.param in old:
+                optimizer.state[f.tensor] = {k: _fragment_of(v, f) for k, v in old[f.param].items()}
+
+
+def _fresh(optimizer: torch.optim.Optimizer) -> bool:
+    """No state, or only the state an optimizer makes when built (Adagrad: step 0, sum)."""
+    return all("step" in st and float(st["step"]) == 0 for st in optimizer.state.values())
+
+
+def _fragment_of(value, f) -> object:
+    """A per-parameter state value cut to fragment ``f``: tensors of the parameter's shape
+    give their range (flat, in the master's dtype); scalars (``step``) are copied."""
+    if isinstance(value, torch.Tensor) and value.shape == f.param.shape and value.dim() > 0:
+        return value.detach().reshape(-1)[f.start : f.end].to(f.tensor.dtype).clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimizer:
@@ -199,3 +218,16 @@ def shard_record(stage) -> dict:
         "sharded": stage.stage > 0,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip
+
+
+def refuse_sparse_adam(optimizer: torch.optim.Optimizer) -> None:
+    """SparseAdam updates only the rows present in a sparse gradient; minizero's gradients are
+    dense (a bucket holds every element), so it would see none of its kind."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            "SparseAdam needs sparse gradients, and minizero makes every gradient dense (its "
+            "buckets are flat dense buffers; nn.Embedding(sparse=True) works, with a dense "
+            "gradient). Use an optimizer that takes dense gradients: SGD or Adagrad step a dense "
+            "gradient exactly as its sparse form; Adam or AdamW also update the moments of rows "
+            "not in the batch, which SparseAdam skips."
+        )

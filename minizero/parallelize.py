@@ -24,7 +24,7 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, regroup
+from minizero.optimizer import attach, refuse_sparse_adam, regroup
 from minizero.precision import Precision, check_elementwise, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
@@ -37,6 +37,13 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
+STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"}
+TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
+    "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
+    "static_graph": "minizero needs no declaration that the graph is static",
+    "device_ids": "under NCCL the model is moved to this rank's GPU by parallelize",
+    "output_device": "the output stays where the model computed it",
+}
 
 
 def parallelize(
@@ -77,6 +84,14 @@ def parallelize(
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    unknown = sorted(set(stage_options) - STAGE3_OPTIONS)
+    if unknown:
+        hints = " ".join(f"{k}: {TORCH_DDP_ONLY[k]}." for k in unknown if k in TORCH_DDP_ONLY)
+        raise TypeError(
+            f"parallelize() got unknown option(s) {unknown}; it takes precision, bucket_cap_mb, "
+            f"process_group, broadcast_buffers, find_unused_parameters, and at stage 3 "
+            f"{sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
+        )
     if stage_options and stage != 3:
         raise TypeError(f"{sorted(stage_options)}: only stage 3 takes these options")
     if bucket_cap_mb is not None and stage == 3:
@@ -107,6 +122,7 @@ def parallelize(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
             f"params -> optimizer, got {type(optimizer).__name__}"
         )
+    refuse_sparse_adam(built)
     if stage > 0 or policy.master:
         check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":

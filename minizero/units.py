@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 
 Units = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
 
@@ -139,6 +139,33 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         return [t for f in dataclasses.fields(out) for t in output_tensors(getattr(out, f.name))]
     return []
+
+
+class Accumulators:
+    """The AccumulateGrad nodes of ``params`` (kept alive: the ones autograd runs), to tell from a
+    hook inside backward what kind of pass it is. A deepcopy of the model gets none."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+
+    def __deepcopy__(self, memo) -> Accumulators:
+        return Accumulators([])
+
+    def will_run(self) -> bool:
+        """Whether this pass accumulates into some ``p.grad`` (``loss.backward()``) or computes
+        other gradients only (``torch.autograd.grad(loss, inputs)``). Refuses a pass that builds
+        a graph of the gradients (``create_graph=True``): it keeps parameters stage 3 frees."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "minizero ZeRO-3: backward with create_graph=True (a gradient penalty, double "
+                "backward) is not supported at stage 3: the graph of the gradients holds unit "
+                "parameters that stage 3 frees after use. Use stage 2 (parameters stay whole); "
+                "torch.autograd.grad(loss, inputs) without create_graph works at every stage."
+            )
+        try:
+            return any(map(torch._C._will_engine_execute_node, self.nodes))
+        except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates
+            return False
 
 
 class Hook:
@@ -276,110 +303,49 @@ def set_guard(params: list[nn.Parameter], on: bool) -> None:
             p.__class__ = type(p).__mro__[2]  # (Sharded<cls>, _Guarded, <cls>, ...)
 
 
-# -- ZeRO++: how a unit is gathered (Wang et al., arXiv 2306.10209) ----------------------------
-class SecondaryShards:
-    """hpZ (ZeRO++ §3.2; FSDP2's ``reshard_after_forward=k``): after a unit's forward, rank r
-    keeps 1/k of the unit, chunk ``r % k`` of it, so that its block of k consecutive ranks (a
-    node: ranks ``k * (r // k)`` ..) holds the whole unit between them, and backward all-gathers
-    over those k ranks only, not over all N. Cost: ``padded / k`` elements per unit per rank, in
-    the working dtype, from the end of the unit's forward to its backward.
+# -- full parameters outside forward -----------------------------------------------------------
+@contextmanager
+def summon_full_params(stage, writeback: bool = True):
+    """``with model.summon_full_params(): ...`` (a ZeRO3 ``stage``): every parameter full on this
+    rank, to read or change in place (``p.copy_``, ``load_state_dict`` on ``model.module``,
+    ``print``).
 
-    Every rank makes every block's group (``dist.new_group`` must be entered by every process of
-    the job, in the same order), so the wrapper's group must be the world."""
-
-    def __init__(self, k: int, n_units: int) -> None:
-        world = dist.get_world_size()
-        groups = [dist.new_group(list(range(s, s + k))) for s in range(0, world, k)]
-        rank = dist.get_rank()
-        self.k, self.index = k, rank % k  # this rank's chunk of the unit within its block
-        self.group = C.name_group(groups[rank // k], "hpZ")
-        self.shards: list[torch.Tensor | None] = [None] * n_units  # (padded / k,) per unit
-
-    def keep(self, i: int, flat: torch.Tensor) -> None:
-        """Unit i's full ``flat`` (padded,) is about to be freed: keep this rank's 1/k of it."""
-        if self.shards[i] is None:
-            self.shards[i] = flat.view(self.k, -1)[self.index].clone()  # (padded / k,)
-
-    def gather(self, i: int, flat: torch.Tensor, tag: str):
-        """Async all-gather of unit i from the block's k secondary shards into ``flat``."""
-        return C.all_gather(flat, self.shards[i], group=self.group, async_op=True, tag=tag)
-
-    def drop(self, i: int | None = None) -> None:
-        """Forget unit i's secondary shard (every unit's with None)."""
-        for j in range(len(self.shards)) if i is None else [i]:
-            self.shards[j] = None
-
-
-class QuantizedGather:
-    """qwZ (ZeRO++ §3.1): all-gather a unit's shards as int8 blocks with one fp32 scale per block
-    (two all-gathers: N * shard bytes and 4 * N * ceil(shard / block) bytes, against 2 or 4 bytes
-    per element unquantised), dequantised into ``flat`` (padded,) on :meth:`wait`. The shard
-    itself (the master copy's working-dtype image) is never quantised: only the gathered copy."""
-
-    def __init__(self, flat: torch.Tensor, shard: torch.Tensor, group, tag: str) -> None:
-        n = dist.get_world_size(group)
-        self.q, self.scales = quantize_blockwise(shard, QUANT_BLOCK)  # (shard,) int8, (blocks,)
-        self.all_q = torch.empty(n, shard.numel(), dtype=torch.int8, device=shard.device)
-        self.all_scales = torch.empty(n, self.scales.numel(), device=shard.device)  # fp32
-        self.works = [
-            C.all_gather(self.all_q.view(-1), self.q, group, async_op=True, tag=tag + " int8"),
-            C.all_gather(
-                self.all_scales.view(-1), self.scales, group, async_op=True, tag=tag + " scales"
-            ),
-        ]
-        self.flat = flat
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        dequantize_blockwise(self.all_q, self.all_scales, QUANT_BLOCK, out=self.flat)
-        return True
-
-
-def reshard_size(value: bool | int, group) -> bool | int:
-    """``reshard_after_forward`` checked, by FSDP2's rule: True, False, or an int k dividing the
-    group size N; k == 1 means False, k == N means True."""
-    world = dist.get_world_size(group)
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int) or value < 1 or world % value:
-        raise ValueError(
-            f"reshard_after_forward must be True, False or an int dividing the group size "
-            f"{world} (the ranks per node, e.g. torch.cuda.device_count()), got {value!r}"
+    Collective: every rank enters it. The full tensors are new buffers (a copy kept from
+    inside stays valid after), in the working dtype. On leaving, with ``writeback``, this
+    rank's chunk of each parameter is copied back into its shard (so the edits must be the
+    same on every rank to stay consistent) and the optimizer's masters are refreshed.
+    """
+    if any(stage._active) or stage._callback_queued:
+        raise RuntimeError("summon_full_params() inside forward or backward: call it between steps")
+    bufs, views = [], {}  # views: id(param) -> its view of flat_params, to put back
+    for b, shard in zip(stage.buckets, stage.param_shards, strict=True):
+        buf = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)  # (padded,)
+        C.all_gather(buf, shard, group=stage.group, tag=f"summon params {b.index}")
+        set_guard(b.params, False)
+        for p in b.params:
+            views[id(p)] = p.data
+            p.data = b.view(buf, p)
+        bufs.append(buf)
+    moved = []
+    try:
+        yield
+    except BaseException:
+        writeback = False
+        raise
+    finally:
+        for b, buf in zip(stage.buckets, bufs, strict=True):
+            for p in b.params:
+                if p.data_ptr() != b.view(buf, p).data_ptr():
+                    moved.append(stage.param_names[id(p)])
+                p.data = views[id(p)]
+            set_guard(b.params, not stage.gathered[b.index])
+    if moved:
+        raise RuntimeError(
+            f"inside summon_full_params() {moved[0]} was given a new tensor (p.data = ...), "
+            "which the shards cannot see: change parameters in place (p.copy_(...))"
         )
-    if value in (1, world):
-        return value == world
-    if group is not None and group != dist.group.WORLD:
-        raise ValueError(
-            f"reshard_after_forward={value} (hpZ) needs the wrapper over the world group: "
-            "its blocks of ranks are made with dist.new_group on every rank"
-        )
-    return value
-
-
-class QuantizedReduceScatter:
-    """qgZ (ZeRO++ §3.3), in one hop: a reduce-scatter of ``buf`` (N * shard,) into ``out``
-    (shard,) as an all-to-all of int8 blocks: row j of ``buf`` (the part rank j owns) is
-    quantised (blocks of 256, fp32 scales) and sent to rank j, which dequantises the N rows it
-    receives and sums them in fp32 on :meth:`wait`. Each contribution is quantised once; a ring
-    would quantise the partial sum at every hop. Bytes: N * shard + 4 * N * blocks, against 2 or
-    4 per element unquantised. ZeRO++ goes hierarchical (within nodes, then across) and int4."""
-
-    def __init__(self, out: torch.Tensor, buf: torch.Tensor, group, tag: str) -> None:
-        n = dist.get_world_size(group)
-        parts = [quantize_blockwise(row, QUANT_BLOCK) for row in buf.view(n, -1)]
-        self.q = torch.stack([q for q, _ in parts])  # (N, shard) int8: row j for rank j
-        self.scales = torch.stack([s for _, s in parts])  # (N, blocks) fp32
-        self.got_q, self.got_scales = torch.empty_like(self.q), torch.empty_like(self.scales)
-        self.works = [
-            C.all_to_all(self.got_q, self.q, group, async_op=True, tag=tag + " int8"),
-            C.all_to_all(self.got_scales, self.scales, group, async_op=True, tag=tag + " scales"),
-        ]
-        self.out = out
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        rows = dequantize_blockwise(self.got_q, self.got_scales, QUANT_BLOCK)  # (N, shard) fp32
-        self.out.copy_(rows.sum(0))
-        return True
+    if writeback:
+        with torch.no_grad():
+            for b, buf, shard in zip(stage.buckets, bufs, stage.param_shards, strict=True):
+                shard.copy_(b.chunk(buf, stage.rank))
+        stage.params_written()

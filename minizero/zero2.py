@@ -14,8 +14,8 @@ from torch import nn
 from minizero import collectives as C
 from minizero import hsdp
 from minizero.bucket import Bucket
-from minizero.units import QuantizedReduceScatter
 from minizero.zero1 import ZeRO1
+from minizero.zeropp import QuantizedReduceScatter
 
 
 class ZeRO2(ZeRO1):

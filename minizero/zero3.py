@@ -7,18 +7,18 @@ backward, and freed right after. Which modules are units: minizero/units.py.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from minizero import collectives as C
 from minizero import units as U
 from minizero.bucket import Bucket
 from minizero.precision import Precision
-from minizero.units import Hook, QuantizedGather, SecondaryShards, Units, set_guard
+from minizero.units import Accumulators, Hook, Units, set_guard
 from minizero.zero2 import ZeRO2
+from minizero.zeropp import QuantizedGather, SecondaryShards, reshard_size
 
 
 class ZeRO3(ZeRO2):
@@ -48,17 +48,8 @@ class ZeRO3(ZeRO2):
     forward to the end of backward, as FSDP2 does for its root (one all-gather fewer, 3Ψ - Ψ_root
     per step).
 
-    ZeRO++ (Wang et al., arXiv 2306.10209), opt-in; measured by ``python -m minizero bench
-    zeropp``. hpZ (§3.2), ``reshard_after_forward`` as FSDP2 defines it: True, the above; False:
-    units stay whole from their forward to their reduce-scatter (no backward all-gather, up to
-    Ψ more bytes held); an int k dividing N (the ranks per node): after forward each rank keeps
-    1/k of the unit (its secondary shard; Ψ/k more between forward and backward), and backward
-    all-gathers within its block of k consecutive ranks ("hpZ" in the ledger). qwZ (§3.1),
-    ``quantize_weights=True``: all-gathers from the shards go as int8 blocks of 256 with an fp32
-    scale each (about Ψ(1 + 4/256) bytes instead of 2Ψ or 4Ψ); the shards and the optimizer's
-    masters stay full precision. qgZ (§3.3), ``quantize_gradients=True``: each unit's gradient
-    goes as int8 blocks by one all-to-all, dequantised and summed in fp32 by its owner (one
-    quantisation per contribution; minizero.tools.zeropp simulates the alternatives).
+    ZeRO++ (hpZ ``reshard_after_forward``, qwZ ``quantize_weights``, qgZ
+    ``quantize_gradients``), opt-in: minizero/zeropp.py.
 
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
@@ -105,7 +96,7 @@ class ZeRO3(ZeRO2):
         self.prefetch = prefetch
         self.reshard_root = reshard_root
         n = len(self.buckets)
-        self.reshard_after_forward = U.reshard_size(reshard_after_forward, self.group)
+        self.reshard_after_forward = reshard_size(reshard_after_forward, self.group)
         self.secondary = None  # hpZ: SecondaryShards when reshard_after_forward is an int
         if not isinstance(self.reshard_after_forward, bool):
             self.secondary = SecondaryShards(self.reshard_after_forward, n)
@@ -120,7 +111,9 @@ class ZeRO3(ZeRO2):
         self.recording = True
         self._pos: dict[nn.Module, int] = {}  # module -> place in order (after recording)
         self._last_use: dict[int, int] = {}  # unit -> place in order of its last user
-        self._checked_backward = False
+        # this backward pass: None before its first hook, True when it accumulates into .grad,
+        # False for torch.autograd.grad(loss, inputs) (input gradients only: nothing to reduce)
+        self._accumulating: bool | None = None
         self._module_names = [self._module_name[m] for m in self.units_of]
         self._module_index = {m: k for k, m in enumerate(self.units_of)}
         dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
@@ -130,8 +123,14 @@ class ZeRO3(ZeRO2):
             for p in b.params:
                 p._minizero_where = (self.param_names[id(p)], self._unit_names[b.index], self.world)
         for m in self.units_of:
-            m.register_forward_pre_hook(Hook(self._forward_pre_hook))
-            m.register_forward_hook(Hook(self._post_forward))
+            # first of m's pre-hooks (as FSDP2's): one of the user's may read the parameters
+            # (torch.nn.utils.prune, weight_norm compute the weight from them). Under
+            # torch.compile(model) both hooks run eagerly (graph breaks): tracing them would
+            # read sharded parameters, and the gathers and frees must really happen
+            eager = torch._dynamo.disable
+            m.register_forward_pre_hook(Hook(eager(self._forward_pre_hook)), prepend=True)
+            m.register_forward_hook(Hook(eager(self._post_forward)))
+        self._accumulators = Accumulators(self.params)
         for i in range(n):
             self._release(i)
 
@@ -275,12 +274,26 @@ class ZeRO3(ZeRO2):
                     t.register_hook(Hook(lambda g, m=m: self._backward_hook(m)))
 
     def _backward_hook(self, m: nn.Module) -> None:
-        if self.check_modules and not self._checked_backward:  # once, as backward starts
-            self._checked_backward = True
-            self._check_same_module(m, backward=True)
-        self.pre_backward(m)
+        if self._accumulating is None:  # once, as a backward pass starts
+            self._accumulating = self._accumulators.will_run()
+            if self.check_modules:
+                self._check_same_module(m, backward=True)
+            if not self._accumulating:
+                Variable._execution_engine.queue_callback(self._input_grads_end)
+        if self._accumulating:
+            self.pre_backward(m)
+        else:  # the unit's parameters are needed for its input's gradient, nothing else
+            for i in self.units_of[m]:
+                self.gather(i)
         for i in self.units_of[m]:
             set_guard(self.buckets[i].params, False)
+
+    def _input_grads_end(self) -> None:
+        """After a pass that accumulated no parameter gradient: free the units it gathered."""
+        self._accumulating = None
+        for i, gathered in enumerate(self.gathered):
+            if gathered:
+                self._release(i)
 
     def pre_backward(self, m: nn.Module) -> None:
         self.queue_backward_end()
@@ -319,7 +332,7 @@ class ZeRO3(ZeRO2):
         for i in range(len(self.buckets)):
             if self.gathered[i]:
                 self._release(i)
-        self._checked_backward = False
+        self._accumulating = None
         if self.recording:  # the forward order is known now: where each unit is last used
             self.recording = False
             self._pos = {m: j for j, m in enumerate(self.order)}
@@ -332,52 +345,10 @@ class ZeRO3(ZeRO2):
         U.check_same_module(code, self._module_names, group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
-    @contextmanager
     def summon_full_params(self, writeback: bool = True):
         """``with model.summon_full_params(): ...``: every parameter full on this rank, to read
-        or change in place (``p.copy_``, ``load_state_dict`` on ``model.module``, ``print``).
-
-        Collective: every rank enters it. The full tensors are new buffers (a copy kept from
-        inside stays valid after), in the working dtype. On leaving, with ``writeback``, this
-        rank's chunk of each parameter is copied back into its shard (so the edits must be the
-        same on every rank to stay consistent) and the optimizer's masters are refreshed.
-        """
-        if any(self._active) or self._callback_queued:
-            raise RuntimeError(
-                "summon_full_params() inside forward or backward: call it between steps"
-            )
-        bufs, views = [], {}  # views: id(param) -> its view of flat_params, to put back
-        for b, shard in zip(self.buckets, self.param_shards, strict=True):
-            buf = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)  # (padded,)
-            C.all_gather(buf, shard, group=self.group, tag=f"summon params {b.index}")
-            set_guard(b.params, False)
-            for p in b.params:
-                views[id(p)] = p.data
-                p.data = b.view(buf, p)
-            bufs.append(buf)
-        moved = []
-        try:
-            yield
-        except BaseException:
-            writeback = False
-            raise
-        finally:
-            for b, buf in zip(self.buckets, bufs, strict=True):
-                for p in b.params:
-                    if p.data_ptr() != b.view(buf, p).data_ptr():
-                        moved.append(self.param_names[id(p)])
-                    p.data = views[id(p)]
-                set_guard(b.params, not self.gathered[b.index])
-        if moved:
-            raise RuntimeError(
-                f"inside summon_full_params() {moved[0]} was given a new tensor (p.data = ...), "
-                "which the shards cannot see: change parameters in place (p.copy_(...))"
-            )
-        if writeback:
-            with torch.no_grad():
-                for b, buf, shard in zip(self.buckets, bufs, self.param_shards, strict=True):
-                    shard.copy_(b.chunk(buf, self.rank))
-            self.params_written()
+        or change in place (collective; see :func:`minizero.units.summon_full_params`)."""
+        return U.summon_full_params(self, writeback)
 
     # -- the optimizer's side: no all-gather after the step; the next forward gathers --------
     def after_step(self) -> None:
