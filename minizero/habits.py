@@ -61,6 +61,7 @@ class Trainable:
         self.flags = [(p, p.requires_grad) for p in module.parameters()]
         self.names = names
 
+    @torch.compiler.disable  # Python bookkeeping; under torch.compile it must not trace shards
     def check(self) -> None:
         changed = [p for p, flag in self.flags if p.requires_grad != flag]
         if changed:
