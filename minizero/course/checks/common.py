@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
+MIN_WORLD = 3  # every check runs on at least 3 ranks: a hard-coded 2 and the world size differ
+SUBGROUP = (0, 1)  # the subgroup of the world a check runs group-taking code on; rank 2 is out
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
 TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # seconds, overrides every check's own timeout when set
 
@@ -77,9 +79,10 @@ def guard(fn, *args, **kwargs):
 
 
 def launch_check(fn, nprocs: int | None, *args, timeout: float = TIMEOUT) -> list:
-    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed whose
+    """``launch(fn, nprocs, *args)`` for a check, on at least :data:`MIN_WORLD` ranks (with fewer
+    GPUs than that, on the CPU over gloo): a hang or a crash becomes a CheckFailed whose
     message is the launcher's whole report (for a hang: where each rank was)."""
-    nprocs = nprocs or default_nprocs()
+    nprocs = max(nprocs or default_nprocs(), MIN_WORLD)  # 3 ranks: gloo on CPU under 3 GPUs
     timeout = check_timeout(timeout)
     try:
         return launch(fn, nprocs, *args, timeout=timeout, verbose=False)
@@ -94,3 +97,58 @@ def launch_check(fn, nprocs: int | None, *args, timeout: float = TIMEOUT) -> lis
 def report_pass(msg: str) -> None:
     """What a check prints when everything matched."""
     print(f"PASS  {msg}")
+
+
+# -- a wrong world and a dropped group -------------------------------------------------------------
+def two_ranks_hint(world: int) -> str:
+    """What to say when a result is off by world/2 (or the code raised) on ``world`` ranks."""
+    if world == 2:
+        return ""
+    return (
+        f" This check runs on {world} ranks: your code assumed 2 ranks: use self.world / "
+        "dist.get_world_size(group)."
+    )
+
+
+def factor_hint(ratio: float, world: int) -> str:
+    """A hint from ``yours / reference`` (``ratio``) on ``world`` ranks, or ``""``."""
+    if abs(ratio - world) < 0.05 * world:
+        return f" Yours is {ratio:.2f}x the reference: the collective sums; divide by {world}."
+    if world != 2 and abs(ratio - world / 2) < 0.05 * world / 2:
+        return f" Yours is {ratio:.2f}x the reference (= {world}/2).{two_ranks_hint(world)}"
+    return ""
+
+
+def on_subgroup(fn, *args):
+    """Inside a rank of a world of at least 3: build the subgroup :data:`SUBGROUP` (every rank
+    calls ``dist.new_group``, as c10d requires), run ``fn(group, *args)`` on its members and
+    return what it returns; ``None`` on the ranks outside it. Call it last in a rank function:
+    a student's error may leave the members out of step."""
+    group = dist.new_group(list(SUBGROUP))
+    if dist.get_rank() not in SUBGROUP:
+        return None
+    return fn(group, *args)
+
+
+def strict_ledger(group):
+    """A ``CommLedger`` that refuses (``WrongGroup``) any collective not issued on ``group``."""
+    from minizero.collectives import CommLedger
+
+    return CommLedger(only_group=group)
+
+
+def subgroup_failure(name: str, world: int, what: str) -> CheckFailed:
+    """The failure of a run on :data:`SUBGROUP`: ``what`` went wrong; names the usual mistake."""
+    where = (
+        f"on a subgroup (ranks {list(SUBGROUP)} of a {world}-rank world, made with "
+        f"dist.new_group; rank {world - 1} not in it)"
+    )
+    if "WrongGroup" in what:
+        hint = "a collective ran on the default group: pass group=self.group (or group=group)."
+    else:
+        hint = (
+            "On a subgroup the sizes and ranks come from the group: dist.get_world_size(group), "
+            "dist.get_rank(group) (self.world, self.rank), and every collective takes "
+            "group=self.group (or group=group)."
+        )
+    return CheckFailed(f"{where}, {name}: {what} {hint}")
