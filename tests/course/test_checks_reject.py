@@ -189,7 +189,7 @@ def test_zero1_rejects_a_sum_and_a_forgotten_master():
         lesson02.check_zero1,
         _SumNotAverage,
         starts="step 0, rank 0, bucket 0: the averaged gradient the optimizer stepped with",
-        has=("Yours is 2.00x", "divide by 2"),
+        has=("Yours is 3.00x", "divide by 3"),
     )
     _rejects(
         lesson02.check_zero1,

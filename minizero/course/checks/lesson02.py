@@ -36,6 +36,7 @@ from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     minizero_build,
@@ -44,6 +45,7 @@ from minizero.course.checks.common_zero import (
     run_all,
     torch_zero,
     train,
+    with_subgroup,
 )
 from minizero.zero1 import ZeRO1
 
@@ -199,7 +201,7 @@ def _zero1_rank(student) -> dict:
         out["bf16"], out["error"] = guard(
             train, minizero_build(student, "bf16"), rank, world, dev, precision="bf16"
         )
-    return out
+    return with_subgroup(out, ZeRO1, student)
 
 
 def check_zero1(cls, nprocs: int | None = None) -> None:
@@ -231,6 +233,7 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
             rtol=BF16_RTOL,
             atol=BF16_ATOL,
         )
+    check_subgroup(res_all, world, name)
     res = res_all[0]
     volume = check_volume(
         res["mine"],

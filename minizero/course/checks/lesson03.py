@@ -38,6 +38,7 @@ from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     fsdp2,
@@ -46,6 +47,7 @@ from minizero.course.checks.common_zero import (
     results,
     run_all,
     train,
+    with_subgroup,
 )
 from minizero.zero2 import ZeRO2
 
@@ -107,7 +109,7 @@ def _zero2_rank(student) -> dict:
         out["bf16_ref"] = train(ref, rank, world, dev, **kw)
         bf16 = _with_live_count(minizero_build(student, "bf16"))
         out["bf16"], out["error"] = guard(train, bf16, rank, world, dev, **kw)
-    return out
+    return with_subgroup(out, ZeRO2, student, micro=MICRO)
 
 
 def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
@@ -161,6 +163,7 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
             rtol=BF16_RTOL,
             atol=BF16_ATOL,
         )
+    check_subgroup(res_all, world, name)
     res = res_all[0]
     mine = res["mine"]
     for step, (recs, marks) in enumerate(zip(mine["records"], mine["marks"], strict=True)):

@@ -18,6 +18,7 @@ from minizero import collectives as C
 from minizero.course.checks.common import CheckFailed, describe, rank_device, report_pass
 from minizero.course.checks.common_zero import (
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     fsdp2,
@@ -25,6 +26,7 @@ from minizero.course.checks.common_zero import (
     one_process,
     results,
     run_all,
+    with_subgroup,
 )
 from minizero.zero3 import ZeRO3
 
@@ -96,7 +98,8 @@ def _zero3_rank(student, with_marks: bool) -> dict:
     }
     mine = _with_marks(minizero_build(student)) if with_marks else minizero_build(student)
     after = _unit_labels if with_marks else lambda model: {"problems": _probe(model)}
-    return run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    out = run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    return with_subgroup(out, ZeRO3, student)
 
 
 def _unit_labels(model) -> dict:
@@ -128,6 +131,40 @@ def _with_marks(build):
         return model, opt, params
 
     return wrapped
+
+
+def _gather_order(records: list, marks: list, units: dict[str, list[int]]) -> str:
+    """The first structural fault of one step's all-gathers, or ``""``: a blocking all-gather, or
+    a module whose own units were gathered after another unit's prefetch in its hook."""
+    for op, _, async_op, _, tag in records:
+        if op == "all_gather" and not async_op:
+            return (
+                f"the all-gather {tag!r} was blocking: start every all-gather with "
+                "async_op=True, keep the work in self.gathers[i], and wait for it only when "
+                "wait=True (a prefetch must not stop the module that issues it)"
+            )
+    events = sorted(
+        [(i, "mark", label) for i, label in marks if label[:4] in ("fwd:", "bwd:")]
+        + [(i, "gather", tag) for op, _, _, i, tag in records if op == "all_gather"]
+    )
+    for k, (_, kind, label) in enumerate(events):
+        if kind != "mark":
+            continue
+        own = {f"zero3 params {u}" for u in units[label[4:]]}
+        seen_other = None
+        for _, kind2, tag in events[k + 1 :]:
+            if kind2 == "mark":
+                break
+            if tag not in own:
+                seen_other = seen_other or tag
+            elif seen_other:
+                phase = "forward" if label.startswith("fwd:") else "backward"
+                return (
+                    f"in the {phase} hook of {label[4:]}, the prefetch {seen_other!r} was issued "
+                    f"before {tag!r}, the unit this module needs now: gather (and wait for) the "
+                    "module's own units first, then prefetch its neighbour's"
+                )
+    return ""
 
 
 def _prefetch_status(records: list, marks: list, units: dict[str, list[int]]) -> list[tuple]:
@@ -196,8 +233,13 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
         "(in bytes), then all-gather self.param_shards[i] into self.flat_params[i]"
         "; and wait for the gather before the module uses it.",
     )
+    check_subgroup(res_all, world, name)
     res = res_all[0]
     mine = res["mine"]
+    for step, recs in enumerate(mine["records"]):
+        fault = _gather_order(recs, [], {})
+        if fault:
+            raise CheckFailed(f"step {step}: {fault}.")
     volume = check_volume(
         mine,
         res["refs"]["minizero.zero3.ZeRO3"],
@@ -224,9 +266,14 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         world,
         " Gather every unit of the module (wait for it) before its forward or backward runs.",
     )
+    check_subgroup(res_all, world, name)
     res = res_all[0]
     mine, ref = res["mine"], res["refs"]["minizero.zero3.ZeRO3"]
     units = ref["after"]["units"]
+    for step in range(STEPS):
+        fault = _gather_order(mine["records"][step], mine["marks"][step], units)
+        if fault:
+            raise CheckFailed(f"step {step}: {fault}.")
     n_pre = 0
     for step in range(1, STEPS):  # step 0 records the order of the modules
         got = _prefetch_status(mine["records"][step], mine["marks"][step], units)
