@@ -121,9 +121,9 @@ def factor_hint(ratio: float, world: int) -> str:
 
 def on_subgroup(fn, *args, **kwargs):
     """Inside a rank of a world of at least 3: build the subgroup :data:`SUBGROUP` (every rank
-    calls ``dist.new_group``, as c10d requires), run ``fn(group, *args, **kwargs)`` on its members and
-    return what it returns; ``None`` on the ranks outside it. Call it last in a rank function:
-    a student's error may leave the members out of step."""
+    calls ``dist.new_group``, as c10d requires), run ``fn(group, *args, **kwargs)`` on its
+    members and return what it returns; ``None`` on the ranks outside it. Call it last in a rank
+    function: a student's error may leave the members out of step."""
     group = dist.new_group(list(SUBGROUP))
     if dist.get_rank() not in SUBGROUP:
         return None
