@@ -335,15 +335,20 @@ for n in (8, 64, 1024):
 # `case.checkpointing` and `case.world` (N). The step is the one measured above: TinyGPT in bf16,
 # AdamW (K = 12).
 #
-# * `"model_states"`: parameters, gradients and optimizer states at this stage on N ranks;
-# * `"activations"`: everything else alive at the peak, built from what §3 and §4 measured:
-#   `LAYER` bytes per sbh for each layer, or with checkpointing 2 sbh per layer plus one layer
-#   rebuilt; `LOGIT_BYTES` per logit (s·b·V); `OTHER` bytes per sbh. Which of these does N divide?
+# * `"model_states"`: parameters, gradients and optimizer states at this stage on N ranks. First
+#   derive Ψ(L, h, V) yourself from TinyGPT's definition (`minizero/models.py`: the token
+#   embedding, tied to the output layer; the positions; per block, attention and MLP with their
+#   biases and two LayerNorms; a final LayerNorm), not from a library call;
+# * `"activations"`: everything else alive at the peak, from what §3 and §4 measured (`LAYER`,
+#   `LOGIT_BYTES`, `OTHER`): what a layer keeps, with and without checkpointing; what the output
+#   layer keeps; the rest. Which of these does N divide?
 #
-# The check first calls your function on each configuration below, then measures each one on
-# NPROCS real ranks (`measure_peak` in `minizero/course/checks/lesson05.py`: one step under
-# `MemoryMeter`). Your model states must be within 2% of what the ranks held, your total within
-# 15% of the measured peak.
+# The last configuration has GPT-2's vocabulary, V = 50,257: there the logits (s·b·V) are most
+# of the peak. The check first calls your function on each configuration below, then measures
+# each one on max(NPROCS, 3) real ranks (3 on a CPU, so that a hard-coded N = 2 shows;
+# `measure_peak` in `minizero/course/checks/lesson05.py`: one step under `MemoryMeter`). Your
+# model states must be within 2% of what the ranks held, your total within 15% of the measured
+# peak.
 
 # %%
 CASES = peak_cases(NPROCS, gpu=on_gpus(NPROCS))  # longer micro-batches on GPUs
@@ -357,16 +362,19 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
     cfg, s, b = case.cfg, case.seq_len, case.micro_batch
     sbh = s * b * cfg.n_embd
     # BEGIN SOLUTION
-    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16"), Ψ = budget.gpt_params(cfg)
-    # TODO: activations: LAYER * sbh per layer, or 2 * sbh per layer + one layer when checkpointing
-    # TODO: add the output layer, LOGIT_BYTES * s * b * V, and OTHER * sbh
-    psi = budget.gpt_params(cfg)
+    # TODO: Ψ(L, h, V): count TinyGPT's parameters from its definition (minizero/models.py)
+    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16")
+    # TODO: activations: what each layer keeps, with and without checkpointing; the output layer;
+    # TODO: the rest (sections 3 and 4 measured each per sbh, or per logit)
+    L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    block = 12 * h * h + 13 * h  # attention 4h², MLP 8h² of weights; biases 9h, 2 LayerNorms 4h
+    psi = V * h + cfg.block_size * h + L * block + 2 * h  # tied V·h, positions, final LayerNorm
     states = sum(paper_model_state_bytes(psi, case.world, case.stage, "bf16").values())
     if case.checkpointing:
         layers = cfg.n_layer * 2 * sbh + LAYER * sbh
     else:
         layers = cfg.n_layer * LAYER * sbh
-    rest = LOGIT_BYTES * s * b * cfg.vocab_size + OTHER * sbh
+    rest = LOGIT_BYTES * s * b * V + OTHER * sbh  # the logits: s·b·V, whatever N
     return {"model_states": states, "activations": layers + rest}
     # END SOLUTION
 

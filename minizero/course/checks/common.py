@@ -78,11 +78,14 @@ def guard(fn, *args, **kwargs):
         return None, f"{type(e).__name__}: {e}{where}"
 
 
-def launch_check(fn, nprocs: int | None, *args, timeout: float = TIMEOUT) -> list:
-    """``launch(fn, nprocs, *args)`` for a check, on at least :data:`MIN_WORLD` ranks (with fewer
-    GPUs than that, on the CPU over gloo): a hang or a crash becomes a CheckFailed whose
-    message is the launcher's whole report (for a hang: where each rank was)."""
-    nprocs = max(nprocs or default_nprocs(), MIN_WORLD)  # 3 ranks: gloo on CPU under 3 GPUs
+def launch_check(
+    fn, nprocs: int | None, *args, timeout: float = TIMEOUT, min_world: int = MIN_WORLD
+) -> list:
+    """``launch(fn, nprocs, *args)`` for a check, on at least ``min_world`` ranks (default
+    :data:`MIN_WORLD`; with fewer GPUs than that, on the CPU over gloo): a hang or a crash
+    becomes a CheckFailed whose message is the launcher's whole report (for a hang: where each
+    rank was)."""
+    nprocs = max(nprocs or default_nprocs(), min_world)  # 3 ranks: gloo on CPU under 3 GPUs
     timeout = check_timeout(timeout)
     try:
         return launch(fn, nprocs, *args, timeout=timeout, verbose=False)

@@ -199,15 +199,8 @@ def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> 
                 f"{two_ranks_hint(world)}"
             )
         _compare(res["mine"], res["refs"], res["local"], rank, world)
-    for rank in SUBGROUP:
-        sub = results[rank].get("sub") or {}
-        if sub.get("error"):
-            raise subgroup_failure(name, world, f"raised on rank {rank}: {sub['error']}.")
-        if not sub.get("same", True):
-            raise subgroup_failure(
-                name, world, f"rank {rank}'s gradients differ from minizero's on the subgroup."
-            )
     res = results[0]
+    res["subs"] = [results[r].get("sub") or {} for r in SUBGROUP]
     psi = res["psi"]
     for step, recs in enumerate(res["mine"]["records"]):
         moved = sum(2 * numel for op, numel, *_ in recs if op == "all_reduce")
@@ -221,10 +214,21 @@ def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> 
     return res, world, name
 
 
+def _check_subgroup(res: dict, world: int, name: str) -> None:
+    for rank, sub in zip(SUBGROUP, res["subs"], strict=True):
+        if sub.get("error"):
+            raise subgroup_failure(name, world, f"raised on rank {rank}: {sub['error']}.")
+        if not sub.get("same", True):
+            raise subgroup_failure(
+                name, world, f"rank {rank}'s gradients differ from minizero's on the subgroup."
+            )
+
+
 def check_allreduce_gradients(fn, nprocs: int | None = None) -> None:
     """Lesson 01, naive DDP: ``fn(model, group=None)``, called after ``loss.backward()``, must
     leave in every ``p.grad`` the average over the ranks, as one process on the whole batch gets."""
     res, world, name = _check_ddp(fn, "naive", nprocs, 25)
+    _check_subgroup(res, world, name)
     refs = ", ".join(res["refs"])
     report_pass(
         f"{name}: gradients and parameters equal {refs} for {STEPS} steps on {world} ranks "
@@ -273,6 +277,7 @@ def check_bucketed_ddp(cls, nprocs: int | None = None, bucket_cap_mb: float = 0.
                 "'backward end' mark): you wait for each all-reduce right after issuing it: "
                 "nothing overlaps backward; wait in the backward-end hook (_finish)."
             )
+    _check_subgroup(res, world, name)
     report_pass(
         f"{name}: gradients and parameters equal {', '.join(res['refs'])} for {STEPS} steps on "
         f"{world} ranks ({describe(res['info'])}); {len(res['mine']['records'][0])} bucket "

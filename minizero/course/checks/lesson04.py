@@ -233,7 +233,6 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
         "(in bytes), then all-gather self.param_shards[i] into self.flat_params[i]"
         "; and wait for the gather before the module uses it.",
     )
-    check_subgroup(res_all, world, name)
     res = res_all[0]
     mine = res["mine"]
     for step, recs in enumerate(mine["records"]):
@@ -247,6 +246,7 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
         "the same all-gathers (hooks unchanged) and one reduce-scatter of every unit",
     )
     psi = res["psi"]
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses, gradient shards and parameters equal {', '.join(res['refs'])} for "
         f"{STEPS} Adam steps on {world} ranks ({describe(res['info'])}); no full parameter "
@@ -266,7 +266,6 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         world,
         " Gather every unit of the module (wait for it) before its forward or backward runs.",
     )
-    check_subgroup(res_all, world, name)
     res = res_all[0]
     mine, ref = res["mine"], res["refs"]["minizero.zero3.ZeRO3"]
     units = ref["after"]["units"]
@@ -303,6 +302,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         too_many="In backward, do not prefetch a unit whose gradients are already "
         "reduce-scattered (self.pending[i] == -1): nothing needs it any more.",
     )
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "
         f"{world} ranks ({describe(res['info'])}); {n_pre} module all-gathers prefetched in steps "
