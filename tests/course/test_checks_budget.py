@@ -273,9 +273,9 @@ def test_owned_tensors_passes_the_solution(capsys):
         (
             greedy_in_order,
             owned_step,
-            "greedy_in_order(3 tensors, world=2): rank 0 owns 3 "
-            "elements (loads [3, 1]); giving each tensor to the least-loaded rank, largest tensors "
-            "first, no rank owns more than 2",
+            "greedy_in_order(9 tensors, world=3): rank 2 owns 18 elements (loads [12, 15, 18]); "
+            "giving each tensor to the least-loaded rank, largest tensors first, no rank owns "
+            "more than 16",
         ),
         (assign_owners, broadcast_on_the_world, "on a subgroup (ranks [0, 1] of a 3-rank world"),
         (

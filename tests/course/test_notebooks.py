@@ -350,7 +350,8 @@ class _AllAtTheEnd(torch.nn.Module):
 def test_check_bucketed_ddp_explains_the_hook_argument_and_missing_overlap():
     with pytest.raises(checks.CheckFailed) as e:
         lesson01.check_bucketed_ddp(_HookArgumentAsGradient, 2)
-    assert "It is rank 0's own local gradient" in str(e.value)
-    assert "hook receives the PARAMETER" in str(e.value)
+    # on 3 ranks, averaging 3 equal weights rounds: the weights move during backward
+    assert "changed during backward" in str(e.value)
+    assert "the hook's argument is the parameter itself" in str(e.value)
     with pytest.raises(checks.CheckFailed, match="none overlaps backward"):
         lesson01.check_bucketed_ddp(_AllAtTheEnd, 2)
