@@ -523,6 +523,69 @@ for m, ps in PROFILES.items():
 # up to 1.5× DDP's communication time where the network is the bottleneck, which is why it is
 # overlapped with computation (lesson 04).
 #
+# ### 2Ψ and 3Ψ are per *backward* at stages 2 and 3
+#
+# §7 fitted the 6.7B model with b = 1 sequence of 4096 tokens per GPU: 8 × 4096 = 32,768 tokens
+# per forward and backward. Real runs step on far larger global batches (Llama 2 used 4M tokens
+# per step: Touvron et al. 2023, §2.2), so each rank accumulates the gradients of many
+# micro-batches before each optimizer step. Stage 1 keeps the full gradient on every rank and
+# reduce-scatters it once per step; stage 2 keeps only its chunk, so every backward must
+# reduce-scatter its gradients; stage 3 also gathers the parameters again for every forward and
+# every backward (lesson 03 §6 measured stage 2; FSDP2's `set_requires_gradient_sync(False)` is
+# the other side of that trade: full gradients kept, memory paid). Measured with the ledger, one
+# optimizer step of TinyGPT tiny on NPROCS ranks, after 1 and after 4 micro-batches:
+
+
+# %%
+def micro_volumes(micros=(1, 4)):
+    """Rank 0's ledger of one optimizer step after k micro-batches, per stage: (Ψ moved, bytes)."""
+    import torch.distributed as dist
+
+    from minizero.models import TinyGPT, count_params, synthetic_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        for k in micros:
+            torch.manual_seed(0)
+            model = TinyGPT(GPTConfig.tiny())
+            psi = count_params(model)
+            net, opt = minizero.parallelize(model, stage, lambda p: torch.optim.AdamW(p, lr=1e-3))
+            x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world)  # 4 rows a rank
+            with minizero.CommLedger() as ledger:
+                for xi, yi in zip(x.chunk(k), y.chunk(k), strict=True):  # k micro-batches
+                    (net(xi, yi) / k).backward()
+                opt.step()
+                opt.zero_grad()
+            out[stage, k] = (ledger.volume_elements / psi, sum(r.nbytes for r in ledger.records))
+    return out
+
+
+MICRO = minizero.launch(micro_volumes, NPROCS, verbose=False)[0]
+print(f"one optimizer step, TinyGPT tiny, {checks.describe(INFO)}, rank 0's ledger:")
+print(f"{'':10}{'1 micro-batch':>24}{'4 micro-batches':>24}")
+for stage in (1, 2, 3):
+    row = "".join(f"{MICRO[stage, k][0]:9.3f}Ψ {format_bytes(MICRO[stage, k][1]):>12}"
+                  for k in (1, 4))  # fmt: skip
+    print(f"stage {stage}  {row}")
+per_micro = {st: (MICRO[st, 4][0] - MICRO[st, 1][0]) / 3 for st in (1, 2, 3)}  # Ψ per extra one
+fixed = {st: MICRO[st, 1][0] - per_micro[st] for st in (1, 2, 3)}  # Ψ once per step
+k_big = 4_000_000 // (BIG_N * BIG_B * BIG.block_size)  # micro-batches per step at 4M tokens
+print(f"\n6.7B on {BIG_N} GPUs, 4M tokens per step = {k_big} micro-batches of b = {BIG_B}, "
+      f"bf16 (2 bytes per element; measured Ψ per step above, extrapolated linearly):")  # fmt: skip
+for st in (1, 2, 3):
+    psi_moved = fixed[st] + per_micro[st] * k_big
+    print(f"  stage {st}: {fixed[st]:.2f}Ψ + {per_micro[st]:.2f}Ψ per micro-batch = "
+          f"{psi_moved:7.1f}Ψ = {psi_moved * BIG_PSI * 2 / 1e12:6.2f} TB sent per rank per step")  # fmt: skip
+
+# %% [markdown]
+# Per optimizer step, stage 1 moves 2Ψ however many micro-batches it accumulates; stage 2 moves
+# about Ψ per micro-batch plus the final all-gather; stage 3 about 3Ψ per micro-batch. At a
+# realistic global batch, the memory stage 2 saves over stage 1 (the gradients: 2Ψ bytes) is paid
+# for with about k/2 times the communication, and stage 3's with about 3k/2 times: which is why
+# such runs pick stage 1 (or stage 2/3 with full gradients kept across micro-batches) when the
+# model states fit, and why stage 3 needs its communication overlapped with computation.
+#
 # ## Summary
 #
 # | per rank, at the peak | DDP | stage 1 | stage 2 | stage 3 | divided by N? |
