@@ -577,7 +577,7 @@ for st in (1, 2, 3):
     psi_moved = fixed[st] + per_micro[st] * k_big
     tb = psi_moved * BIG_PSI * 2 / 1e12  # bf16: 2 bytes per element
     print(f"  stage {st}: {fixed[st]:.2f}Ψ + {per_micro[st]:.2f}Ψ per micro-batch = "
-          f"{psi_moved:7.1f}Ψ = {tb:6.2f} TB sent per rank per step")  # fmt: skip
+          f"{psi_moved:7.1f}Ψ = {tb:6.2f} TB per rank per step (paper accounting)")  # fmt: skip
 
 # %% [markdown]
 # Per optimizer step, stage 1 moves 2Ψ however many micro-batches it accumulates; stage 2 moves
