@@ -182,3 +182,48 @@ def test_bucketed_ddp_solution_passes():
 )  # fmt: skip
 def test_bucketed_ddp_rejects(wrong, has):
     _rejects(lesson01.check_bucketed_ddp, wrong, *has)
+
+
+# -- lesson 02 (fp16 step) and lesson 03 (clipping): functions given a group ---------------------
+def _fp16_step(optimizer, masters, scale, group=None, *, pass_group=True):
+    found = torch.zeros(1, device=masters[0].device)
+    for m in masters:
+        m.grad.div_(scale)
+        found += (~torch.isfinite(m.grad)).sum()
+    all_reduce(found, **({"group": group} if pass_group else {}))
+    if found.item() == 0:
+        optimizer.step()
+        return scale
+    return scale / 2
+
+
+def _clip(shards, valid, max_norm, group=None, *, pass_group=True):
+    sq = sum(s[:n].float().pow(2).sum() for s, n in zip(shards, valid, strict=True)).reshape(1)
+    all_reduce(sq, **({"group": group} if pass_group else {}))
+    norm = sq.sqrt()
+    for s in shards:
+        s.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def test_fp16_step_and_clip_solutions_pass(capsys):
+    from minizero.course.checks import lesson02, lesson03
+
+    lesson02.check_fp16_step(_fp16_step, 2)
+    lesson03.check_clip_grad_norm(_clip, 2)
+    out = capsys.readouterr().out
+    assert out.count("and the subgroup [0, 1]") == 2, out
+
+
+def test_fp16_step_rejects_a_dropped_group():
+    from minizero.course.checks import lesson02
+
+    wrong = lambda o, m, s, group=None: _fp16_step(o, m, s, group, pass_group=False)
+    _rejects(lesson02.check_fp16_step, wrong, "on a subgroup", NO_GROUP)
+
+
+def test_clip_rejects_a_dropped_group():
+    from minizero.course.checks import lesson03
+
+    wrong = lambda sh, v, mx, group=None: _clip(sh, v, mx, group, pass_group=False)
+    _rejects(lesson03.check_clip_grad_norm, wrong, "on a subgroup", NO_GROUP)
