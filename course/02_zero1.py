@@ -288,9 +288,9 @@ class MyZeRO1(ZeRO1):
 
 
 # %% check="MyZeRO1"
-# 3 Adam steps of the MLP (3 buckets, padded) on NPROCS ranks, step by step: the gradient chunks
-# your optimizer steps with against minizero's ZeRO1, the parameters against one process on the
-# whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
+# 3 Adam steps of the MLP (3 buckets, padded) on max(NPROCS, 3) ranks, step by step: the gradient
+# chunks your optimizer steps with against minizero's ZeRO1, the parameters against one process on
+# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
 # bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
 lesson02.check_zero1(MyZeRO1, NPROCS)
 
@@ -589,10 +589,10 @@ def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sca
 
 
 # %% check="fp16_step"
-# On NPROCS ranks, three calls with SGD on three master shards per rank, scale 1024: every
-# gradient finite (the step must use the unscaled gradient); an inf in the last rank's shard only;
-# a NaN in rank 0's shard only (no rank may step, every rank must halve the scale); one
-# all-reduce per call.
+# On max(NPROCS, 3) ranks, then on a subgroup of 2, three calls with SGD on three master shards per
+# rank, scale 1024: every gradient finite (the step must use the unscaled gradient); an inf in the
+# last rank's shard only; a NaN in rank 0's shard only (no rank may step, every rank must halve the
+# scale); one all-reduce per call.
 lesson02.check_fp16_step(fp16_step, NPROCS)
 
 # %% [markdown]

@@ -380,7 +380,7 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
 
 
 # %% check="predict_peak"
-# Your prediction for each configuration above, then the peak measured on NPROCS ranks.
+# Your prediction for each configuration above, then the peak measured on max(NPROCS, 3) ranks.
 check_predict_peak(predict_peak, NPROCS, CASES)
 
 # %% [markdown]
