@@ -206,3 +206,29 @@ class _PrefetchBlocking(_BlockingGather):
 )
 def test_zero3_prefetch_rejects(wrong, has):
     _rejects(lesson04.check_zero3_prefetch, wrong, *has)
+
+
+class _WastedBackwardGathers(ZeRO3):
+    """Backward prefetches its neighbour without asking whether its backward is over."""
+
+    def pre_backward(self, m):
+        self.queue_backward_end()
+        for i in self.units_of[m]:
+            self.gather(i)
+        for i in self.neighbour(m, -self.prefetch):
+            self.gather(i, wait=False)  # self.pending[i] == -1 not asked
+
+
+def test_zero3_prefetch_rejects_wasted_backward_gathers():
+    _rejects(
+        lesson04.check_zero3_prefetch,
+        _WastedBackwardGathers,
+        "a model whose first layer runs twice",
+        "gathered after its backward was over",
+        "self.pending[i] == -1",
+    )
+
+
+def test_zero3_prefetch_solution_passes(capsys):
+    lesson04.check_zero3_prefetch(ZeRO3, 2)  # its pre_forward / pre_backward: the lesson's solution
+    assert "PASS" in capsys.readouterr().out

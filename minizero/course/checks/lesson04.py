@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.course.checks.common import CheckFailed, describe, rank_device, report_pass
+from minizero.course.checks.common import CheckFailed, describe, guard, rank_device, report_pass
 from minizero.course.checks.common_zero import (
     STEPS,
     check_subgroup,
@@ -88,6 +88,39 @@ def _probe(model) -> list[str]:
     return problems
 
 
+class ReusedLayer(nn.Module):
+    """A model whose first layer runs twice, the first time without gradient. Backward finishes
+    that layer's gradients (its unit is reduce-scattered and freed: ``pending[i] == -1``) while
+    the layer that ran before it in forward still has its backward to run, and that layer's
+    backward hook is the one that would prefetch it: a prefetch that does not ask gathers Ψ_unit
+    for nothing. (The MLP never reaches that case: each module runs once.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(13, 13), nn.Linear(13, 13), nn.Linear(13, 7)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b, c = self.layers
+        with torch.no_grad():
+            x = x + a(x)  # (B, 13): a's first use, no gradient
+        h = a(torch.tanh(b(x)))  # (B, 13): a again, with gradient
+        return nn.functional.mse_loss(c(torch.tanh(h)), y)
+
+
+def _reuse_gathers(cls) -> list[int]:
+    """Elements all-gathered per step by ``cls`` (a ZeRO3) training :class:`ReusedLayer`."""
+    torch.manual_seed(0)
+    model, dev = cls(ReusedLayer().to(rank_device())), rank_device()
+    out = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x, y = torch.randn(4, 13, generator=g).to(dev), torch.randn(4, 7, generator=g).to(dev)
+        with C.CommLedger() as ledger:
+            model(x, y).backward()
+        out.append(ledger.by_op().get("all_gather", 0))
+    return out
+
+
 def _zero3_rank(student, with_marks: bool) -> dict:
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     ref = minizero_build(ZeRO3)
@@ -99,6 +132,9 @@ def _zero3_rank(student, with_marks: bool) -> dict:
     mine = _with_marks(minizero_build(student)) if with_marks else minizero_build(student)
     after = _unit_labels if with_marks else lambda model: {"problems": _probe(model)}
     out = run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    if with_marks and out["error"] is None:  # the prefetch check: a layer used twice
+        out["reuse_ref"] = _reuse_gathers(ZeRO3)
+        out["reuse"], out["error"] = guard(_reuse_gathers, student)
     return with_subgroup(out, ZeRO3, student)
 
 
@@ -302,6 +338,15 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         too_many="In backward, do not prefetch a unit whose gradients are already "
         "reduce-scattered (self.pending[i] == -1): nothing needs it any more.",
     )
+    for step, (got, want) in enumerate(zip(res["reuse"], res["reuse_ref"], strict=True)):
+        if got > want:
+            raise CheckFailed(
+                f"step {step}, a model whose first layer runs twice (checks.lesson04.ReusedLayer):"
+                f" yours all-gathered {got} elements, minizero's ZeRO3 {want}: a unit was "
+                "gathered after its backward was over. In backward, do not prefetch a unit whose "
+                "gradients are already reduce-scattered (self.pending[i] == -1): nothing needs "
+                "it any more."
+            )
     check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "
