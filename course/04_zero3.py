@@ -263,8 +263,10 @@ class PrefetchZeRO3(ZeRO3):
 # As the previous check, and: in steps 1 and 2 (step 0 records the order), every module whose
 # units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
 # yours too, in forward and in backward; no more units gathered at once than ZeRO3, and no more
-# elements all-gathered (no unit gathered after its reduce-scatter); in each hook, the module's
-# own units gathered before its neighbour's prefetch.
+# elements all-gathered (no unit gathered after its reduce-scatter), here and on a model whose
+# first layer runs twice, the first time without gradient (checks.lesson04.ReusedLayer: there
+# backward reaches a finished unit); in each hook, the module's own units gathered before its
+# neighbour's prefetch.
 lesson04.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %% [markdown]
