@@ -68,13 +68,22 @@ def describe(info: dict) -> str:
     return f"{info['backend']} · {info['device']} · world {info['world']}"
 
 
+# minizero's and torch's own files: guard() names the deepest line of a traceback outside them
+_LIBRARY = (
+    os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    os.path.dirname(torch.__file__),
+)
+
+
 def guard(fn, *args, **kwargs):
     """Run student code; return (value, None) or (None, short error text naming the line)."""
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
         frames = traceback.extract_tb(e.__traceback__)[1:]  # drop this frame
-        where = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        theirs = [f for f in frames if not f.filename.startswith(_LIBRARY)]  # the student's line
+        frame = (theirs or frames or [None])[-1]
+        where = f" (at line {frame.lineno}: {frame.line})" if frame else ""
         return None, f"{type(e).__name__}: {e}{where}"
 
 
