@@ -103,8 +103,8 @@ def launch_check(
             f"the ranks did not finish: {e}\nEvery rank must issue the same collectives in the "
             f"same order, or they wait for each other forever (on the subgroup "
             f"{list(SUBGROUP)} a check runs your code on, a torch.distributed collective left on "
-            f"the default group waits for the other ranks forever: pass group=). A check that is only slow can get "
-            f"more time: `python -m minizero grade --check-timeout 600` or {TIMEOUT_ENV}=600."
+            f"the default group waits for the other ranks forever: pass group=). A check that "
+            f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or {TIMEOUT_ENV}=600."
         ) from e
 
 
