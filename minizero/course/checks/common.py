@@ -104,7 +104,8 @@ def launch_check(
             f"same order, or they wait for each other forever (on the subgroup "
             f"{list(SUBGROUP)} a check runs your code on, a torch.distributed collective left on "
             f"the default group waits for the other ranks forever: pass group=). A check that "
-            f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or {TIMEOUT_ENV}=600."
+            f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or "
+            f"{TIMEOUT_ENV}=600."
         ) from e
 
 
