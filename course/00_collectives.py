@@ -140,8 +140,8 @@ def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 # %% check="all_reduce_via_rs_ag"
-# Runs your function on NPROCS real ranks on shapes (1,), (2,), (7,), (12,), (1001,), (3, 5),
-# (4097,), compares every element with dist.all_reduce, and checks the collectives it issued.
+# Runs your function on max(NPROCS, 3) real ranks on shapes (1,), (2,), (7,), (12,), (1001,), (3,
+# 5), (4097,), compares every element with dist.all_reduce, and checks the collectives it issued.
 lesson00.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
 
 # %% [markdown]

@@ -104,8 +104,8 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 
 # %% check="allreduce_gradients"
-# 3 SGD steps of minizero's MLP on NPROCS ranks: your gradients and parameters, step by step,
-# against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
+# 3 SGD steps of minizero's MLP on max(NPROCS, 3) ranks: your gradients and parameters, step by
+# step, against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
 lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 
 # %% [markdown]
@@ -266,7 +266,8 @@ class BucketedDDP(torch.nn.Module):
 # %% check="BucketedDDP"
 # 3 SGD steps of the MLP with bucket_cap_mb=0.002 (a few buckets): gradients and parameters
 # against one process, torch DDP and minizero.ddp.DDP; one all-reduce per bucket, asynchronous,
-# some started before backward ended; volume 2Ψ.
+# some started before backward ended and waited on only after it (in _finish); volume 2Ψ;
+# then again on a subgroup (ranks 0 and 1 of the 3, group=...).
 lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 
 # %% [markdown]

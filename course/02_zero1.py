@@ -242,12 +242,16 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 #
 # ## Exercise 2 — `MyZeRO1`: the two collectives of stage 1
 #
-# * `reduce_gradients()`: reduce-scatter every bucket's gradient buffer into this rank's chunk and
-#   average; return the chunks. Use `reduce_scatter(output, input, group=self.group)` from
-#   `minizero.collectives` (input (N·shard,), output (shard,)). The output may be the chunk of
-#   the input itself (in place, as NCCL documents), so no extra buffer is needed.
-# * `after_step()`: in mixed precision, copy the stepped fp32 master into this rank's chunk of
-#   the parameters; then `all_gather(flat, own_chunk, group=self.group)`.
+# * `reduce_gradients()`: leave in each of this rank's chunks the gradient **averaged** over the
+#   ranks of `self.group`, for that chunk only, moving Ψ in all (not DDP's 2Ψ). Which collective
+#   of lesson 00 does that, per bucket, and what must follow it? (Its output may be the chunk of
+#   its own input, in place, as NCCL documents: no extra buffer is needed.)
+# * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every
+#   rank hold every rank's updated chunk, moving Ψ. In mixed precision the optimizer stepped a
+#   separate fp32 master (`self.masters[i]`), not the bf16 parameters: what must happen first?
+#
+# The check runs your class on 3 ranks and on a subgroup of 2 of them: the number of ranks and
+# the group are `self.world` and `self.group`, never a constant or the default group.
 
 
 # %%
@@ -260,9 +264,8 @@ class MyZeRO1(ZeRO1):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         if not self.reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
             # BEGIN SOLUTION
-            # TODO: for each bucket b, its buffer in self.grad_buffers and its chunk in chunks:
-            # TODO: reduce_scatter(chunk, buffer, group=self.group) leaves the SUM over ranks
-            # TODO: of this rank's chunk in chunk; divide it by self.world to average
+            # TODO: per bucket: one collective (minizero.collectives) that leaves in its chunk
+            # TODO: the average over the group's ranks of that chunk of every rank's buffer
             for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
                 reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
                 chunk.div_(self.world)  # sum over ranks -> average
@@ -276,9 +279,8 @@ class MyZeRO1(ZeRO1):
             for b, master, flat in zip(self.buckets, self.masters, self.flat_params, strict=True):
                 own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
                 # BEGIN SOLUTION
-                # TODO: if self.precision.master: the optimizer stepped `master`, an fp32 copy of
-                # TODO: own: copy it into own. In fp32 master IS own.
-                # TODO: then all_gather(flat, own, group=self.group): flat gets every rank's chunk
+                # TODO: own must hold what the optimizer stepped (in fp32, master IS own);
+                # TODO: then one collective gives every rank every rank's chunk of flat
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
@@ -286,9 +288,9 @@ class MyZeRO1(ZeRO1):
 
 
 # %% check="MyZeRO1"
-# 3 Adam steps of the MLP (3 buckets, padded) on NPROCS ranks, step by step: the gradient chunks
-# your optimizer steps with against minizero's ZeRO1, the parameters against one process on the
-# whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
+# 3 Adam steps of the MLP (3 buckets, padded) on max(NPROCS, 3) ranks, step by step: the gradient
+# chunks your optimizer steps with against minizero's ZeRO1, the parameters against one process on
+# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
 # bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
 lesson02.check_zero1(MyZeRO1, NPROCS)
 
@@ -587,10 +589,10 @@ def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sca
 
 
 # %% check="fp16_step"
-# On NPROCS ranks, three calls with SGD on three master shards per rank, scale 1024: every
-# gradient finite (the step must use the unscaled gradient); an inf in the last rank's shard only;
-# a NaN in rank 0's shard only (no rank may step, every rank must halve the scale); one
-# all-reduce per call.
+# On max(NPROCS, 3) ranks, then on a subgroup of 2, three calls with SGD on three master shards per
+# rank, scale 1024: every gradient finite (the step must use the unscaled gradient); an inf in the
+# last rank's shard only; a NaN in rank 0's shard only (no rank may step, every rank must halve the
+# scale); one all-reduce per call.
 lesson02.check_fp16_step(fp16_step, NPROCS)
 
 # %% [markdown]

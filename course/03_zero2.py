@@ -474,10 +474,10 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
 
 
 # %% check="clip_grad_norm_"
-# On NPROCS ranks, the MLP's 1,837-element gradient in 2 KiB buckets, each rank's chunks with
-# their padding filled with 3.0: your norm and clipped shards against torch.nn.utils
-# .clip_grad_norm_ on the whole gradient, for a max_norm that clips and one that does not; one
-# all-reduce per call.
+# On max(NPROCS, 3) ranks, then on a subgroup of 2, the MLP's 1,837-element gradient in 2 KiB
+# buckets, each rank's chunks with their padding filled with 3.0: your norm and clipped shards
+# against torch.nn.utils .clip_grad_norm_ on the whole gradient, for a max_norm that clips and one
+# that does not; one all-reduce per call.
 lesson03.check_clip_grad_norm(clip_grad_norm_, NPROCS)
 
 # %% [markdown]

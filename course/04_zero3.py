@@ -178,11 +178,12 @@ class MyZeRO3(ZeRO3):
 
 
 # %% check="MyZeRO3"
-# 3 Adam steps of the MLP (one unit per Linear, one for the output gain) on NPROCS ranks, step by
-# step: losses against minizero's ZeRO3 and FSDP2's fully_shard, gradient chunks against ZeRO3,
-# parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward; the
-# same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, free and
-# gather(wait=True) handed an all-gather still in flight must wait for it.
+# 3 Adam steps of the MLP (one unit per Linear, one for the output gain) on max(NPROCS, 3) ranks,
+# step by step: losses against minizero's ZeRO3 and FSDP2's fully_shard, gradient chunks against
+# ZeRO3, parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward;
+# the same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, free and
+# gather(wait=True) handed an all-gather still in flight must wait for it; every all-gather
+# asynchronous; then again on a subgroup (ranks 0 and 1 of the 3).
 lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]
@@ -262,7 +263,10 @@ class PrefetchZeRO3(ZeRO3):
 # As the previous check, and: in steps 1 and 2 (step 0 records the order), every module whose
 # units minizero's ZeRO3 all-gathers before the module starts (prefetched) is prefetched by
 # yours too, in forward and in backward; no more units gathered at once than ZeRO3, and no more
-# elements all-gathered (no unit gathered after its reduce-scatter).
+# elements all-gathered (no unit gathered after its reduce-scatter), here and on a model whose
+# first layer runs twice, the first time without gradient (checks.lesson04.ReusedLayer: there
+# backward reaches a finished unit); in each hook, the module's own units gathered before its
+# neighbour's prefetch.
 lesson04.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %% [markdown]

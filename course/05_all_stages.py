@@ -335,15 +335,20 @@ for n in (8, 64, 1024):
 # `case.checkpointing` and `case.world` (N). The step is the one measured above: TinyGPT in bf16,
 # AdamW (K = 12).
 #
-# * `"model_states"`: parameters, gradients and optimizer states at this stage on N ranks;
-# * `"activations"`: everything else alive at the peak, built from what §3 and §4 measured:
-#   `LAYER` bytes per sbh for each layer, or with checkpointing 2 sbh per layer plus one layer
-#   rebuilt; `LOGIT_BYTES` per logit (s·b·V); `OTHER` bytes per sbh. Which of these does N divide?
+# * `"model_states"`: parameters, gradients and optimizer states at this stage on N ranks. First
+#   derive Ψ(L, h, V) yourself from TinyGPT's definition (`minizero/models.py`: the token
+#   embedding, tied to the output layer; the positions; per block, attention and MLP with their
+#   biases and two LayerNorms; a final LayerNorm), not from a library call;
+# * `"activations"`: everything else alive at the peak, from what §3 and §4 measured (`LAYER`,
+#   `LOGIT_BYTES`, `OTHER`): what a layer keeps, with and without checkpointing; what the output
+#   layer keeps; the rest. Which of these does N divide?
 #
-# The check first calls your function on each configuration below, then measures each one on
-# NPROCS real ranks (`measure_peak` in `minizero/course/checks/lesson05.py`: one step under
-# `MemoryMeter`). Your model states must be within 2% of what the ranks held, your total within
-# 15% of the measured peak.
+# The last configuration has GPT-2's vocabulary, V = 50,257: there the logits (s·b·V) are most
+# of the peak. The check first calls your function on each configuration below, then measures
+# each one on max(NPROCS, 3) real ranks (3 on a CPU, so that a hard-coded N = 2 shows;
+# `measure_peak` in `minizero/course/checks/lesson05.py`: one step under `MemoryMeter`). Your
+# model states must be within 2% of what the ranks held, your total within 15% of the measured
+# peak.
 
 # %%
 CASES = peak_cases(NPROCS, gpu=on_gpus(NPROCS))  # longer micro-batches on GPUs
@@ -357,22 +362,25 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
     cfg, s, b = case.cfg, case.seq_len, case.micro_batch
     sbh = s * b * cfg.n_embd
     # BEGIN SOLUTION
-    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16"), Ψ = budget.gpt_params(cfg)
-    # TODO: activations: LAYER * sbh per layer, or 2 * sbh per layer + one layer when checkpointing
-    # TODO: add the output layer, LOGIT_BYTES * s * b * V, and OTHER * sbh
-    psi = budget.gpt_params(cfg)
+    # TODO: Ψ(L, h, V): count TinyGPT's parameters from its definition (minizero/models.py)
+    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16")
+    # TODO: activations: what each layer keeps, with and without checkpointing; the output layer;
+    # TODO: the rest (sections 3 and 4 measured each per sbh, or per logit)
+    L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    block = 12 * h * h + 13 * h  # attention 4h², MLP 8h² of weights; biases 9h, 2 LayerNorms 4h
+    psi = V * h + cfg.block_size * h + L * block + 2 * h  # tied V·h, positions, final LayerNorm
     states = sum(paper_model_state_bytes(psi, case.world, case.stage, "bf16").values())
     if case.checkpointing:
         layers = cfg.n_layer * 2 * sbh + LAYER * sbh
     else:
         layers = cfg.n_layer * LAYER * sbh
-    rest = LOGIT_BYTES * s * b * cfg.vocab_size + OTHER * sbh
+    rest = LOGIT_BYTES * s * b * V + OTHER * sbh  # the logits: s·b·V, whatever N
     return {"model_states": states, "activations": layers + rest}
     # END SOLUTION
 
 
 # %% check="predict_peak"
-# Your prediction for each configuration above, then the peak measured on NPROCS ranks.
+# Your prediction for each configuration above, then the peak measured on max(NPROCS, 3) ranks.
 check_predict_peak(predict_peak, NPROCS, CASES)
 
 # %% [markdown]
@@ -514,6 +522,70 @@ for m, ps in PROFILES.items():
 # other, not with another machine's. At scale the payloads dominate, and stage 3's extra Ψ costs
 # up to 1.5× DDP's communication time where the network is the bottleneck, which is why it is
 # overlapped with computation (lesson 04).
+#
+# ### 2Ψ and 3Ψ are per *backward* at stages 2 and 3
+#
+# §7 fitted the 6.7B model with b = 1 sequence of 4096 tokens per GPU: 8 × 4096 = 32,768 tokens
+# per forward and backward. Real runs step on far larger global batches (Llama 2 used 4M tokens
+# per step: Touvron et al. 2023, §2.2), so each rank accumulates the gradients of many
+# micro-batches before each optimizer step. Stage 1 keeps the full gradient on every rank and
+# reduce-scatters it once per step; stage 2 keeps only its chunk, so every backward must
+# reduce-scatter its gradients; stage 3 also gathers the parameters again for every forward and
+# every backward (lesson 03 §6 measured stage 2; FSDP2's `set_requires_gradient_sync(False)` is
+# the other side of that trade: full gradients kept, memory paid). Measured with the ledger, one
+# optimizer step of TinyGPT tiny on NPROCS ranks, after 1 and after 4 micro-batches:
+
+
+# %%
+def micro_volumes(micros=(1, 4)):
+    """Rank 0's ledger of one optimizer step after k micro-batches, per stage: (Ψ moved, bytes)."""
+    import torch.distributed as dist
+
+    from minizero.models import TinyGPT, count_params, synthetic_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        for k in micros:
+            torch.manual_seed(0)
+            model = TinyGPT(GPTConfig.tiny())
+            psi = count_params(model)
+            net, opt = minizero.parallelize(model, stage, lambda p: torch.optim.AdamW(p, lr=1e-3))
+            x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world)  # 4 rows a rank
+            with minizero.CommLedger() as ledger:
+                for xi, yi in zip(x.chunk(k), y.chunk(k), strict=True):  # k micro-batches
+                    (net(xi, yi) / k).backward()
+                opt.step()
+                opt.zero_grad()
+            out[stage, k] = (ledger.volume_elements / psi, sum(r.nbytes for r in ledger.records))
+    return out
+
+
+MICRO = minizero.launch(micro_volumes, NPROCS, verbose=False)[0]
+print(f"one optimizer step, TinyGPT tiny, {checks.describe(INFO)}, rank 0's ledger:")
+print(f"{'':10}{'1 micro-batch':>24}{'4 micro-batches':>24}")
+for stage in (1, 2, 3):
+    row = "".join(f"{MICRO[stage, k][0]:9.3f}Ψ {format_bytes(MICRO[stage, k][1]):>12}"
+                  for k in (1, 4))  # fmt: skip
+    print(f"stage {stage}  {row}")
+per_micro = {st: (MICRO[st, 4][0] - MICRO[st, 1][0]) / 3 for st in (1, 2, 3)}  # Ψ per extra one
+fixed = {st: MICRO[st, 1][0] - per_micro[st] for st in (1, 2, 3)}  # Ψ once per step
+k_big = 4_000_000 // (BIG_N * BIG_B * BIG.block_size)  # micro-batches per step at 4M tokens
+print(f"\n6.7B on {BIG_N} GPUs, 4M tokens per step = {k_big} micro-batches of b = {BIG_B}, "
+      f"bf16 (2 bytes per element; measured Ψ per step above, extrapolated linearly):")  # fmt: skip
+for st in (1, 2, 3):
+    psi_moved = fixed[st] + per_micro[st] * k_big
+    tb = psi_moved * BIG_PSI * 2 / 1e12  # bf16: 2 bytes per element
+    print(f"  stage {st}: {fixed[st]:.2f}Ψ + {per_micro[st]:.2f}Ψ per micro-batch = "
+          f"{psi_moved:7.1f}Ψ = {tb:6.2f} TB per rank per step (paper accounting)")  # fmt: skip
+
+# %% [markdown]
+# Per optimizer step, stage 1 moves 2Ψ however many micro-batches it accumulates; stage 2 moves
+# about Ψ per micro-batch plus the final all-gather; stage 3 about 3Ψ per micro-batch. At a
+# realistic global batch, the memory stage 2 saves over stage 1 (the gradients: 2Ψ bytes) is paid
+# for with about k/2 times the communication, and stage 3's with about 3k/2 times: which is why
+# such runs pick stage 1 (or stage 2/3 with full gradients kept across micro-batches) when the
+# model states fit, and why stage 3 needs its communication overlapped with computation.
 #
 # ## Summary
 #

@@ -608,7 +608,8 @@ def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=N
 
 
 # %% check="owned_tensors"
-# Your assignment on awkward size lists, then your step with AdamW and Adafactor on NPROCS ranks.
+# Your assignment on awkward size lists, then your step with AdamW and Adafactor on max(NPROCS, 3)
+# ranks, and with AdamW on a subgroup of 2 of them.
 check_owned_tensors(assign_owners, owned_step, NPROCS)
 
 # %% [markdown]

@@ -138,8 +138,8 @@ def owned_ranges(model) -> dict[str, tuple[int, int]]:
 
 
 # %% check="owned_ranges"
-# On NPROCS ranks, stages 0-3, tiny and default buckets, an MLP (with a frozen weight and a tied
-# one) and TinyGPT: your ranges against minizero's fragments (model.fragments), rank by rank.
+# On max(NPROCS, 3) ranks, stages 0-3, tiny and default buckets, an MLP (with a frozen weight and a
+# tied one) and TinyGPT: your ranges against minizero's fragments (model.fragments), rank by rank.
 lesson07.check_owned_ranges(owned_ranges, NPROCS)
 
 # %% [markdown]

@@ -15,6 +15,12 @@ Cost of measuring: with no ledger open the wrappers call ``torch.distributed`` d
 nothing. With a ledger open, a blocking call is timed from issue to return (on CUDA the stream is
 synchronised before and after, so the figure is the collective alone); an asynchronous call is timed
 from issue to the end of ``wait()``, which includes whatever overlapped with it.
+
+Structure, not timing: each record also says *where on the ledger's timeline* it completed
+(``CommRecord.waited_at``), so that a test can ask "was this all-reduce waited on before or after
+the 'backward end' mark?" without reading a clock. ``CommLedger(only_group=g)`` refuses, before it
+is issued, any collective on another group than ``g`` (a check run on a subgroup uses it to name a
+forgotten ``group=`` instead of hanging on the ranks outside the subgroup).
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ class CommRecord:
     ranks: tuple[int, ...] = ()  # the group's global ranks in group-rank order; () = 0..world-1
     rank: int = 0  # this rank's global rank
     src: int = 0  # broadcast: the source's group rank
+    # Timeline position at completion: the call (blocking) or its wait() (async) returned after
+    # every ledger entry (record or mark) with index < waited_at and before those >= waited_at.
+    # None while an async op has not been waited on. A blocking call: index + 1.
+    waited_at: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +105,10 @@ class CommLedger:
     """
 
     node_size: int | None = None  # ranks per node (consecutive ranks form a node), for node_bytes
+    # When set: every collective issued while the ledger is open must run on this group (None is
+    # not "unset" here: pass dist.group.WORLD for the default group); one on another group raises
+    # WrongGroup before it is issued, on this rank, instead of waiting for ranks outside the group.
+    only_group: dist.ProcessGroup | None = None
     records: list[CommRecord] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)  # (timeline index, label)
     _next: int = 0
@@ -223,19 +237,44 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
+class WrongGroup(ValueError):
+    """A collective issued on another group than the open ``CommLedger(only_group=...)``'s."""
+
+
+def _check_group(op: str, group, tag: str) -> None:
+    for ledger in _open_ledgers:
+        want = ledger.only_group
+        if want is None:
+            continue
+        got = dist.group.WORLD if group is None else group
+        if got != want:
+            where = f" (tag {tag!r})" if tag else ""
+            raise WrongGroup(
+                f"{op}{where} ran on {group_label(group)!r}, not on the group this code was "
+                f"given ({group_label(want)!r}): pass that group to every collective (group=...)"
+            )
+
+
+def _done(recs: list[tuple[CommLedger, CommRecord]]) -> None:
+    for ledger, r in recs:
+        if r.waited_at is None:
+            r.waited_at = ledger._next
+
+
 class _TimedWork:
     """Wraps an async Work so that wait() completes the ledger record."""
 
-    def __init__(self, work, recs: list[CommRecord], t0: float, tensor: torch.Tensor):
+    def __init__(self, work, recs: list[tuple[CommLedger, CommRecord]], t0: float, tensor):
         self.work, self.recs, self.t0, self.tensor = work, recs, t0, tensor
 
     def wait(self, timeout=None) -> bool:
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
         _sync(self.tensor)
         dt = time.perf_counter() - self.t0
-        for r in self.recs:
+        for _, r in self.recs:
             if r.seconds is None:
                 r.seconds = dt
+        _done(self.recs)
         return ok
 
     def is_completed(self) -> bool:
@@ -247,6 +286,7 @@ def _run(
 ):
     if not _open_ledgers:  # fast path: no bookkeeping at all
         return fn(async_op)
+    _check_group(op, group, tag)
     world = dist.get_world_size(group)
     ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
     where = dict(group=group_label(group), ranks=ranks, rank=dist.get_rank(), src=src)
@@ -254,18 +294,19 @@ def _run(
     for ledger in _open_ledgers:
         rec = CommRecord(op, payload.dtype, numel, world, async_op, tag, ledger._index(), **where)
         ledger.records.append(rec)
-        recs.append(rec)
+        recs.append((ledger, rec))
     if not async_op:
         _sync(payload)
     t0 = time.perf_counter()
-    for r in recs:
+    for _, r in recs:
         r.start = t0
     work = fn(async_op)
     if async_op:
         return _TimedWork(work, recs, t0, payload)
     _sync(payload)
-    for r in recs:
+    for _, r in recs:
         r.seconds = time.perf_counter() - t0
+    _done(recs)
     return None
 
 

@@ -30,6 +30,51 @@ class CellRun:
     seconds: float  # wall time of the cell, from the kernel's timestamps
 
 
+@dataclass
+class Outcome:
+    """One graded line: an exercise's PASS or FAIL, or an ERROR of a cell that is not a check."""
+
+    status: str  # "PASS" | "FAIL" | "ERROR"
+    label: str  # the exercise's name, or "cell N (not a check)"
+    message: str | None  # why it failed, None for a PASS
+
+
+_SYNTAX = ("SyntaxError", "IndentationError", "TabError")
+
+
+def outcomes(runs: list[CellRun]) -> list[Outcome]:
+    """What grading reports, one point per line. A cell that raised after the previous check and
+    before a check that then failed is that exercise's failure, reported once with its own error
+    (a syntax error named as such): the check's NameError only echoes it. Cells that raised
+    before a check that passed, or after the last check, are ERRORs of their own."""
+    out: list[Outcome] = []
+    before: list[CellRun] = []  # cells that raised since the previous check cell
+    for r in runs:
+        if not r.check:
+            if r.error:
+                before.append(r)
+            continue
+        if r.error is not None and before:
+            first = before[0]
+            if first.error.startswith(_SYNTAX):
+                why = (
+                    f"a syntax error in your code for {r.check} (cell {first.index}): "
+                    f"{first.error}. Fix it and run that cell again: the check never saw your code."
+                )
+            else:
+                why = (
+                    f"cell {first.index}, before the check, raised {first.error}; then the "
+                    f"check: {r.error}"
+                )
+            out.append(Outcome("FAIL", r.check, why))
+        else:
+            out += [Outcome("ERROR", f"cell {b.index} (not a check)", b.error) for b in before]
+            out.append(Outcome("PASS" if r.error is None else "FAIL", r.check, r.error))
+        before = []
+    out += [Outcome("ERROR", f"cell {b.index} (not a check)", b.error) for b in before]
+    return out
+
+
 class Unreadable(ValueError):
     """A file that is not a notebook nbformat can run; the message is one line saying why."""
 
@@ -165,17 +210,14 @@ def grade_main(argv: list[str]) -> int:
             total += 1
             print(f"  ERROR {path}: {e}")
             continue
-        for r in runs:
-            if r.check:
-                total += 1
-                passed += r.error is None
-                status = "PASS" if r.error is None else "FAIL"
-                print(
-                    f"  {status}  {r.check}" + (f"\n        {_indent(r.error)}" if r.error else "")
-                )
-            elif r.error:
-                total += 1
-                print(f"  ERROR cell {r.index} (not a check): {_indent(r.error)}")
+        for o in outcomes(runs):
+            total += 1
+            passed += o.status == "PASS"
+            if o.status == "ERROR":
+                print(f"  ERROR {o.label}: {_indent(o.message)}")
+            else:
+                why = f"\n        {_indent(o.message)}" if o.message else ""
+                print(f"  {o.status}  {o.label}{why}")
         print(f"  ({time.perf_counter() - t0:.0f} s)")
     print(f"{passed}/{total} passed")
     return 0 if passed == total else 1

@@ -25,7 +25,7 @@ from dataclasses import astuple, dataclass, fields
 from multiprocessing import get_context
 from pathlib import Path
 
-from minizero.course.grade import TIMEOUT_ENV, Unreadable, execute, positive_seconds
+from minizero.course.grade import TIMEOUT_ENV, Unreadable, execute, outcomes, positive_seconds
 from minizero.tools.cli import Parser, positive_int
 
 
@@ -61,12 +61,10 @@ def grade_notebook(student: str, path: Path, timeout: float) -> list[Row]:
             first = (str(e).strip().splitlines() or [""])[0]
             return [Row(student, lesson, "", "error", f"{type(e).__name__}: {first}"[:500])]
     rows = []
-    for r in runs:
-        if r.check:
-            status = "passed" if r.error is None else "failed"
-            rows.append(Row(student, lesson, r.check, status, r.error or ""))
-        elif r.error:
-            rows.append(Row(student, lesson, f"cell {r.index}", "error", r.error))
+    status = {"PASS": "passed", "FAIL": "failed", "ERROR": "error"}
+    for o in outcomes(runs):  # as `grade` scores: an error before a failed check is its failure
+        label = o.label.removesuffix(" (not a check)")
+        rows.append(Row(student, lesson, label, status[o.status], o.message or ""))
     if not rows:
         rows.append(Row(student, lesson, "", "error", "no check cells: is it a lesson notebook?"))
     return rows

@@ -138,31 +138,49 @@ def states_only(case):
     return {**predict_peak(case), "activations": 0}
 
 
+def logits_forgotten(case):  # the output layer left out: 5% of the peak at V = 64, most at 50257
+    s, b = case.seq_len, case.micro_batch
+    got = predict_peak(case)
+    return {**got, "activations": got["activations"] - LOGIT_BYTES * s * b * case.cfg.vocab_size}
+
+
+def two_ranks_assumed(case):  # N = 2 written in: right on a laptop's 2 ranks only
+    psi = budget.gpt_params(case.cfg)
+    states = sum(paper_model_state_bytes(psi, 2, case.stage, "bf16").values())
+    return {**predict_peak(case), "model_states": states}
+
+
 def unwritten(case):
     raise NotImplementedError("TODO: write predict_peak()")
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return minizero.launch(measure_peaks, 2, peak_cases(2), verbose=False)[0]
+    cases = peak_cases(2)  # N = 3: the check raises every world to 3 ranks
+    return minizero.launch(measure_peaks, cases[0].world, cases, verbose=False)[0]
 
 
 def test_predict_peak_passes_the_solution(measured, capsys):
     check_predict_peak(predict_peak, 2, peak_cases(2), measured=measured)
     out = capsys.readouterr().out
-    assert "PASS  predict_peak predicts the peak of 4 configurations within ±15%" in out
-    assert "gloo · cpu (CPU) · world 2" in out
+    assert "PASS  predict_peak predicts the peak of 5 configurations within ±15%" in out
+    assert "gloo · cpu (CPU) · world 3" in out
 
 
 @pytest.mark.parametrize(
     "wrong, message",
     [
-        (activations_divided_by_n, "your activations look divided by N = 2"),
+        (activations_divided_by_n, "your activations look divided by N = 3"),
         (checkpointing_ignored, "with checkpointing a block keeps only its input (2sbh)"),
         (checkpointing_keeps_only_inputs, "backward rebuilds one block at a time"),
         (stage_ignored, "which of parameters, gradients and optimizer states does stage 2"),
         (states_only, "your activations are (almost) zero"),
-        (unwritten, "unwritten raised for stage 0, N=2"),
+        (logits_forgotten, "V = 50,257) and their gradient are the largest tensors"),
+        (
+            two_ranks_assumed,
+            "your code assumed 2 ranks: use case.world, not dist.get_world_size(group)",
+        ),
+        (unwritten, "unwritten raised for stage 0, N=3"),
     ],
 )
 def test_predict_peak_rejects_wrong_predictions_saying_why(measured, wrong, message):
@@ -189,6 +207,21 @@ def owned_step(params, owners, optimizer, group=None):
     optimizer.step()
     for p, owner in zip(params, owners):
         minizero.broadcast(p.data, src=owner, group=group)
+
+
+def greedy_in_order(numels, world):  # least-loaded rank, but in the given order
+    load, owners = [0] * world, []
+    for n in numels:
+        r = min(range(world), key=load.__getitem__)
+        owners.append(r)
+        load[r] += n
+    return owners
+
+
+def broadcast_on_the_world(params, owners, optimizer, group=None):
+    optimizer.step()
+    for p, owner in zip(params, owners):
+        minizero.broadcast(p.data, src=owner)  # group= left out
 
 
 def round_robin(numels, world):
@@ -237,6 +270,19 @@ def test_owned_tensors_passes_the_solution(capsys):
         (assign_owners, broadcast_from_rank_0, "(a broadcast with src=1)"),
         (assign_owners, broadcast_before_step, "still holds its value from before the step"),
         (assign_owners, unrecorded_broadcast, "the ledger saw ['all_reduce'] moving 2.00Ψ"),
+        (
+            greedy_in_order,
+            owned_step,
+            "greedy_in_order(9 tensors, world=3): rank 2 owns 18 elements (loads [12, 15, 18]); "
+            "giving each tensor to the least-loaded rank, largest tensors first, no rank owns "
+            "more than 16",
+        ),
+        (assign_owners, broadcast_on_the_world, "on a subgroup (ranks [0, 1] of a 3-rank world"),
+        (
+            assign_owners,
+            broadcast_on_the_world,
+            "a collective ran on the default group: pass group=self.group",
+        ),
     ],
 )
 def test_owned_tensors_rejects_wrong_steps_saying_why(owners_fn, step_fn, message):

@@ -90,7 +90,7 @@ def _stuck_rank() -> None:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(1))  # rank 1 never joins it
+        dist.all_reduce(torch.ones(1))  # ranks 1 and 2 never join it
     else:
         time.sleep(600)
 
@@ -101,8 +101,44 @@ def test_a_hung_check_shows_where_each_rank_was(monkeypatch):
     with pytest.raises(common.CheckFailed) as e:
         common.launch_check(_stuck_rank, 2)
     msg = str(e.value)
-    assert "ranks [0, 1] had not finished after 4 s" in msg
+    assert "ranks [0, 1, 2] had not finished after 4 s" in msg
     where = msg.split("Where they were:", 1)[1]
-    assert "rank 0:" in where and "rank 1:" in where and "all_reduce" in where
-    assert where.count("_stuck_rank") == 2  # each rank's own stack, down to the student's code
+    assert "rank 0:" in where and "rank 2:" in where and "all_reduce" in where
+    assert where.count("_stuck_rank") == 3  # each rank's own stack (a check runs 3 ranks)
     assert "--check-timeout 600" in msg
+
+
+# -- an error before a check: one failure of that exercise, named ---------------------------------
+def test_a_syntax_error_in_an_exercise_is_one_failure_named_as_such(tmp_path, capsys):
+    check = nbformat.v4.new_code_cell("assert f() == 2, 'f() should be 2'")
+    check.metadata = {"tags": ["check"], "minizero": {"check": "my_f"}}
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("def f(:\n  return 2"),
+             check]  # fmt: skip
+    path = tmp_path / "one_exercise.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    assert grade.grade_main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  my_f\n        a syntax error in your code for my_f (cell 1): SyntaxError" in out
+    assert "not a check" not in out and "NameError" not in out
+    assert "0/1 passed" in out
+
+
+def _run(index, check=None, error=None):
+    return grade.CellRun(index, check, error, 0.0)
+
+
+def test_outcomes_attribute_errors_to_the_next_failed_check_only():
+    runs = [
+        _run(0, error="RuntimeError: a plot failed"),  # before a check that passes: an ERROR
+        _run(1, "a"),
+        _run(2, error="NameError: name 'torch' is not defined"),
+        _run(3, "b", "NameError: name 'MyZeRO1' is not defined"),
+        _run(4, error="ValueError: after the last check"),
+    ]
+    got = [(o.status, o.label, (o.message or "")[:40]) for o in grade.outcomes(runs)]
+    assert got == [
+        ("ERROR", "cell 0 (not a check)", "RuntimeError: a plot failed"),
+        ("PASS", "a", ""),
+        ("FAIL", "b", "cell 2, before the check, raised NameErr"),
+        ("ERROR", "cell 4 (not a check)", "ValueError: after the last check"),
+    ]

@@ -113,7 +113,7 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
         rows = {r["lesson"]: r for r in csv.DictReader(f)}
     hang = rows["01_hang"]
     assert hang["exercise"] == "collective" and hang["status"] == "failed"
-    assert "ranks [0, 1] had not finished after 4 s" in hang["message"]
+    assert "ranks [0, 1, 2] had not finished after 4 s" in hang["message"]
     assert "rank 1:" in hang["message"].split("Where they were:")[1]  # each rank's stack
     spin = rows["02_spin"]
     assert spin["status"] == "error" and spin["exercise"] == ""

@@ -280,8 +280,8 @@ def _plain_all_reduce(t, group=None):
 def test_check_all_reduce_via_rs_ag_names_shape_element_and_padding():
     with pytest.raises(checks.CheckFailed) as e:
         lesson00.check_all_reduce_via_rs_ag(_no_padding, 2)
-    assert str(e.value).startswith("wrong sum for a tensor of shape (1,) on rank 0 (world size 2)")
-    assert "pad the flat tensor to a multiple of the world size (2)" in str(e.value)
+    assert str(e.value).startswith("wrong sum for a tensor of shape (1,) on rank 0 (world size 3)")
+    assert "pad the flat tensor to a multiple of the world size (3)" in str(e.value)
     with pytest.raises(checks.CheckFailed, match=r"issued \['all_reduce'\]"):
         lesson00.check_all_reduce_via_rs_ag(_plain_all_reduce, 2)
 
@@ -297,7 +297,7 @@ def test_check_naive_ddp_names_step_parameter_and_factor():
         lesson01.check_allreduce_gradients(_summed_not_averaged, 2)
     msg = str(e.value)
     assert msg.startswith("step 0, rank 0, gradient of 'gain': max |yours - one process")
-    assert "Yours is 2.00x the reference" in msg
+    assert "Yours is 3.00x the reference" in msg
 
 
 class _HookArgumentAsGradient(torch.nn.Module):
@@ -350,7 +350,8 @@ class _AllAtTheEnd(torch.nn.Module):
 def test_check_bucketed_ddp_explains_the_hook_argument_and_missing_overlap():
     with pytest.raises(checks.CheckFailed) as e:
         lesson01.check_bucketed_ddp(_HookArgumentAsGradient, 2)
-    assert "It is rank 0's own local gradient" in str(e.value)
-    assert "hook receives the PARAMETER" in str(e.value)
+    # on 3 ranks, averaging 3 equal weights rounds: the weights move during backward
+    assert "changed during backward" in str(e.value)
+    assert "the hook's argument is the parameter itself" in str(e.value)
     with pytest.raises(checks.CheckFailed, match="none overlaps backward"):
         lesson01.check_bucketed_ddp(_AllAtTheEnd, 2)

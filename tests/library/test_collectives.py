@@ -251,3 +251,30 @@ def test_a_zero1_step_on_a_named_group_stays_inside_the_node():
         s = r["shard"]
         assert s["ops"] == [("all_gather", "shard"), ("reduce_scatter", "shard")]
         assert s["node_bytes"] == {"inside": s["nbytes"] / 2, "across": 0}, rank
+
+
+# -- structure on the timeline: where each collective completed; a ledger bound to a group -------
+def waits_and_groups():
+    sub = dist.new_group([0, 1])  # every rank makes it; rank 2 is not in it
+    out = {}
+    t = torch.ones(4)
+    with C.CommLedger() as ledger:
+        C.all_reduce(t.clone(), tag="blocking")  # index 0, done before index 1
+        work = C.all_reduce(t.clone(), async_op=True, tag="async")  # index 1
+        C.mark("backward end")  # index 2
+        work.wait()  # returns after the mark
+    out["waited"] = [(r.tag, r.index, r.waited_at) for r in ledger.records]
+    if dist.get_rank() in (0, 1):
+        with C.CommLedger(only_group=sub) as strict:
+            C.all_reduce(t.clone(), group=sub)  # the right group: recorded
+            with pytest.raises(C.WrongGroup, match=r"all_reduce \(tag 'x'\) ran on 'world', not"):
+                C.all_reduce(t.clone(), tag="x")  # refused before it is issued: no hang
+        out["strict"] = [r.group for r in strict.records]
+    return out
+
+
+def test_waited_at_places_completions_and_only_group_refuses_other_groups():
+    for rank, res in enumerate(run(waits_and_groups, 3)):
+        assert res["waited"] == [("blocking", 0, 1), ("async", 1, 3)]
+        if rank < 2:
+            assert res["strict"] == ["ranks [0, 1]"]

@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
+MIN_WORLD = 3  # every check runs on at least 3 ranks: a hard-coded 2 and the world size differ
+SUBGROUP = (0, 1)  # the subgroup of the world a check runs group-taking code on; rank 2 is out
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
 TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # seconds, overrides every check's own timeout when set
 
@@ -66,31 +68,102 @@ def describe(info: dict) -> str:
     return f"{info['backend']} · {info['device']} · world {info['world']}"
 
 
+# minizero's and torch's own files: guard() names the deepest line of a traceback outside them
+_LIBRARY = (
+    os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    os.path.dirname(torch.__file__),
+)
+
+
 def guard(fn, *args, **kwargs):
     """Run student code; return (value, None) or (None, short error text naming the line)."""
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
         frames = traceback.extract_tb(e.__traceback__)[1:]  # drop this frame
-        where = f" (at line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        theirs = [f for f in frames if not f.filename.startswith(_LIBRARY)]  # the student's line
+        frame = (theirs or frames or [None])[-1]
+        where = f" (at line {frame.lineno}: {frame.line})" if frame else ""
         return None, f"{type(e).__name__}: {e}{where}"
 
 
-def launch_check(fn, nprocs: int | None, *args, timeout: float = TIMEOUT) -> list:
-    """``launch(fn, nprocs, *args)`` for a check: a hang or a crash becomes a CheckFailed whose
-    message is the launcher's whole report (for a hang: where each rank was)."""
-    nprocs = nprocs or default_nprocs()
+def launch_check(
+    fn, nprocs: int | None, *args, timeout: float = TIMEOUT, min_world: int = MIN_WORLD
+) -> list:
+    """``launch(fn, nprocs, *args)`` for a check, on at least ``min_world`` ranks (default
+    :data:`MIN_WORLD`; with fewer GPUs than that, on the CPU over gloo): a hang or a crash
+    becomes a CheckFailed whose message is the launcher's whole report (for a hang: where each
+    rank was)."""
+    nprocs = max(nprocs or default_nprocs(), min_world)  # 3 ranks: gloo on CPU under 3 GPUs
     timeout = check_timeout(timeout)
     try:
         return launch(fn, nprocs, *args, timeout=timeout, verbose=False)
     except LaunchError as e:
         raise CheckFailed(
             f"the ranks did not finish: {e}\nEvery rank must issue the same collectives in the "
-            f"same order, or they wait for each other forever. A check that is only slow can get "
-            f"more time: `python -m minizero grade --check-timeout 600` or {TIMEOUT_ENV}=600."
+            f"same order, or they wait for each other forever (on the subgroup "
+            f"{list(SUBGROUP)} a check runs your code on, a torch.distributed collective left on "
+            f"the default group waits for the other ranks forever: pass group=). A check that "
+            f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or "
+            f"{TIMEOUT_ENV}=600."
         ) from e
 
 
 def report_pass(msg: str) -> None:
     """What a check prints when everything matched."""
     print(f"PASS  {msg}")
+
+
+# -- a wrong world and a dropped group -------------------------------------------------------------
+def two_ranks_hint(world: int) -> str:
+    """What to say when a result is off by world/2 (or the code raised) on ``world`` ranks."""
+    if world == 2:
+        return ""
+    return (
+        f" This check runs on {world} ranks: your code assumed 2 ranks: use self.world / "
+        "dist.get_world_size(group)."
+    )
+
+
+def factor_hint(ratio: float, world: int) -> str:
+    """A hint from ``yours / reference`` (``ratio``) on ``world`` ranks, or ``""``."""
+    if abs(ratio - world) < 0.05 * world:
+        return f" Yours is {ratio:.2f}x the reference: the collective sums; divide by {world}."
+    if world != 2 and abs(ratio - world / 2) < 0.05 * world / 2:
+        return f" Yours is {ratio:.2f}x the reference (= {world}/2).{two_ranks_hint(world)}"
+    return ""
+
+
+def on_subgroup(fn, *args, **kwargs):
+    """Inside a rank of a world of at least 3: build the subgroup :data:`SUBGROUP` (every rank
+    calls ``dist.new_group``, as c10d requires), run ``fn(group, *args, **kwargs)`` on its
+    members and return what it returns; ``None`` on the ranks outside it. Call it last in a rank
+    function: a student's error may leave the members out of step."""
+    group = dist.new_group(list(SUBGROUP))
+    if dist.get_rank() not in SUBGROUP:
+        return None
+    return fn(group, *args, **kwargs)
+
+
+def strict_ledger(group):
+    """A ``CommLedger`` that refuses (``WrongGroup``) any collective not issued on ``group``."""
+    from minizero.collectives import CommLedger
+
+    return CommLedger(only_group=group)
+
+
+def subgroup_failure(name: str, world: int, what: str) -> CheckFailed:
+    """The failure of a run on :data:`SUBGROUP`: ``what`` went wrong; names the usual mistake."""
+    where = (
+        f"on a subgroup (ranks {list(SUBGROUP)} of a {world}-rank world, made with "
+        f"dist.new_group; rank {world - 1} not in it)"
+    )
+    if "WrongGroup" in what:
+        hint = "a collective ran on the default group: pass group=self.group (or group=group)."
+    else:
+        hint = (
+            "On a subgroup the sizes and ranks come from the group: dist.get_world_size(group), "
+            "dist.get_rank(group) (self.world, self.rank), and every collective takes "
+            "group=self.group (or group=group)."
+        )
+    return CheckFailed(f"{where}, {name}: {what} {hint}")

@@ -26,7 +26,19 @@ import torch.distributed.optim  # noqa: F401  (as above: seconds to import, once
 from torch import nn
 
 from minizero import collectives as C
-from minizero.course.checks.common import CheckFailed, guard, launch_check, rank_device, run_info
+from minizero.course.checks.common import (
+    SUBGROUP,
+    CheckFailed,
+    factor_hint,
+    guard,
+    launch_check,
+    on_subgroup,
+    rank_device,
+    run_info,
+    strict_ledger,
+    subgroup_failure,
+    two_ranks_hint,
+)
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
 from minizero.zero3 import ZeRO3
@@ -183,6 +195,41 @@ def run_all(refs: dict, student, rank: int, world: int, dev, **kw) -> dict:
     return out
 
 
+def sub_run(group, ref_cls, student_cls, **kw) -> dict:
+    """On the members of a subgroup: minizero's ``ref_cls`` and the student's class, both given
+    ``process_group=group``, the student's under ``CommLedger(only_group=group)``; returns the
+    error, or where the gradient shards or the parameters first differ (``diff``, else None)."""
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
+    ref = train(minizero_build(ref_cls, process_group=group), rank, world, dev, **kw)
+    with strict_ledger(group):
+        mine, err = guard(train, minizero_build(student_cls, process_group=group), rank, world,
+                          dev, **kw)  # fmt: skip
+    if err is not None:
+        return {"error": err}
+    try:
+        compare(mine, {"minizero's class": ref}, "minizero's class", rank, world, shards="")
+    except CheckFailed as e:
+        return {"error": None, "diff": str(e)}
+    return {"error": None, "diff": None}
+
+
+def with_subgroup(out: dict, ref_cls, student_cls, **kw) -> dict:
+    """``out`` (a rank's results), plus ``out["sub"]``: :func:`sub_run` on :data:`SUBGROUP`."""
+    if out.get("error") is None:
+        out["sub"] = on_subgroup(sub_run, ref_cls, student_cls, **kw)
+    return out
+
+
+def check_subgroup(res_all: list[dict], world: int, name: str) -> None:
+    """Raise if the student's run on :data:`SUBGROUP` raised or differed from minizero's."""
+    for rank in SUBGROUP:
+        sub = res_all[rank].get("sub") or {}
+        if sub.get("error"):
+            raise subgroup_failure(name, world, f"raised on rank {rank}: {sub['error']}.")
+        if sub.get("diff"):
+            raise subgroup_failure(name, world, f"differs from minizero's: {sub['diff']}")
+
+
 def results(rank_fn, nprocs, student, *args) -> tuple[list[dict], int, str]:
     """Launch ``rank_fn(student, *args)`` on the ranks; raise if the student's code raised."""
     res = launch_check(rank_fn, nprocs, student, *args)
@@ -190,7 +237,10 @@ def results(rank_fn, nprocs, student, *args) -> tuple[list[dict], int, str]:
     name = getattr(student, "__name__", "your class")
     for rank, r in enumerate(res):
         if r["error"]:
-            raise CheckFailed(f"{name} raised on rank {rank} (world size {world}): {r['error']}")
+            raise CheckFailed(
+                f"{name} raised on rank {rank} (world size {world}): {r['error']}."
+                f"{two_ranks_hint(world)}"
+            )
     return res, world, name
 
 
@@ -280,10 +330,8 @@ def compare_shards(
         if bad.any():
             k = int(bad.nonzero()[0])
             ratio = float((got * want).sum() / (want * want).sum().clamp_min(1e-30))
-            hint = f" {what}."
-            if abs(ratio - world) < 0.05 * world:
-                hint = f" Yours is {ratio:.2f}x: the reduce-scatter sums; divide by {world}."
-            elif abs(ratio) < 0.05:
+            hint = factor_hint(ratio, world) or f" {what}."
+            if abs(ratio) < 0.05:
                 hint = " Yours is ~0: did the reduced chunk reach this rank's shard?"
             raise CheckFailed(
                 f"step {step}, rank {rank}, bucket {i}: the averaged gradient the optimizer "

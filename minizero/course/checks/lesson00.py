@@ -13,16 +13,39 @@ import torch.distributed as dist
 
 from minizero import collectives as C
 from minizero.course.checks.common import (
+    SUBGROUP,
     CheckFailed,
     describe,
     guard,
     launch_check,
+    on_subgroup,
     rank_device,
     report_pass,
     run_info,
+    strict_ledger,
+    subgroup_failure,
+    two_ranks_hint,
 )
 
 SHAPES = [(1,), (2,), (7,), (12,), (1001,), (3, 5), (4097,)]
+SUB_SHAPES = [(7,), (3, 5)]  # on the subgroup: odd counts, so a world-sized shard cannot fit
+
+
+def _sub_cases(group, fn) -> list[dict]:
+    """On the members of the subgroup: ``fn(t, group=group)`` against ``dist.all_reduce``."""
+    cases = []
+    for i, shape in enumerate(SUB_SHAPES):
+        g = torch.Generator().manual_seed(77 + 1000 * i + dist.get_rank())
+        t = torch.randint(-50, 50, shape, generator=g).float().to(rank_device())
+        want = t.clone()
+        dist.all_reduce(want, group=group)
+        mine = t.clone()
+        with strict_ledger(group):
+            _, err = guard(fn, mine, group=group)
+        cases.append({"shape": shape, "error": err, "ok": err is None and torch.equal(mine, want)})
+        if err is not None:
+            break
+    return cases
 
 
 def _rs_ag_rank(fn) -> dict:
@@ -47,6 +70,8 @@ def _rs_ag_rank(fn) -> dict:
         out["cases"].append(case)
         if err is not None:
             break  # the other ranks may now be out of step; stop here on every rank alike
+    if all(c["error"] is None for c in out["cases"]):
+        out["sub"] = on_subgroup(_sub_cases, fn)
     return out
 
 
@@ -62,7 +87,7 @@ def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
             n = torch.Size(shape).numel()
             where = f"for a tensor of shape {shape} on rank {rank} (world size {world})"
             if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}")
+                raise CheckFailed(f"{name} raised {where}: {case['error']}.{two_ranks_hint(world)}")
             got, want = case["got"], case["want"]
             if not torch.equal(got, want):
                 if case["ret_ok"]:
@@ -77,7 +102,14 @@ def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
                 k = int(bad[0])
                 diff = (got - want).abs().max().item()
                 hint = ""
-                if n % world:
+                if torch.allclose(got * world, want):
+                    hint = (
+                        f" Yours is the average (the sum / {world}): all-reduce SUMS, as "
+                        "dist.all_reduce does; do not divide by the world size here."
+                    )
+                elif world != 2 and torch.allclose(got * 2, want):
+                    hint = f" Yours is the sum / 2.{two_ranks_hint(world)}"
+                elif n % world:
                     hint = (
                         f" {n} element(s) do not split evenly over {world} ranks: pad the flat "
                         f"tensor to a multiple of the world size ({-(-n // world) * world}), "
@@ -95,8 +127,16 @@ def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
                     "(call minizero.collectives.reduce_scatter and .all_gather, not "
                     "torch.distributed, so that the CommLedger sees them)"
                 )
+    for rank in SUBGROUP:
+        for case in results[rank].get("sub") or []:
+            what = f"for a tensor of shape {tuple(case['shape'])} on rank {rank}"
+            if case["error"]:
+                raise subgroup_failure(name, world, f"raised {what}: {case['error']}.")
+            if not case["ok"]:
+                raise subgroup_failure(name, world, f"gave a wrong sum {what}.")
     info = results[0]["info"]
     report_pass(
         f"{name} equals dist.all_reduce on {len(SHAPES)} shapes, {world} ranks "
-        f"({describe(info)}), each with one reduce_scatter + one all_gather"
+        f"({describe(info)}) and on the subgroup {list(SUBGROUP)}, each with one reduce_scatter "
+        "+ one all_gather"
     )

@@ -14,13 +14,19 @@ import torch.distributed as dist
 
 from minizero import collectives as C
 from minizero.course.checks.common import (
+    SUBGROUP,
     CheckFailed,
     describe,
+    factor_hint,
     guard,
     launch_check,
+    on_subgroup,
     rank_device,
     report_pass,
     run_info,
+    strict_ledger,
+    subgroup_failure,
+    two_ranks_hint,
 )
 
 STEPS, ROWS_PER_RANK, LR = 3, 4, 0.1  # global batch: ROWS_PER_RANK * world
@@ -106,14 +112,44 @@ def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
     out = {"info": run_info(), "error": err, "refs": refs, "mine": None, "local": local}
     if mine is not None:
         led = mine.pop("ledgers")
-        mine["records"] = [[(r.op, r.numel, r.async_op, r.index) for r in L.records] for L in led]
+        mine["records"] = [
+            [(r.op, r.numel, r.async_op, r.index, r.waited_at) for r in L.records] for L in led
+        ]
         mine["marks"] = [L.marks for L in led]
         out["mine"] = mine
     for r in [*refs.values(), local]:
         r.pop("ledgers")
     out["psi"] = sum(p.numel() for p in _mlp(dev).parameters())
     out["n_params"] = len(list(_mlp(dev).parameters()))
+    if err is None:
+        out["sub"] = on_subgroup(_sub_run, student, kind, bucket_cap_mb)
     return out
+
+
+def _sub_run(group, student, kind: str, bucket_cap_mb: float) -> dict:
+    """On the members of a subgroup: the student's code given ``group``, against minizero's."""
+    from minizero.ddp import DDP, NaiveDDP
+
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
+    if kind == "naive":
+        ref = _train(lambda m: NaiveDDP(m, process_group=group), rank, world, dev)
+        sync = lambda m: student(m, group=group)
+        with strict_ledger(group):
+            mine, err = guard(_train, lambda m: m, rank, world, dev, sync=sync)
+    else:
+        make = lambda m: DDP(m, bucket_cap_mb=bucket_cap_mb, process_group=group)
+        ref = _train(make, rank, world, dev)
+        make = lambda m: student(m, bucket_cap_mb=bucket_cap_mb, group=group)
+        with strict_ledger(group):
+            mine, err = guard(_train, make, rank, world, dev)
+    if err is not None:
+        return {"error": err}
+    same = all(
+        torch.allclose(mine["grads"][s][n], g, rtol=1e-4, atol=1e-6)
+        for s in range(STEPS)
+        for n, g in ref["grads"][s].items()
+    )
+    return {"error": None, "same": same}
 
 
 def _compare(mine: dict, refs: dict, local: dict, rank: int, world: int) -> None:
@@ -134,13 +170,12 @@ def _compare(mine: dict, refs: dict, local: dict, rank: int, world: int) -> None
                     if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
                         diff = (got - want).abs().max().item()
                         ratio = (got * want).sum() / (want * want).sum().clamp_min(1e-30)
-                        hint = ""
-                        if what == "grads" and abs(ratio - world) < 0.05 * world:
-                            hint = (
-                                f" Yours is {ratio:.2f}x the reference: the all-reduce sums; "
-                                f"divide by the world size ({world}) to average."
-                            )
-                        elif what == "grads" and torch.equal(got, local["grads"][step][name]):
+                        hint = factor_hint(float(ratio), world) if what == "grads" else ""
+                        if (
+                            not hint
+                            and what == "grads"
+                            and torch.equal(got, local["grads"][step][name])
+                        ):
                             hint = (
                                 f" It is rank {rank}'s own local gradient: nothing was averaged "
                                 "into p.grad. (A post-accumulate-grad hook receives the "
@@ -159,12 +194,16 @@ def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> 
     name = getattr(student, "__name__", "your code")
     for rank, res in enumerate(results):
         if res["error"]:
-            raise CheckFailed(f"{name} raised on rank {rank} (world size {world}): {res['error']}")
+            raise CheckFailed(
+                f"{name} raised on rank {rank} (world size {world}): {res['error']}."
+                f"{two_ranks_hint(world)}"
+            )
         _compare(res["mine"], res["refs"], res["local"], rank, world)
     res = results[0]
+    res["subs"] = [results[r].get("sub") or {} for r in SUBGROUP]
     psi = res["psi"]
     for step, recs in enumerate(res["mine"]["records"]):
-        moved = sum(2 * numel for op, numel, _, _ in recs if op == "all_reduce")
+        moved = sum(2 * numel for op, numel, *_ in recs if op == "all_reduce")
         others = sorted({op for op, *_ in recs if op != "all_reduce"})
         if others or moved != 2 * psi:
             raise CheckFailed(
@@ -175,10 +214,21 @@ def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> 
     return res, world, name
 
 
+def _check_subgroup(res: dict, world: int, name: str) -> None:
+    for rank, sub in zip(SUBGROUP, res["subs"], strict=True):
+        if sub.get("error"):
+            raise subgroup_failure(name, world, f"raised on rank {rank}: {sub['error']}.")
+        if not sub.get("same", True):
+            raise subgroup_failure(
+                name, world, f"rank {rank}'s gradients differ from minizero's on the subgroup."
+            )
+
+
 def check_allreduce_gradients(fn, nprocs: int | None = None) -> None:
     """Lesson 01, naive DDP: ``fn(model, group=None)``, called after ``loss.backward()``, must
     leave in every ``p.grad`` the average over the ranks, as one process on the whole batch gets."""
     res, world, name = _check_ddp(fn, "naive", nprocs, 25)
+    _check_subgroup(res, world, name)
     refs = ", ".join(res["refs"])
     report_pass(
         f"{name}: gradients and parameters equal {refs} for {STEPS} steps on {world} ranks "
@@ -199,7 +249,7 @@ def check_bucketed_ddp(cls, nprocs: int | None = None, bucket_cap_mb: float = 0.
                 f"step {step}: expected one 'backward end' mark, found {len(ends)} "
                 "(keep the provided lines that queue _finish and call mark())"
             )
-        if not all(a for _, _, a, _ in recs):
+        if not all(a for _, _, a, *_ in recs):
             raise CheckFailed(
                 f"step {step}: some all-reduces were blocking; start each bucket's "
                 "all-reduce with async_op=True and wait for it in _finish()"
@@ -211,16 +261,27 @@ def check_bucketed_ddp(cls, nprocs: int | None = None, bucket_cap_mb: float = 0.
                 "gradient"
             )
         last_grad = max(i for i, label in marks if label.startswith("grad "))
-        early = [i for _, _, _, i in recs if i < last_grad]
+        early = [(i, w) for _, _, _, i, w in recs if i < last_grad]
         if not early:
             raise CheckFailed(
                 f"step {step}: none of the {len(recs)} bucket all-reduces was issued before the "
                 "last gradient was ready, so none overlaps backward. Start each one from the "
                 "hook, as soon as its bucket's last gradient is in."
             )
+        end = ends[0]
+        waited = [i for i, w in early if w is None or w <= end]  # returned before backward ended
+        if waited:
+            raise CheckFailed(
+                f"step {step}: {len(waited)} of the {len(early)} all-reduces issued during "
+                "backward were waited on before backward ended (their wait() returned before the "
+                "'backward end' mark): you wait for each all-reduce right after issuing it: "
+                "nothing overlaps backward; wait in the backward-end hook (_finish)."
+            )
+    _check_subgroup(res, world, name)
     report_pass(
         f"{name}: gradients and parameters equal {', '.join(res['refs'])} for {STEPS} steps on "
         f"{world} ranks ({describe(res['info'])}); {len(res['mine']['records'][0])} bucket "
-        f"all-reduces per step, {len(early)} issued while backward still ran; moved 2Ψ = "
+        f"all-reduces per step, {len(early)} issued while backward still ran and waited on after "
+        f"it (and the same on the subgroup {list(SUBGROUP)}); moved 2Ψ = "
         f"{2 * res['psi']} elements per step"
     )

@@ -24,18 +24,23 @@ from torch import nn
 from minizero import collectives as C
 from minizero.bucket import Bucket
 from minizero.course.checks.common import (
+    SUBGROUP,
     CheckFailed,
     describe,
     guard,
     launch_check,
+    on_subgroup,
     rank_device,
     report_pass,
     run_info,
+    strict_ledger,
+    subgroup_failure,
 )
 from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     minizero_build,
@@ -44,6 +49,7 @@ from minizero.course.checks.common_zero import (
     run_all,
     torch_zero,
     train,
+    with_subgroup,
 )
 from minizero.zero1 import ZeRO1
 
@@ -199,7 +205,7 @@ def _zero1_rank(student) -> dict:
         out["bf16"], out["error"] = guard(
             train, minizero_build(student, "bf16"), rank, world, dev, precision="bf16"
         )
-    return out
+    return with_subgroup(out, ZeRO1, student)
 
 
 def check_zero1(cls, nprocs: int | None = None) -> None:
@@ -239,6 +245,7 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
         "one reduce-scatter and one all-gather of every bucket's padded flat buffer",
     )
     psi = res["psi"]
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
         f"Adam steps on {world} ranks ({describe(res['info'])}), and minizero's ZeRO1 in bf16; "
@@ -252,8 +259,8 @@ FP16_LR, SCALE = 0.5, 1024.0
 CASES = ("every gradient finite", "an inf in the last rank's shard", "a NaN in rank 0's shard")
 
 
-def _fp16_case(fn, case: int) -> dict:
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+def _fp16_case(fn, case: int, group=None) -> dict:
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
     g = torch.Generator().manual_seed(100 * case + rank)
     masters = [torch.randn(n, generator=g).to(dev).requires_grad_() for n in SHARD_SIZES]
     grads = [torch.randn(n, generator=g).to(dev) for n in SHARD_SIZES]  # the true gradients
@@ -264,8 +271,8 @@ def _fp16_case(fn, case: int) -> dict:
     for m, t in zip(masters, grads, strict=True):
         m.grad = t * SCALE  # what backward left: the gradient of loss * scale
     opt = torch.optim.SGD(masters, lr=FP16_LR)
-    with C.CommLedger() as ledger:
-        scale, err = guard(fn, opt, masters, SCALE, group=None)
+    with C.CommLedger() if group is None else strict_ledger(group) as ledger:
+        scale, err = guard(fn, opt, masters, SCALE, group=group)
     out = {"error": err, "ops": [r.op for r in ledger.records], "scale": scale}
     out["after"] = [m.detach().cpu() for m in masters]
     out["before"] = [b.cpu() for b in before]
@@ -276,9 +283,16 @@ def _fp16_case(fn, case: int) -> dict:
 
 
 def _fp16_rank(fn) -> dict:
+    out = _fp16_cases(None, fn)
+    if all(c["error"] is None for c in out["cases"]):
+        out["sub"] = on_subgroup(_fp16_cases, fn)
+    return out
+
+
+def _fp16_cases(group, fn) -> dict:
     out = {"info": run_info(), "cases": []}
     for case in range(len(CASES)):
-        res = _fp16_case(fn, case)
+        res = _fp16_case(fn, case, group)
         out["cases"].append(res)
         if res["error"]:
             break  # the other ranks may be out of step now; stop on every rank alike
@@ -296,6 +310,20 @@ def check_fp16_step(fn, nprocs: int | None = None) -> None:
     per_rank = launch_check(_fp16_rank, nprocs, fn)
     world = len(per_rank)
     name = getattr(fn, "__name__", "your function")
+    _check_fp16(per_rank, world, name)
+    try:
+        _check_fp16([per_rank[r]["sub"] for r in SUBGROUP], len(SUBGROUP), name)
+    except CheckFailed as e:
+        raise subgroup_failure(name, world, str(e)) from None
+    report_pass(
+        f"{name}: unscaled, stepped and kept scale {SCALE:g} when every gradient was finite; "
+        f"skipped on every rank and halved the scale when one rank's shard held an inf or a NaN; "
+        f"one all-reduce per step; {world} ranks ({describe(per_rank[0]['info'])}) and the "
+        f"subgroup {list(SUBGROUP)}"
+    )
+
+
+def _check_fp16(per_rank: list[dict], world: int, name: str) -> None:
     for case, what in enumerate(CASES):
         for rank, res in enumerate(per_rank):
             r = res["cases"][case]
@@ -352,8 +380,3 @@ def check_fp16_step(fn, nprocs: int | None = None) -> None:
                     f"{name} returned scale {r['scale']} {where}: after a skipped step halve it "
                     f"({SCALE / 2:g}), so that the next step's gradients fit in fp16"
                 )
-    report_pass(
-        f"{name}: unscaled, stepped and kept scale {SCALE:g} when every gradient was finite; "
-        f"skipped on every rank and halved the scale when one rank's shard held an inf or a NaN; "
-        f"one all-reduce per step; {world} ranks ({describe(per_rank[0]['info'])})"
-    )

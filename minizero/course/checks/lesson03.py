@@ -26,18 +26,24 @@ from torch import nn
 from minizero import collectives as C
 from minizero.bucket import make_buckets
 from minizero.course.checks.common import (
+    SUBGROUP,
     CheckFailed,
     describe,
     guard,
     launch_check,
+    on_subgroup,
     rank_device,
     report_pass,
     run_info,
+    strict_ledger,
+    subgroup_failure,
+    two_ranks_hint,
 )
 from minizero.course.checks.common_zero import (
     BF16_ATOL,
     BF16_RTOL,
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     fsdp2,
@@ -46,6 +52,7 @@ from minizero.course.checks.common_zero import (
     results,
     run_all,
     train,
+    with_subgroup,
 )
 from minizero.zero2 import ZeRO2
 
@@ -107,7 +114,7 @@ def _zero2_rank(student) -> dict:
         out["bf16_ref"] = train(ref, rank, world, dev, **kw)
         bf16 = _with_live_count(minizero_build(student, "bf16"))
         out["bf16"], out["error"] = guard(train, bf16, rank, world, dev, **kw)
-    return out
+    return with_subgroup(out, ZeRO2, student, micro=MICRO)
 
 
 def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
@@ -187,6 +194,7 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         "one reduce-scatter of every bucket per backward, one all-gather per step",
     )
     psi = res["psi"]
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
         f"Adam steps (one of them over 2 micro-batches) on {world} ranks "
@@ -224,14 +232,21 @@ def _chunks(grads: list[torch.Tensor], world: int, rank: int) -> tuple[list, lis
 
 
 def _clip_rank(fn) -> dict:
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    out = _clip_cases(None, fn)
+    if all(c["error"] is None for c in out["cases"]):
+        out["sub"] = on_subgroup(_clip_cases, fn)
+    return out
+
+
+def _clip_cases(group, fn) -> dict:
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
     norm = torch.cat([g.reshape(-1) for g in _grads()]).norm().item()
     out = {"info": run_info(), "norm": norm, "cases": []}
     for max_norm in (0.5 * norm, 2.0 * norm):  # clips; does not
         shards, valid = _chunks(_grads(), world, rank)
         shards = [s.to(dev) for s in shards]
-        with C.CommLedger() as ledger:
-            got, err = guard(fn, shards, list(valid), max_norm, group=None)
+        with C.CommLedger() if group is None else strict_ledger(group) as ledger:
+            got, err = guard(fn, shards, list(valid), max_norm, group=group)
         case = {"max_norm": max_norm, "error": err, "ops": [r.op for r in ledger.records]}
         if err is None:
             case["norm"] = float(got) if got is not None else None
@@ -278,11 +293,25 @@ def check_clip_grad_norm(fn, nprocs: int | None = None) -> None:
     per_rank = launch_check(_clip_rank, nprocs, fn)
     world = len(per_rank)
     name = getattr(fn, "__name__", "your function")
+    _check_clip(per_rank, world, name)
+    try:
+        _check_clip([per_rank[r]["sub"] for r in SUBGROUP], len(SUBGROUP), name)
+    except CheckFailed as e:
+        raise subgroup_failure(name, world, str(e)) from None
+    report_pass(
+        f"{name}: the global norm {per_rank[0]['norm']:.6g} and the clipped shards equal "
+        f"torch.nn.utils.clip_grad_norm_ on the whole gradient (clipping and not), padding left "
+        f"out, one all-reduce per call, {world} ranks ({describe(per_rank[0]['info'])}) and the "
+        f"subgroup {list(SUBGROUP)}"
+    )
+
+
+def _check_clip(per_rank: list[dict], world: int, name: str) -> None:
     for rank, res in enumerate(per_rank):
         for case in res["cases"]:
             where = f"on rank {rank} of {world}, max_norm {case['max_norm']:.4g}"
             if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}")
+                raise CheckFailed(f"{name} raised {where}: {case['error']}.{two_ranks_hint(world)}")
             if case["ops"] != ["all_reduce"]:
                 raise CheckFailed(
                     f"{name} issued {case['ops'] or 'no collective'} {where}: add up the squares "
@@ -315,8 +344,3 @@ def check_clip_grad_norm(fn, nprocs: int | None = None) -> None:
                         f"torch.nn.utils.clip_grad_norm_'s by up to {(g - w).abs().max():.3g}: "
                         f"{hint}"
                     )
-    report_pass(
-        f"{name}: the global norm {per_rank[0]['norm']:.6g} and the clipped shards equal "
-        f"torch.nn.utils.clip_grad_norm_ on the whole gradient (clipping and not), padding left "
-        f"out, one all-reduce per call, {world} ranks ({describe(per_rank[0]['info'])})"
-    )

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.course.checks.common import CheckFailed, describe, rank_device, report_pass
+from minizero.course.checks.common import CheckFailed, describe, guard, rank_device, report_pass
 from minizero.course.checks.common_zero import (
     STEPS,
+    check_subgroup,
     check_volume,
     compare,
     fsdp2,
@@ -25,6 +26,7 @@ from minizero.course.checks.common_zero import (
     one_process,
     results,
     run_all,
+    with_subgroup,
 )
 from minizero.zero3 import ZeRO3
 
@@ -86,6 +88,39 @@ def _probe(model) -> list[str]:
     return problems
 
 
+class ReusedLayer(nn.Module):
+    """A model whose first layer runs twice, the first time without gradient. Backward finishes
+    that layer's gradients (its unit is reduce-scattered and freed: ``pending[i] == -1``) while
+    the layer that ran before it in forward still has its backward to run, and that layer's
+    backward hook is the one that would prefetch it: a prefetch that does not ask gathers Ψ_unit
+    for nothing. (The MLP never reaches that case: each module runs once.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(13, 13), nn.Linear(13, 13), nn.Linear(13, 7)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b, c = self.layers
+        with torch.no_grad():
+            x = x + a(x)  # (B, 13): a's first use, no gradient
+        h = a(torch.tanh(b(x)))  # (B, 13): a again, with gradient
+        return nn.functional.mse_loss(c(torch.tanh(h)), y)
+
+
+def _reuse_gathers(cls) -> list[int]:
+    """Elements all-gathered per step by ``cls`` (a ZeRO3) training :class:`ReusedLayer`."""
+    torch.manual_seed(0)
+    model, dev = cls(ReusedLayer().to(rank_device())), rank_device()
+    out = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x, y = torch.randn(4, 13, generator=g).to(dev), torch.randn(4, 7, generator=g).to(dev)
+        with C.CommLedger() as ledger:
+            model(x, y).backward()
+        out.append(ledger.by_op().get("all_gather", 0))
+    return out
+
+
 def _zero3_rank(student, with_marks: bool) -> dict:
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     ref = minizero_build(ZeRO3)
@@ -96,7 +131,11 @@ def _zero3_rank(student, with_marks: bool) -> dict:
     }
     mine = _with_marks(minizero_build(student)) if with_marks else minizero_build(student)
     after = _unit_labels if with_marks else lambda model: {"problems": _probe(model)}
-    return run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    out = run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    if with_marks and out["error"] is None:  # the prefetch check: a layer used twice
+        out["reuse_ref"] = _reuse_gathers(ZeRO3)
+        out["reuse"], out["error"] = guard(_reuse_gathers, student)
+    return with_subgroup(out, ZeRO3, student)
 
 
 def _unit_labels(model) -> dict:
@@ -128,6 +167,40 @@ def _with_marks(build):
         return model, opt, params
 
     return wrapped
+
+
+def _gather_order(records: list, marks: list, units: dict[str, list[int]]) -> str:
+    """The first structural fault of one step's all-gathers, or ``""``: a blocking all-gather, or
+    a module whose own units were gathered after another unit's prefetch in its hook."""
+    for op, _, async_op, _, tag in records:
+        if op == "all_gather" and not async_op:
+            return (
+                f"the all-gather {tag!r} was blocking: start every all-gather with "
+                "async_op=True, keep the work in self.gathers[i], and wait for it only when "
+                "wait=True (a prefetch must not stop the module that issues it)"
+            )
+    events = sorted(
+        [(i, "mark", label) for i, label in marks if label[:4] in ("fwd:", "bwd:")]
+        + [(i, "gather", tag) for op, _, _, i, tag in records if op == "all_gather"]
+    )
+    for k, (_, kind, label) in enumerate(events):
+        if kind != "mark":
+            continue
+        own = {f"zero3 params {u}" for u in units[label[4:]]}
+        seen_other = None
+        for _, kind2, tag in events[k + 1 :]:
+            if kind2 == "mark":
+                break
+            if tag not in own:
+                seen_other = seen_other or tag
+            elif seen_other:
+                phase = "forward" if label.startswith("fwd:") else "backward"
+                return (
+                    f"in the {phase} hook of {label[4:]}, the prefetch {seen_other!r} was issued "
+                    f"before {tag!r}, the unit this module needs now: gather (and wait for) the "
+                    "module's own units first, then prefetch its neighbour's"
+                )
+    return ""
 
 
 def _prefetch_status(records: list, marks: list, units: dict[str, list[int]]) -> list[tuple]:
@@ -198,6 +271,10 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
     )
     res = res_all[0]
     mine = res["mine"]
+    for step, recs in enumerate(mine["records"]):
+        fault = _gather_order(recs, [], {})
+        if fault:
+            raise CheckFailed(f"step {step}: {fault}.")
     volume = check_volume(
         mine,
         res["refs"]["minizero.zero3.ZeRO3"],
@@ -205,6 +282,7 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
         "the same all-gathers (hooks unchanged) and one reduce-scatter of every unit",
     )
     psi = res["psi"]
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses, gradient shards and parameters equal {', '.join(res['refs'])} for "
         f"{STEPS} Adam steps on {world} ranks ({describe(res['info'])}); no full parameter "
@@ -227,6 +305,10 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
     res = res_all[0]
     mine, ref = res["mine"], res["refs"]["minizero.zero3.ZeRO3"]
     units = ref["after"]["units"]
+    for step in range(STEPS):
+        fault = _gather_order(mine["records"][step], mine["marks"][step], units)
+        if fault:
+            raise CheckFailed(f"step {step}: {fault}.")
     n_pre = 0
     for step in range(1, STEPS):  # step 0 records the order of the modules
         got = _prefetch_status(mine["records"][step], mine["marks"][step], units)
@@ -256,6 +338,16 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         too_many="In backward, do not prefetch a unit whose gradients are already "
         "reduce-scattered (self.pending[i] == -1): nothing needs it any more.",
     )
+    for step, (got, want) in enumerate(zip(res["reuse"], res["reuse_ref"], strict=True)):
+        if got > want:
+            raise CheckFailed(
+                f"step {step}, a model whose first layer runs twice (checks.lesson04.ReusedLayer):"
+                f" yours all-gathered {got} elements, minizero's ZeRO3 {want}: a unit was "
+                "gathered after its backward was over. In backward, do not prefetch a unit whose "
+                "gradients are already reduce-scattered (self.pending[i] == -1): nothing needs "
+                "it any more."
+            )
+    check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "
         f"{world} ranks ({describe(res['info'])}); {n_pre} module all-gathers prefetched in steps "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from minizero.analysis.budget import checkpoint_blocks
 from minizero.course.checks.common import (
+    MIN_WORLD,
     CheckFailed,
     default_nprocs,
     describe,
@@ -24,9 +25,15 @@ from minizero.course.checks.common import (
     launch_check,
     rank_device,
     run_info,
+    two_ranks_hint,
 )
 from minizero.launcher import gpu_count
-from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
+from minizero.memory import (
+    MemoryMeter,
+    format_bytes,
+    model_state_bytes,
+    paper_model_state_bytes,
+)
 from minizero.models import GPTConfig, TinyGPT, count_params
 
 TIMEOUT = 180.0  # seconds for the check's ranks
@@ -62,17 +69,26 @@ class PeakCase:
         )
 
 
+REAL_V = 50257  # GPT-2's vocabulary: the logits (s·b·V) outweigh everything else in that case
+
+
 def peak_cases(world: int, *, gpu: bool = False) -> list[PeakCase]:
-    """The configurations the check measures on ``world`` ranks: activations and model states of
-    comparable size, so that a missing or wrongly divided term shows. ``gpu``: longer micro-batches,
-    so that the CUDA allocator's rounding stays small beside them."""
+    """The configurations the check measures on ``max(world, 3)`` ranks (a hard-coded N = 2 then
+    shows): activations and model states of comparable size, so that a missing or wrongly
+    divided term shows, and one case with GPT-2's vocabulary, where the output layer's logits are
+    most of the peak. ``gpu``: longer micro-batches, so that the CUDA allocator's rounding stays
+    small beside them (only where the ranks run one per GPU)."""
+    world = max(world, MIN_WORLD)
     cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
-    b = 16 if gpu else 2
+    # h = 16: on a CPU, bf16 matrix products with a (V, h) weight are slow (~10 s at h = 64)
+    wide = GPTConfig(vocab_size=REAL_V, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    b = 16 if gpu and on_gpus(world) else 2
     return [
         PeakCase(cfg=cfg, micro_batch=b, stage=0, checkpointing=False, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=2, checkpointing=False, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=1, checkpointing=True, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=3, checkpointing=True, world=world),
+        PeakCase(cfg=wide, micro_batch=2, stage=2, checkpointing=False, world=world),
     ]
 
 
@@ -135,7 +151,14 @@ def _diagnose(case: PeakCase, got: dict, m: dict) -> str:
     states, peak = m["states"], m["peak"]
     rest = peak - states  # activations, temporaries and communication buffers at the peak
     act = got["activations"]
-    close = lambda x, y: abs(x - y) <= 0.15 * max(abs(y), 1)
+    close = lambda x, y: abs(x - y) <= 0.05 * max(abs(y), 1)
+    logits = case.seq_len * case.micro_batch * case.cfg.vocab_size
+    if act < rest and logits > 4 * case.seq_len * case.micro_batch * case.cfg.n_embd:
+        return (
+            f"too few activations: the output layer's logits (s·b·V = {logits:,} here, V = "
+            f"{case.cfg.vocab_size:,}) and their gradient are the largest tensors of this step: "
+            "count LOGIT_BYTES per logit"
+        )
     if act <= 0.05 * rest:
         return (
             "your activations are (almost) zero: at the peak a rank also holds what forward saved"
@@ -171,8 +194,12 @@ def check_predict_peak(
     measured on real ranks for each of ``cases`` (default :func:`peak_cases`). ``measured``: rank
     0's :func:`measure_peaks` of the same cases, to compare without launching again (tests)."""
     name = getattr(fn, "__name__", "your function")
-    world = nprocs or default_nprocs()
+    world = max(nprocs or default_nprocs(), MIN_WORLD)
     cases = cases if cases is not None else peak_cases(world, gpu=on_gpus(world))
+    worlds = {c.world for c in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"the cases must share one world size (N), got {sorted(worlds)}")
+    world = worlds.pop()  # the ranks measure at the cases' N
     predicted = []
     for case in cases:  # first the predictions: a function that raises fails before any launch
         got, err = guard(fn, case)
@@ -185,7 +212,7 @@ def check_predict_peak(
             )
         predicted.append({k: float(v) for k, v in got.items()})
     # rank 0's measurements (the others: the same)
-    res = measured or launch_check(measure_peaks, world, cases, timeout=TIMEOUT)[0]
+    res = measured or launch_check(measure_peaks, world, cases, timeout=TIMEOUT, min_world=1)[0]
     where = describe(res["info"])
     rows = []
     for case, got, m in zip(cases, predicted, res["peaks"], strict=True):
@@ -195,6 +222,13 @@ def check_predict_peak(
             f"measured {format_bytes(m['peak']):>10} ({(total - m['peak']) / m['peak']:+.0%})"
         )
         if abs(got["model_states"] - m["states"]) > STATES_RTOL * m["states"]:
+            at_two = sum(paper_model_state_bytes(m["psi"], 2, case.stage, "bf16").values())
+            if case.world != 2 and abs(got["model_states"] - at_two) <= STATES_RTOL * at_two:
+                raise CheckFailed(
+                    f"{case.describe()}: your model states are {format_bytes(got['model_states'])}"
+                    f", the formula at N = 2; the rank held {format_bytes(m['states'])}."
+                    f"{two_ranks_hint(case.world).replace('self.world / ', 'case.world, not ')}"
+                )
             raise CheckFailed(
                 f"{case.describe()}: your model states are {format_bytes(got['model_states'])}, "
                 f"the rank held {format_bytes(m['states'])} = {m['states'] / m['psi']:.2f} bytes "

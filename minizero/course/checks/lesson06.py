@@ -14,11 +14,16 @@ import torch.distributed as dist
 
 from minizero import collectives as C
 from minizero.course.checks.common import (
+    MIN_WORLD,
+    SUBGROUP,
     CheckFailed,
     default_nprocs,
     guard,
     launch_check,
+    on_subgroup,
     rank_device,
+    strict_ledger,
+    subgroup_failure,
 )
 from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -35,7 +40,17 @@ OWNER_LISTS = [  # (numels, world): sizes that a careless assignment balances ba
     ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3),
     ([100] + [1] * 100, 2),
     ([7] * 5, 4),
+    ([1, 1, 2], 2),  # in the given order, greedy makes loads (3, 1); largest first (2, 2)
+    ([2, 3, 1, 2, 2, 3, 1], 3),  # greedy in order: a 6; largest first: 5, 5, 4
 ]
+
+
+def _largest_first(numels: list[int], world: int) -> int:
+    """The largest load of the greedy assignment that visits the largest tensors first (LPT)."""
+    load = [0] * world
+    for n in sorted(numels, reverse=True):
+        load[load.index(min(load))] += n
+    return max(load)
 
 
 def _check_owners(assign_owners, numels: list[int], world: int, name: str) -> list[int]:
@@ -61,16 +76,32 @@ def _check_owners(assign_owners, numels: list[int], world: int, name: str) -> li
             f"rank owns more than total/N + the largest tensor = {bound:,.0f}: give each tensor to "
             "the least-loaded rank, largest tensors first"
         )
+    lpt = _largest_first(list(numels), world)
+    if load[worst] > lpt:
+        raise CheckFailed(
+            f"{where}: rank {worst} owns {load[worst]:,} elements (loads {load}); giving each "
+            f"tensor to the least-loaded rank, largest tensors first, no rank owns more than "
+            f"{lpt:,}. Greedy in the given order leaves the big tensors for last, when they "
+            "unbalance the loads: sort the tensors by size, largest first, then go greedy."
+        )
     return list(owners)
 
 
-def _owned_rank(owned_step, owners: list[int], opt_name: str) -> dict:
-    """Inside a rank: TinyGPT tiny, gradients averaged by an all-reduce per tensor (DDP's 2Ψ), then
-    the student's ``owned_step``; one process on the whole batch beside it."""
+def _owned_rank(owned_step, owners: list[int], opt_name: str, sub_owners=None) -> dict:
+    """Inside a rank: :func:`_owned_run` on the world; with ``sub_owners``, then on the subgroup."""
+    out = _owned_run(None, owned_step, owners, opt_name)
+    if sub_owners is not None and out["error"] is None:
+        out["sub"] = on_subgroup(_owned_run, owned_step, sub_owners, opt_name)
+    return out
+
+
+def _owned_run(group, owned_step, owners: list[int], opt_name: str) -> dict:
+    """Inside a rank of ``group``: TinyGPT tiny, gradients averaged by an all-reduce per tensor
+    (DDP's 2Ψ), then the student's ``owned_step``; one process on the whole batch beside it."""
     from minizero.memory import model_state_bytes
     from minizero.models import synthetic_batch
 
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
     make = OWNED_OPTIMIZERS[opt_name]
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig.tiny()).to(dev)
@@ -84,11 +115,11 @@ def _owned_rank(owned_step, owners: list[int], opt_name: str) -> dict:
         x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
         before = [p.detach().cpu().clone() for p in params]
         model(x, y).backward()
-        with C.CommLedger() as ledger:
+        with C.CommLedger() if group is None else strict_ledger(group) as ledger:
             for p in params:  # DDP: every rank gets the average gradient of every tensor
-                C.all_reduce(p.grad, tag="ddp")
+                C.all_reduce(p.grad, group=group, tag="ddp")
                 p.grad.div_(world)
-            _, err = guard(owned_step, params, list(owners), opt)
+            _, err = guard(owned_step, params, list(owners), opt, group=group)
         if err is not None:
             out["error"] = err
             return out
@@ -160,24 +191,39 @@ def check_owned_tensors(assign_owners, owned_step, nprocs: int | None = None) ->
     step_name = getattr(owned_step, "__name__", "owned_step")
     for numels, w in OWNER_LISTS:
         _check_owners(assign_owners, numels, w, names)
-    world = nprocs or default_nprocs()
+    world = max(nprocs or default_nprocs(), MIN_WORLD)  # launch_check's world
     torch.manual_seed(0)
     numels = [p.numel() for p in TinyGPT(GPTConfig.tiny()).parameters()]
     owners = _check_owners(assign_owners, numels, world, names)
+    sub_owners = _check_owners(assign_owners, numels, len(SUBGROUP), names)
     lines = []
-    for opt_name in OWNED_OPTIMIZERS:
-        results = launch_check(_owned_rank, world, owned_step, owners, opt_name, timeout=TIMEOUT)
+    for k, opt_name in enumerate(OWNED_OPTIMIZERS):
+        sub = sub_owners if k == 0 else None  # the subgroup once, with the first optimizer
+        results = launch_check(
+            _owned_rank, world, owned_step, owners, opt_name, sub, timeout=TIMEOUT
+        )
         for rank, res in enumerate(results):
             if res["error"] is not None:
                 raise CheckFailed(
                     f"{step_name} raised on rank {rank} with {opt_name}: {res['error']}"
                 )
         _compare_owned(results, owners, opt_name)
+        if sub is not None:
+            subs = [results[r]["sub"] for r in SUBGROUP]
+            for rank, res in zip(SUBGROUP, subs, strict=True):
+                if res["error"] is not None:
+                    raise subgroup_failure(step_name, world, f"raised on rank {rank}: "
+                                           f"{res['error']}.")  # fmt: skip
+            try:
+                _compare_owned(subs, sub_owners, opt_name)
+            except CheckFailed as e:
+                raise subgroup_failure(step_name, world, str(e)) from None
         per_rank = ", ".join(format_bytes(r["opt_bytes"]) for r in results)
         lines.append(f"{opt_name}: optimizer states per rank {per_rank}")
     print("\n".join(lines))
     print(
         f"PASS  {names} balances whole tensors; {step_name} trains TinyGPT as one process does "
-        f"with AdamW and with Adafactor for {OWNED_STEPS} steps on {world} ranks, moving 3Ψ per "
+        f"with AdamW and with Adafactor for {OWNED_STEPS} steps on {world} ranks (AdamW on the "
+        f"subgroup {list(SUBGROUP)} too), moving 3Ψ per "
         "step (all-reduce 2Ψ + broadcast Ψ)"
     )
