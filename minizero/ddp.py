@@ -171,9 +171,13 @@ class DDP(DataParallel):
             self.launch_in_order(b)
 
     def launch_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: launch it and the complete buckets after it, in index order,
-        as torch DDP does. Ranks whose backwards complete buckets in other orders (a parameter
-        used on some ranks only) then still issue the same collectives in the same order."""
+        """Bucket ``b`` is complete: launch it. With ``find_unused_parameters`` ranks may run
+        other graphs and complete buckets in other orders (a parameter used on some ranks only):
+        then launch the complete buckets in index order, as torch DDP does, so that every rank
+        issues the same collectives in the same order. Otherwise every rank completes them in
+        the same order, and each goes as soon as it is complete (the most overlap)."""
+        if not self.find_unused_parameters:
+            return self.launch(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
             self.launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
