@@ -153,6 +153,26 @@ def fit_links(sweeps: Mapping[str, tuple[Iterable[Mapping], int]], **kw) -> dict
     return {name: fit(rows, n, **kw) for name, (rows, n) in sweeps.items()}
 
 
+def bucket_exposed(bucket_bytes: Iterable[float], backward_s: float, n: int, link: Link) -> float:
+    """Seconds of DDP's all-reduces left after backward ends (lesson 01's bucket-size trade-off).
+
+    Backward produces the gradient bytes at a steady rate over ``backward_s``; bucket i (bytes in
+    ``bucket_bytes``, in the order they fill) is ready when its last byte is, and its all-reduce
+    starts then or when the previous one ends, whichever is later (one channel). For k equal
+    buckets of S/k and c = time(all_reduce, S/k): exposed = c + (k - 1) · max(0, c - backward/k).
+    Large buckets leave the last one exposed (c grows with S/k); small ones pay α · rounds k
+    times, which backward hides only while c <= backward/k."""
+    sizes = list(bucket_bytes)
+    total, filled, free = float(sum(sizes)), 0.0, 0.0
+    if not sizes or total <= 0 or backward_s < 0:
+        raise ValueError("need at least one bucket of > 0 bytes and a backward time >= 0 s")
+    for b in sizes:
+        filled += b
+        ready = backward_s * filled / total
+        free = max(free, ready) + collective_time("all_reduce", b, n, link)
+    return free - backward_s
+
+
 # -- one training step -------------------------------------------------------------------------
 
 

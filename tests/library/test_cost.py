@@ -69,6 +69,15 @@ def test_gloo_reduce_scatter_costs_an_all_reduce():
     assert cost.ring("reduce_scatter", 1000, 4) == (3, 750.0)
 
 
+@pytest.mark.parametrize("k", [1, 2, 7, 50])
+@pytest.mark.parametrize("backward_s", [0.0, 1e-3, 0.1])
+def test_bucket_exposed_is_the_closed_form_for_equal_buckets(k, backward_s):
+    link, n, total = cost.Link(alpha=50e-6, beta=1e9), 4, 8e6
+    c = cost.collective_time("all_reduce", total / k, n, link)
+    want = c + (k - 1) * max(0.0, c - backward_s / k)
+    assert cost.bucket_exposed([total / k] * k, backward_s, n, link) == pytest.approx(want)
+
+
 def test_configs_are_checked():
     with pytest.raises(ValueError, match="multiple of node_size"):
         cost.Config(stage=3, world=6, node_size=4)
