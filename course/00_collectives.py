@@ -323,5 +323,87 @@ print(
 #   algorithms, which RS + AG cannot use, so the all-reduce can be faster than the two halves).
 #   The *volume* is the same either way (section 3): that is what the ZeRO paper
 #   counts, and what lessons 02–04 measure.
+
+# %% [markdown]
+# ## 5. A cost model: latency + bytes / bandwidth
+#
+# The two regimes of the curves above fit one formula, the **α-β model** (Hockney's; the one
+# nccl-tests' busbw is built on). A ring collective on N ranks is a number of *rounds*; in each
+# round every rank sends one chunk to its neighbour. A round costs a fixed latency **α** (seconds),
+# and the bytes cost 1/**β** each (β: bytes per second of one link):
+#
+# $$t = \alpha \cdot \text{rounds}(\text{op}, N) + \text{wire}(\text{op}, S, N)\,/\,\beta$$
+#
+# | op | rounds | wire: bytes each rank sends |
+# |---|---|---|
+# | all-reduce | 2(N−1) | 2(N−1)/N · S (a reduce-scatter, then an all-gather) |
+# | reduce-scatter | N−1 | (N−1)/N · S |
+# | all-gather | N−1 | (N−1)/N · S |
+#
+# wire / t is exactly nccl-tests' busbw, so β is the busbw the largest messages approach, and α
+# is what the smallest ones pay. Two unknowns: `minizero.analysis.cost.fit` finds them by least
+# squares (each row weighted by 1/t, so a 4 KiB call counts as much as a 16 MiB one) on the rows
+# this lesson just measured. On gloo the model costs a reduce-scatter as what gloo runs, an
+# **all-reduce of S** (`emulated_rs=True`, section 4); on NCCL, as the ring reduce-scatter.
+
+# %%
+from minizero.analysis import cost  # noqa: E402 (this section's model)
+
+GLOO = INFO["backend"] == "gloo"
+link = cost.fit(rows, NPROCS, emulated_rs=GLOO)
+print(
+    f"fitted on {checks.describe(INFO)}: α = {link.alpha * 1e6:.1f} µs per round, "
+    f"β = {link.beta / 1e9:.3f} GB/s" + ("  (gloo: reduce_scatter costed as all-reduce)" * GLOO)
+)
+print(f"{'op':<16}{'S (bytes)':>11}{'measured µs':>13}{'model µs':>10}{'error':>8}")
+for r in rows:
+    model_s = cost.collective_time(r["op"], r["nbytes"], NPROCS, link, emulated_rs=GLOO)
+    r["model_s"] = model_s
+    print(
+        f"{r['op']:<16}{r['nbytes']:>11}{r['seconds'] * 1e6:>13.1f}{model_s * 1e6:>10.1f}"
+        f"{model_s / r['seconds'] - 1:>+8.0%}"
+    )
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 4))
+for op in OPS:
+    mine = [r for r in rows if r["op"] == op]
+    sizes = [r["nbytes"] for r in mine]
+    (line,) = ax.plot(sizes, [r["seconds"] * 1e6 for r in mine], "o", label=f"{op} measured")
+    ax.plot(sizes, [r["model_s"] * 1e6 for r in mine], "-", color=line.get_color(),
+            label=f"{op} α-β model")  # fmt: skip
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("S: message size (bytes)")
+ax.set_ylabel("time per call (µs)")
+ax.grid(alpha=0.3)
+ax.legend(fontsize=8)
+ax.set_title(
+    f"α = {link.alpha * 1e6:.0f} µs, β = {link.beta / 1e9:.2f} GB/s on {checks.describe(INFO)}",
+    fontsize=9,
+)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Where does latency stop mattering? The two terms of an all-reduce are equal when
+# α·2(N−1) = 2(N−1)/N · S/β, at **S½ = N·α·β**: a message of S½ reaches half of β. Below it,
+# sending fewer, larger messages pays; above it, the size hardly matters. That is the reason DDP
+# packs gradients into buckets of megabytes (lesson 01 sweeps the bucket size against this
+# model), and the number to keep in mind for lesson 08, where the same fit, done once for the
+# links inside a node and once for the network between nodes, predicts a training step.
+
+# %%
+s_half = NPROCS * link.alpha * link.beta
+print(
+    f"S½ = N·α·β = {s_half / 2**10:,.0f} KiB on {checks.describe(INFO)}: an all-reduce of S½ "
+    f"takes {cost.collective_time('all_reduce', s_half, NPROCS, link) * 1e6:,.0f} µs, "
+    f"half of it latency"
+)
+
+# %% [markdown]
+# The fit is a model, not a law: the error column shows where it misses (gloo switches algorithm
+# with the message size; on a busy machine the small calls wait for a core). What it gives is two
+# numbers per link that predict any collective of any size on any number of ranks of that link.
 #
 # Next: **lesson 01 — DDP**, where the all-reduce averages gradients.

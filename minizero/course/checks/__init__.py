@@ -16,6 +16,7 @@ lesson04.py       ``check_zero3_gather``, ``check_zero3_prefetch``            04
 lesson05.py       ``check_predict_peak``                                      05_all_stages
 lesson06.py       ``check_owned_tensors``                                     06_myths
 lesson07.py       ``check_owned_ranges``, ``check_read_plan``                 07_checkpoints
+lesson08.py       ``check_predict_step_time``, ``check_choose``               08_beyond_one_node
 ================  ==========================================================  ===============
 
 A lesson imports ``from minizero.course import checks`` for the shared helpers
