@@ -9,13 +9,14 @@
 #
 # 1. treats blocks of consecutive ranks on this machine as nodes and measures, with the ledger,
 #    which of ZeRO's bytes **cross a node boundary** (section 1);
-# 2. leaves room for hybrid sharding, HSDP, and for ZeRO++ (sections 2 and 3, being added);
+# 2. builds **hybrid sharding** (HSDP, exercise 1) and ZeRO++'s **qwZ** quantiser (exercise 2)
+#    and measures them beside flat ZeRO-3, FSDP2's HSDP and hpZ (sections 2 and 3);
 # 3. fits the **α-β cost model** of lesson 00 once per link class and has you write the
-#    prediction of a step's time (section 4, exercise 1), checked against this machine's steps
+#    prediction of a step's time (section 4, exercise 3), checked against this machine's steps
 #    (section 5);
 # 4. predicts steps and memory **at scale** (7.5B parameters, 64 nodes × 8 GPUs) with a
 #    calculator (sections 6 and 7), and asks you **which configuration you would run**
-#    (exercise 2).
+#    (exercise 4).
 #
 #     python -m minizero grade my-lessons/08_beyond_one_node.ipynb
 #
@@ -172,17 +173,231 @@ for s in range(4):
 # %% [markdown]
 # ## 2. Hybrid sharding (HSDP): shard inside a node, replicate across
 #
-# *Being added* (issue 17, item 1): `minizero.parallelize(model, stage, optimizer, mesh=mesh)`
-# on a 2-D mesh `("replicate", "shard")`, measured here on the same 4 ranks: the shard group
-# stays inside a node, and only an all-reduce of Ψ/2 per rank crosses. The cost model below
-# already prices HSDP (`cost.Config(hsdp=True)`); the measurement goes in this section.
+# Flat ZeRO-3 puts every rank in one ring, so half its bytes cross the slow link (section 1).
+# **HSDP** (FSDP2's `fully_shard(model, mesh=mesh)` with a 2-D mesh; DeepSpeed calls the same
+# layout MiCS, Zhang et al., arXiv 2205.00119) shards the model states over the ranks of one node
+# only and *replicates* them across nodes. Each gradient is then reduced in two steps:
+#
+# 1. reduce-scatter over the node (the "shard" group, N_s ranks): each rank gets its shard summed
+#    over its node;
+# 2. all-reduce that shard over the "replicate" group (the R ranks, one per node, that hold the
+#    same shard), and divide by R · N_s: the average over every rank.
+#
+# Only step 2 crosses a node boundary: 2 · Ψ/N_s elements per rank (an all-reduce of the shard)
+# instead of flat ZeRO-3's 3Ψ. The price is memory: a rank holds the model states of a world of
+# N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
+#
+# **Exercise 1.** Write that reduction. `grad` is this rank's local gradient, flat, (numel,) with
+# numel divisible by N_s; return this rank's (numel / N_s,) shard of the gradient averaged over
+# every rank. Use `C.reduce_scatter(out, grad, group=...)` and `C.all_reduce(t, group=...)` and
+# take the sizes from the groups (`dist.get_world_size(group)`): the check runs your function on
+# 4 ranks as 2 × 2, 1 × 4 and 4 × 1 (nodes × ranks per node).
+
+
+# %%
+def hsdp_reduce(grad, shard_group, replicate_group):
+    # BEGIN SOLUTION
+    n_s = dist.get_world_size(shard_group)
+    out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)  # (numel / N_s,) this rank's shard
+    C.reduce_scatter(out, grad, group=shard_group)  # summed over the node
+    C.all_reduce(out, group=replicate_group)  # summed over the nodes that hold this shard
+    return out / (n_s * dist.get_world_size(replicate_group))
+    # END SOLUTION
+
+
+# %% check="hsdp_reduce"
+# 4 ranks as 2 × 2, 1 × 4 and 4 × 1: this rank's shard of the world's average, on every rank.
+lesson08.check_hsdp_reduce(hsdp_reduce)
+
+# %% [markdown]
+# `minizero.parallelize(model, stage, optimizer, mesh=mesh)` does exactly this at stages 1-3
+# (minizero/hsdp.py), with `mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate",
+# "shard"))`; stage 3 all-gathers the parameters over "shard" only. Section 3's cell measures it
+# beside flat ZeRO-3, FSDP2's own HSDP and the ZeRO++ options.
 #
 # ## 3. ZeRO++: hpZ and qwZ
 #
-# *Being added* (issue 17, item 2): hpZ keeps a secondary shard per node after forward, so
-# backward's all-gather stays inside the node; qwZ all-gathers int8 weights with a scale per
-# block. The cost model prices both (`hpz=True`, `qwz=True`); their measured bytes, memory and
-# loss go in this section.
+# ZeRO++ (Wang et al., arXiv 2306.10209) keeps ZeRO-3's memory and cuts what crosses nodes:
+#
+# * **hpZ** (hierarchical partitioning, §3.2; FSDP2's `reshard_after_forward=k`): after a unit's
+#   forward each rank keeps 1/k of it (k = the ranks of a node: its *secondary shard*, Ψ/k more
+#   bytes from forward to backward), so backward's all-gather runs inside the node.
+#   `reshard_after_forward=False` keeps the whole unit instead (no backward gather, Ψ more).
+# * **qwZ** (quantised weights, §3.1): the all-gathers carry the weights as int8 in blocks, with
+#   one fp32 scale per block: about Ψ(1 + 4/256) bytes instead of 4Ψ (fp32) or 2Ψ (bf16). Only the
+#   gathered copy is quantised; the shards and the optimizer's fp32 masters are not.
+# * **qgZ** (quantised gradients, §3.3) is built too (`quantize_gradients=True`, one hop); its
+#   int4 and hierarchical forms are simulated (`python -m minizero bench zeropp`; README).
+#
+# **Exercise 2.** Write qwZ's quantiser: `x` (n,) float, `block` elements a block (the last one
+# may be shorter). Return `q` (n,) int8 and `scales` (ceil(n / block),) fp32 with
+# x ≈ q · scale of its block: symmetric absmax, scale = max |x| over the block / 127, q the
+# nearest integer to x / scale (an all-zero block: scale 0 and q 0).
+
+
+# %%
+def quantize(x, block):
+    # BEGIN SOLUTION
+    n = x.numel()
+    rows = torch.zeros(-(-n // block) * block)
+    rows[:n] = x
+    rows = rows.view(-1, block)  # (blocks, block)
+    scales = rows.abs().amax(dim=1) / 127  # (blocks,)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: q = 0
+    q = torch.round(rows / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.view(-1)[:n], scales
+    # END SOLUTION
+
+
+# %% check="quantize"
+# Three inputs (a short last block, an outlier, an all-zero block) against minizero.precision's.
+lesson08.check_quantize(quantize)
+
+# %% [markdown]
+# Now every layout on the same 4 ranks as 2 nodes × 2, TinyGPT for a few steps: flat ZeRO-3; HSDP
+# at stages 1-3; FSDP2's own HSDP (`fully_shard(..., mesh=mesh)`, the reference); hpZ with k = 2
+# and `reshard_after_forward=False`; qwZ. For each: the bytes this rank moves per group in the
+# paper's accounting (an all-reduce of S counts 2S) beside the formula, the bytes it sends inside
+# its node and across (the ring model of section 1), the parameter bytes it holds from forward to
+# backward beyond its shards, and the largest gap between its loss and one process's on the whole
+# batch. (gloo: the ranks share this machine's loopback, so "across" is a label, not a slower
+# link; and gloo's reduce-scatter is an all-reduce that keeps one chunk, see lesson 00.)
+
+# %%
+STEPS = 4
+LAYOUTS = {  # name: (stage, parallelize options; "mesh": the 2 x 2 mesh)
+    "ZeRO-3 flat": (3, {}),
+    "ZeRO-1 HSDP": (1, {"mesh": True}),
+    "ZeRO-2 HSDP": (2, {"mesh": True}),
+    "ZeRO-3 HSDP": (3, {"mesh": True}),
+    "FSDP2 HSDP (torch)": (None, {}),
+    "ZeRO-3 hpZ k=2": (3, {"reshard_after_forward": NODE}),
+    "ZeRO-3 no reshard": (3, {"reshard_after_forward": False}),
+    "ZeRO-3 qwZ": (3, {"quantize_weights": True}),
+}
+
+
+def held_bytes(model):
+    """Parameter bytes held beyond this rank's shards (stage 3: gathered units, hpZ's shards)."""
+    if getattr(model, "stage", None) != 3:
+        return 0
+    full = sum(f.untyped_storage().nbytes() for f in model.flat_params)
+    shards = model.secondary.shards if model.secondary is not None else []
+    return full + sum(t.numel() * t.element_size() for t in shards if t is not None)
+
+
+def paper_bytes(ledger):
+    """Bytes per group in the paper's accounting (volume elements x element size)."""
+    out = {}
+    for r in ledger.records:
+        out[r.group] = out.get(r.group, 0) + r.volume_elements * r.nbytes // max(r.numel, 1)
+    return out
+
+
+def layouts(progress):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // NODE, NODE), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name, (stage, opts) in LAYOUTS.items():
+        torch.manual_seed(0)
+        net = TinyGPT(GPT)
+        adamw = lambda p: torch.optim.AdamW(p, lr=1e-3)
+        if stage is None:  # FSDP2's HSDP: each block, then the root, on the same mesh
+            for block in net.blocks:
+                fully_shard(block, mesh=mesh)
+            model = fully_shard(net, mesh=mesh)
+            opt = adamw(model.parameters())
+        else:
+            opts = {**opts, "mesh": mesh} if opts.get("mesh") else opts
+            model, opt = minizero.parallelize(net, stage, adamw, **opts)
+        losses, held = [], 0
+        for step in range(STEPS):
+            x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world)
+            with C.CommLedger(node_size=NODE) as ledger:
+                loss = model(x, y)
+                held = max(held, held_bytes(model))  # between forward and backward
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # equal local batches: the mean of the means is the global mean
+            losses.append(mean.item() / world)
+        nb = ledger.node_bytes()["total"]
+        out[name] = dict(groups=paper_bytes(ledger), inside=nb["inside"], across=nb["across"],
+                         held=held, losses=losses)  # fmt: skip
+        progress.tick()
+    return out
+
+
+LAY = checks.launch_with_progress(layouts, WORLD, total=len(LAYOUTS), desc="ranks",
+                                  backend="gloo", verbose=False)  # fmt: skip
+torch.manual_seed(0)
+one = TinyGPT(GPT)
+one_opt = torch.optim.AdamW(one.parameters(), lr=1e-3)
+ONE = []
+for step in range(STEPS):  # one process on each step's whole global batch
+    x, y = synthetic_batch("gpt", 4 * WORLD, step)
+    loss = one(x, y)
+    loss.backward()
+    one_opt.step()
+    one_opt.zero_grad()
+    ONE.append(loss.item())
+
+B = 4 * PSI  # Ψ in fp32 bytes
+Q = PSI * (1 + 4 / 256)  # Ψ as int8 blocks of 256 with an fp32 scale each
+FORMULA = {  # per rank and step, the paper's accounting (an all-reduce of S counts 2S)
+    "ZeRO-3 flat": {"world": 3 * B},
+    "ZeRO-1 HSDP": {"shard": 2 * B, "replicate": 2 * B / NODE},
+    "ZeRO-2 HSDP": {"shard": 2 * B, "replicate": 2 * B / NODE},
+    "ZeRO-3 HSDP": {"shard": 3 * B, "replicate": 2 * B / NODE},
+    "ZeRO-3 hpZ k=2": {"world": 2 * B, "hpZ": B},
+    "ZeRO-3 no reshard": {"world": 2 * B},
+    "ZeRO-3 qwZ": {"world": 2 * Q + B},
+}
+HELD = {"ZeRO-3 hpZ k=2": B / NODE, "ZeRO-3 no reshard": B}  # formula; the others hold 0
+print(f"rank 0, per step ({STEPS} steps, TinyGPT Ψ = {PSI:,}, fp32; Ψ = {B:,} B)")
+print(f"{'layout':20}{'group: measured (formula) in Ψ':48}{'inside':>10}{'across':>10}"
+      f"{'held':>10}{'|loss - one process|':>22}")  # fmt: skip
+for name, r in LAY[0].items():
+    want = FORMULA.get(name, {})
+    groups = ", ".join(
+        f"{g} {v / B:.3f}" + (f" ({want[g] / B:.3f})" if g in want else "")
+        for g, v in sorted(r["groups"].items())
+    )
+    held = format_bytes(r["held"]) + (f" ({format_bytes(HELD[name])})" if name in HELD else "")
+    gap = max(abs(a - b) for a, b in zip(r["losses"], ONE, strict=True))
+    print(f"{name:20}{groups:48}{format_bytes(r['inside']):>10}{format_bytes(r['across']):>10}"
+          f"{held:>10}{gap:>22.2e}")  # fmt: skip
+
+# %%
+fig, ax = plt.subplots(figsize=(9, 3.5))
+names = [n for n in LAYOUTS if n in LAY[0]]
+for r in range(WORLD):  # each rank's bar: what it sends inside its node, what it sends across
+    xs = [i + (r - 1.5) * 0.2 for i in range(len(names))]
+    ins = [LAY[r][n]["inside"] / 1e6 for n in names]
+    ax.bar(xs, ins, 0.2, color="tab:blue", label="inside a node" if r == 0 else None)
+    ax.bar(xs, [LAY[r][n]["across"] / 1e6 for n in names], 0.2, bottom=ins, color="tab:red",
+           label="across nodes" if r == 0 else None)  # fmt: skip
+ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+ax.set_ylabel("MB sent per rank, last step")
+ax.set_title(f"4 ranks as 2 nodes × {NODE}, TinyGPT fp32, ranks 0-3 left to right: "
+             f"{checks.describe(INFO)}", fontsize=9)  # fmt: skip
+ax.legend()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What to read in it. HSDP's "shard" volume is flat ZeRO's over a world of 2, and its
+# "replicate" volume, Ψ/2 per rank all-reduced (counted 2 · Ψ/2), is all that crosses a node:
+# every rank sends a little across instead of half the ranks sending everything. FSDP2's HSDP
+# trains the same model (its loss matches one process as minizero's does; its collectives are
+# not on minizero's ledger). hpZ moves backward's gather into the node ("hpZ", Ψ) and holds Ψ/2
+# more from forward to backward; no resharding holds Ψ more and gathers nothing in backward. qwZ
+# moves about a quarter of the gather bytes; its loss is off one process's by the quantisation,
+# not by rounding. The cost model below prices each of these from the same formulas.
 #
 # ## 4. The α-β model, once per link class
 #
@@ -210,7 +425,7 @@ for name, link in LINKS.items():
 # ("intra" or "inter") and `times` (how often it runs per step: stages 2 and 3 pay per
 # micro-batch). `cost.ring(op, nbytes, n)` gives its (rounds, wire bytes per rank).
 #
-# ## Exercise 1 — `predict_step_time`
+# ## Exercise 3 — `predict_step_time`
 #
 # Write `predict_step_time(cfg, links, compute_s, psi)`: the seconds of one optimizer step of
 # `cfg` for a model of `psi` parameters, with `compute_s` the forward + backward of one
@@ -379,7 +594,7 @@ else:
     ))  # fmt: skip
 
 # %% [markdown]
-# ## Exercise 2 — which configuration would you run?
+# ## Exercise 4 — which configuration would you run?
 #
 # Write `choose(rows, memory)`: `rows` are the table's rows (dicts with `name`, `step_s`, the
 # predicted seconds per step, and `memory`, the bytes one rank needs); `memory` the bytes a rank
@@ -412,7 +627,7 @@ budget = 80e9 - 30e9
 try:
     pick = choose(SCALE, budget)
 except NotImplementedError:
-    pick = "(write choose() in exercise 2 first)"
+    pick = "(write choose() in exercise 4 first)"
 print(f"with {format_bytes(budget)} for model states per rank: run {pick}")
 for r in sorted(SCALE, key=lambda r: r["step_s"]):
     fits = "fits" if r["memory"] <= budget else "does not fit"

@@ -178,18 +178,18 @@ class Arrival:
     def __init__(self, group: dist.ProcessGroup | None, world: int):
         self.world = world
         self.store = None
-        if world > 1:
-            try:
-                self.store = dist.distributed_c10d._get_default_store()
-            except (RuntimeError, AttributeError, ValueError):  # a store-less backend: no check
-                return
-            c10d = dist.distributed_c10d
-            name = "world" if group is None else c10d._get_process_group_name(group)
-            me = dist.get_rank()
-            # the n-th wrapper this rank builds over this group: equal on every member rank
-            n = self.store.add(f"minizero/wrappers/{name}/{me}", 1)
-            self.prefix = f"minizero/arrival/{name}/{n}"
         self.calls = 0
+        if world == 1:
+            return
+        c10d = dist.distributed_c10d
+        name = "world" if group is None else c10d._get_process_group_name(group)
+        try:
+            store = c10d._get_default_store()
+            # the n-th wrapper this rank builds over this group: equal on every member rank
+            n = store.add(f"minizero/wrappers/{name}/{dist.get_rank()}", 1)
+        except (RuntimeError, AttributeError, ValueError):  # no usable store (the fake backend
+            return  # of minizero.simulate): no check
+        self.store, self.prefix = store, f"minizero/arrival/{name}/{n}"
 
     def __deepcopy__(self, memo) -> Arrival:  # copy.deepcopy(model) shares the store
         return self

@@ -37,7 +37,10 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
-STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"}
+STAGE3_OPTIONS = {
+    "units", "prefetch", "reshard_root", "check_modules",
+    "reshard_after_forward", "quantize_weights", "quantize_gradients",  # ZeRO++ (zeropp.py)
+}  # fmt: skip
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",
