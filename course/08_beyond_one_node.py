@@ -359,8 +359,8 @@ FORMULA = {  # per rank and step, the paper's accounting (an all-reduce of S cou
 }
 HELD = {"ZeRO-3 hpZ k=2": B / NODE, "ZeRO-3 no reshard": B}  # formula; the others hold 0
 print(f"rank 0, per step ({STEPS} steps, TinyGPT Ψ = {PSI:,}, fp32; Ψ = {B:,} B)")
-print(f"{'layout':20}{'group: measured (formula) in Ψ':48}{'inside':>10}{'across':>10}"
-      f"{'held':>10}{'|loss - one process|':>22}")  # fmt: skip
+print(f"{'layout':20}{'group: measured (formula) in Ψ':46}{'inside':>12}{'across':>12}"
+      f"{'held (formula)':>26}{'|loss - one':>13}")  # fmt: skip
 for name, r in LAY[0].items():
     want = FORMULA.get(name, {})
     groups = ", ".join(
@@ -369,8 +369,9 @@ for name, r in LAY[0].items():
     )
     held = format_bytes(r["held"]) + (f" ({format_bytes(HELD[name])})" if name in HELD else "")
     gap = max(abs(a - b) for a, b in zip(r["losses"], ONE, strict=True))
-    print(f"{name:20}{groups:48}{format_bytes(r['inside']):>10}{format_bytes(r['across']):>10}"
-          f"{held:>10}{gap:>22.2e}")  # fmt: skip
+    print(f"{name:20}{groups:46}{format_bytes(r['inside']):>12}{format_bytes(r['across']):>12}"
+          f"{held:>26}{gap:>13.2e}")  # fmt: skip
+print("(|loss - one|: the largest gap from one process's loss on the whole batch, over the steps)")
 
 # %%
 fig, ax = plt.subplots(figsize=(9, 3.5))
