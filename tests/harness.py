@@ -334,3 +334,14 @@ def check_ranks(results: list[dict], spec: str, kind: str, opt: str, atol: float
     want = reference(kind, opt, **ref_kw)
     for r, res in enumerate(results):
         assert_same_run(res[spec], want, atol, f"{spec} rank {r} vs one process")
+
+
+def bn_wrapped(spec: str, stage: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A BatchNorm model (Linear, BatchNorm1d, ReLU, Linear; seed 0) with SGD and momentum, as
+    torch DDP (``spec="torch"``) or minizero at ``stage``: the buffer tests' pair."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    if spec == "torch":
+        model = nn.parallel.DistributedDataParallel(model)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return minizero.parallelize(model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9))

@@ -9,7 +9,7 @@ without minizero) and, where there is one, with PyTorch's own DDP in the same la
 import pytest
 import torch
 import torch.distributed as dist
-from harness import build, local_batch, run, snapshot
+from harness import bn_wrapped, build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
@@ -169,23 +169,11 @@ def test_unused_parameters_without_the_flag_get_a_clear_error():
 
 
 # -- buffers: BatchNorm ----------------------------------------------------------------------------
-def bn_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-
-
 def bn_rank(stage):
     rank = dist.get_rank()
     out = {}
     for spec in ("minizero", "torch"):
-        model = bn_model()
-        if spec == "torch":
-            model = nn.parallel.DistributedDataParallel(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        else:
-            model, opt = minizero.parallelize(
-                model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9)
-            )
+        model, opt = bn_wrapped(spec, stage)
         for step in range(3):
             torch.manual_seed(100 + step + rank)  # different data per rank: statistics differ
             x = torch.randn(6, 5) + rank

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import build, local_batch, run, snapshot
+from harness import bn_wrapped, build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
@@ -141,8 +141,11 @@ def test_refused_habits_name_themselves(stage):
     assert "'layers.0.bias' was frozen after" in errors["freeze"]
 
 
-class LAMBLike(torch.optim.Adam):
-    """Adam's moments, then a per-tensor trust ratio: a step that is not elementwise."""
+class TrustRatio:
+    """The base class's update scaled per tensor by ||w|| / ||update|| (LAMB's and LARS's trust
+    ratio, times ``gain``): a step that is not elementwise."""
+
+    gain = 1.0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -150,19 +153,17 @@ class LAMBLike(torch.optim.Adam):
         super().step(closure)
         params = [p for g in self.param_groups for p in g["params"]]
         for p, b in zip(params, before, strict=True):
-            p.copy_(b + (p - b) * b.norm() / (p - b).norm().clamp_min(1e-12))
+            p.copy_(b + self.gain * (p - b) * b.norm() / (p - b).norm().clamp_min(1e-12))
 
 
-class LARSLike(torch.optim.SGD):
-    """SGD's update scaled per tensor by ||w|| / ||update||: LARS's trust ratio."""
+class LAMBLike(TrustRatio, torch.optim.Adam):
+    """LAMB written on Adam."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        before = [p.clone() for g in self.param_groups for p in g["params"]]
-        super().step(closure)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for p, b in zip(params, before, strict=True):
-            p.copy_(b + 1e-2 * (p - b) * b.norm() / (p - b).norm().clamp_min(1e-12))
+
+class LARSLike(TrustRatio, torch.optim.SGD):
+    """LARS written on SGD."""
+
+    gain = 1e-2
 
 
 class ElementwiseSubclass(torch.optim.AdamW):
@@ -209,11 +210,6 @@ def test_lars_like_at_stage_0_fp32_trains_what_one_process_trains():
 
 
 # -- BatchNorm evaluated between steps: torch DDP's rule -------------------------------------------
-def bn_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-
-
 def bn_batch(step, rank):
     torch.manual_seed(100 + step + 7 * rank)  # different data per rank
     return torch.randn(6, 5) + rank
@@ -240,14 +236,7 @@ def bn_eval_rank(stage):
     rank = dist.get_rank()
     out = {}
     for spec in ("minizero", "torch"):
-        model = bn_model()
-        if spec == "torch":
-            model = nn.parallel.DistributedDataParallel(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        else:
-            model, opt = minizero.parallelize(
-                model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9)
-            )
+        model, opt = bn_wrapped(spec, stage)
         seen = []
         for step in range(3):
             bn_train(model, opt, step, rank)
