@@ -245,7 +245,9 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 # * `reduce_gradients()`: leave in each of this rank's chunks the gradient **averaged** over the
 #   ranks of `self.group`, for that chunk only, moving Ψ in all (not DDP's 2Ψ). Which collective
 #   of lesson 00 does that, per bucket, and what must follow it? (Its output may be the chunk of
-#   its own input, in place, as NCCL documents: no extra buffer is needed.)
+#   its own input, in place, as NCCL documents: the plain loop needs no extra buffer. minizero's
+#   own ZeRO1 spends Ψ/N on a separate output, so that `step()` twice, or more backwards without
+#   `zero_grad()`, reduce this rank's intact local sums again: habits torch users have.)
 # * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every
 #   rank hold every rank's updated chunk, moving Ψ. In mixed precision the optimizer stepped a
 #   separate fp32 master (`self.masters[i]`), not the bf16 parameters: what must happen first?
