@@ -1,8 +1,9 @@
 """What stage 3 keeps sharded between uses, and what that costs: reading a sharded parameter
-outside forward (print, sum, deepcopy, torch.save, load_state_dict, .to) raises a minizero error
-that points to ``summon_full_params``; inside it the full parameters can be read and edited and
-the edits are what the next step starts from; memory and communication against FSDP2 with the
-same units: the peak within 5% of FSDP2's, and 3Ψ per step in the ledger (Ψ_root less with
+outside forward (print, sum, deepcopy, load_state_dict, .to) raises a minizero error that
+points to ``summon_full_params``, while ``model.module.state_dict()`` gives the full fp32
+parameters (collective, as the wrapper's: nanoGPT saves ``raw_model.state_dict()``); inside it
+the full parameters can be read and edited and the edits are what the next step starts from;
+memory and communication against FSDP2 with the same units: the peak within 5% of FSDP2's, and 3Ψ per step in the ledger (Ψ_root less with
 ``reshard_root=False``), on this file's transformer and on tests/zoo.py's."""
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _outside_forward() -> dict:
             out[what] = str(e)
     out["metadata"] = (tuple(w.shape), w.dtype, w.grad, w.requires_grad, w.numel())
     out["keys"] = sorted(inner.state_dict())
+    out["inner_sd"] = inner.state_dict()  # every rank: the full fp32 parameters
     full = minizero.full_state_dict(model)
     with model.summon_full_params(writeback=False):  # read: the full values on every rank
         out["summoned"] = {k: v.detach().clone() for k, v in inner.state_dict().items()}
@@ -68,7 +70,10 @@ def _outside_forward() -> dict:
 
 def test_sharded_parameters_outside_forward():
     for r, res in enumerate(run(_outside_forward, 2)):
-        for what in ("print", "sum", "deepcopy", "save", "load", "to"):
+        assert res["save"] is None, res["save"]  # torch.save(model.module.state_dict()) works
+        for k, v in res["full"].items():
+            torch.testing.assert_close(res["inner_sd"][k], v, atol=0, rtol=0, msg=k)
+        for what in ("print", "sum", "deepcopy", "load", "to"):
             msg = res[what]
             assert msg is not None, f"rank {r}: {what} did not raise"
             assert re.search(r"minizero ZeRO-3: \w+\(\) on [\w.]+, which is sharded", msg), msg
