@@ -3,8 +3,9 @@ outside forward (print, sum, deepcopy, load_state_dict, .to) raises a minizero e
 points to ``summon_full_params``, while ``model.module.state_dict()`` gives the full fp32
 parameters (collective, as the wrapper's: nanoGPT saves ``raw_model.state_dict()``); inside it
 the full parameters can be read and edited and the edits are what the next step starts from;
-memory and communication against FSDP2 with the same units: the peak within 5% of FSDP2's, and 3Ψ per step in the ledger (Ψ_root less with
-``reshard_root=False``), on this file's transformer and on tests/zoo.py's."""
+memory and communication against FSDP2 with the same units: the peak within 5% of FSDP2's, and
+3Ψ per step in the ledger (Ψ_root less with ``reshard_root=False``), on this file's transformer
+and on tests/zoo.py's."""
 
 from __future__ import annotations
 
