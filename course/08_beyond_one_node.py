@@ -197,6 +197,8 @@ for s in range(4):
 # %%
 def hsdp_reduce(grad, shard_group, replicate_group):
     # BEGIN SOLUTION
+    # TODO: this rank's shard of the node's sum (one collective over the node), then the sum of
+    # TODO: that shard over the nodes (one collective over the others holding it); the average
     n_s = dist.get_world_size(shard_group)
     out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)  # (numel / N_s,) this rank's shard
     C.reduce_scatter(out, grad, group=shard_group)  # summed over the node
@@ -238,6 +240,8 @@ lesson08.check_hsdp_reduce(hsdp_reduce)
 # %%
 def quantize(x, block):
     # BEGIN SOLUTION
+    # TODO: pad x to whole blocks and view it (blocks, block); per block scale = max|x| / 127;
+    # TODO: q = the nearest integer to x / scale as int8 (a zero scale: q = 0); cut the padding
     n = x.numel()
     rows = torch.zeros(-(-n // block) * block)
     rows[:n] = x
