@@ -152,6 +152,18 @@ def strict_ledger(group):
     return CommLedger(only_group=group)
 
 
+def on_world_and_subgroup(per_rank: list[dict], name: str, check) -> int:
+    """``check(results, world, name)`` on every rank's results, then on :data:`SUBGROUP`'s
+    ``"sub"`` results, whose failure becomes :func:`subgroup_failure`; returns the world size."""
+    world = len(per_rank)
+    check(per_rank, world, name)
+    try:
+        check([per_rank[r]["sub"] for r in SUBGROUP], len(SUBGROUP), name)
+    except CheckFailed as e:
+        raise subgroup_failure(name, world, str(e)) from None
+    return world
+
+
 def subgroup_failure(name: str, world: int, what: str) -> CheckFailed:
     """The failure of a run on :data:`SUBGROUP`: ``what`` went wrong; names the usual mistake."""
     where = (

@@ -30,11 +30,11 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    on_world_and_subgroup,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
-    subgroup_failure,
 )
 from minizero.course.checks.common_zero import (
     BF16_ATOL,
@@ -308,13 +308,8 @@ def check_fp16_step(fn, nprocs: int | None = None) -> None:
     ``m.grad``, step only when no rank saw an inf or a NaN (one all-reduce decides, for all
     shards), and return ``scale`` after a step, ``scale / 2`` after a skipped one."""
     per_rank = launch_check(_fp16_rank, nprocs, fn)
-    world = len(per_rank)
     name = getattr(fn, "__name__", "your function")
-    _check_fp16(per_rank, world, name)
-    try:
-        _check_fp16([per_rank[r]["sub"] for r in SUBGROUP], len(SUBGROUP), name)
-    except CheckFailed as e:
-        raise subgroup_failure(name, world, str(e)) from None
+    world = on_world_and_subgroup(per_rank, name, _check_fp16)
     report_pass(
         f"{name}: unscaled, stepped and kept scale {SCALE:g} when every gradient was finite; "
         f"skipped on every rank and halved the scale when one rank's shard held an inf or a NaN; "

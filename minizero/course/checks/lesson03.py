@@ -32,11 +32,11 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    on_world_and_subgroup,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
-    subgroup_failure,
     two_ranks_hint,
 )
 from minizero.course.checks.common_zero import (
@@ -291,13 +291,8 @@ def check_clip_grad_norm(fn, nprocs: int | None = None) -> None:
     ``torch.nn.utils.clip_grad_norm_`` on the full gradient, scale every shard in place by
     ``min(1, max_norm / (norm + 1e-6))``, and issue exactly one all-reduce."""
     per_rank = launch_check(_clip_rank, nprocs, fn)
-    world = len(per_rank)
     name = getattr(fn, "__name__", "your function")
-    _check_clip(per_rank, world, name)
-    try:
-        _check_clip([per_rank[r]["sub"] for r in SUBGROUP], len(SUBGROUP), name)
-    except CheckFailed as e:
-        raise subgroup_failure(name, world, str(e)) from None
+    world = on_world_and_subgroup(per_rank, name, _check_clip)
     report_pass(
         f"{name}: the global norm {per_rank[0]['norm']:.6g} and the clipped shards equal "
         f"torch.nn.utils.clip_grad_norm_ on the whole gradient (clipping and not), padding left "
