@@ -333,7 +333,8 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
             if id(p) in ids and id(p) in self._used:
                 self.clear_grad(p)
                 self._used.discard(id(p))
-                p.grad = None if set_to_none else p.grad
+                if set_to_none:
+                    p.grad = None
 
     def reset_grads(self, set_to_none: bool) -> None:
         """The stage's part of ``zero_grad()``: clear (or free) its gradient buffers."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -144,7 +145,7 @@ class TorchNames:
     )
 
 
-def full_module_state_dict(wrapper) -> callable:
+def full_module_state_dict(wrapper) -> Callable[..., None]:
     """A state-dict hook for the wrapped model itself (nanoGPT's ``raw_model.state_dict()``,
     Hugging Face's ``unwrap_model(model).save_pretrained``): its parameters full and fp32, as
     the wrapper's ``state_dict()`` gives them, not stage 3's empty shards or the 16-bit working
