@@ -1,5 +1,6 @@
-"""Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp [options]``.
-Lessons 00, 01, 05, 07; zeropp (minizero/tools/zeropp.py) for lesson 08.
+"""Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp|nanogpt``.
+Lessons 00, 01, 05, 07; zeropp (minizero/tools/zeropp.py) for lesson 08; nanogpt
+(minizero/tools/bench_nanogpt.py: nanoGPT's train.py beside ``minizero train``) for lesson 09.
 
 Every figure is measured here and printed with the backend, device, world size and torch version it
 came from; nothing is compared with a hard-coded hardware peak. Each command shows a progress bar
@@ -243,12 +244,18 @@ def main(argv: list[str]) -> int:
     sub.add_parser("checkpoints", help="save/load time and bytes per rank per stage",
                    description=COMMANDS["checkpoints"], add_help=False)  # fmt: skip
     zeropp.add_parser(sub)
+    sub.add_parser("nanogpt", help="nanoGPT's train.py beside minizero train: val loss, wall "
+                   "time, memory", add_help=False)  # fmt: skip
     a, rest = p.parse_known_args(argv[:1])
     if a.what is None:
-        p.error("say what to measure: collectives, ddp, stages, checkpoints or zeropp"
+        p.error("say what to measure: collectives, ddp, stages, checkpoints, zeropp or nanogpt"
                 "; e.g. python -m minizero bench collectives")  # fmt: skip
     if a.what == "zeropp":
         return zeropp.main(argv[1:])
+    if a.what == "nanogpt":
+        from minizero.tools import bench_nanogpt
+
+        return bench_nanogpt.main(argv[1:])
     if a.what == "checkpoints":
         bench_checkpoint(argv[1:])
         return 0

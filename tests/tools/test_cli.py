@@ -13,7 +13,7 @@ from minizero.__main__ import PASS_THROUGH, main
 pytestmark = pytest.mark.timeout(120)
 HELPED = [["demo"], ["doctor"], ["compare"], ["simulate"], ["bench"], ["bench", "collectives"],
           ["bench", "ddp"], ["bench", "stages"], ["bench", "checkpoints"], ["bench", "zeropp"],
-          ["gradebook"]]  # fmt: skip
+          ["gradebook"], ["train"], ["bench", "nanogpt"]]  # fmt: skip
 
 
 def help_of(argv: list[str], capsys) -> str:
@@ -75,7 +75,7 @@ def test_run_help_lists_minizeros_defaults_and_torchruns_options(capsys):
     [
         ([], "minizero: error: say which command to run: demo, doctor, compare, simulate, bench"),
         (["bench"], "minizero bench: error: say what to measure: collectives, ddp, stages, "
-         "checkpoints or zeropp"),
+         "checkpoints, zeropp or nanogpt"),
         (["bench", "nope"], "minizero bench: error: argument WHAT: invalid choice: 'nope'"),
         (["demo", "--nprocs", "0"], "minizero demo: error: argument --nprocs: must be a whole "
          "number >= 1, got '0'"),

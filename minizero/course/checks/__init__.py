@@ -17,6 +17,7 @@ lesson05.py       ``check_predict_peak``                                      05
 lesson06.py       ``check_owned_tensors``                                     06_myths
 lesson07.py       ``check_owned_ranges``, ``check_read_plan``                 07_checkpoints
 lesson08.py       ``check_predict_step_time``, ``check_choose``               08_beyond_one_node
+lesson09.py       ``check_estimate_loss``                                     09_capstone
 ================  ==========================================================  ===============
 
 A lesson imports ``from minizero.course import checks`` for the shared helpers

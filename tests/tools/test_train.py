@@ -1,0 +1,180 @@
+"""``python -m minizero train``: the data is nanoGPT's split, every stage trains one process's
+curve, a checkpoint resumes at another stage and world size on the same curve, bad options end
+in one line, and the NCCL path (``gpu``) trains what the CPU trains.
+
+Runs are a few iterations of a small GPT (2 layers, width 32, 16 characters of context), so each
+takes seconds; the 2,000-iteration runs are measurements (``bench nanogpt``), not tests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minizero.__main__ import main
+from minizero.launcher import gpu_count
+from minizero.tools import shakespeare
+from minizero.tools.bench_nanogpt import find_nanogpt
+from minizero.tools.train import TrainConfig, get_lr, single_process
+from minizero.tools.train_cli import curve, train
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, max_iters=8, warmup_iters=2,
+                    eval_interval=4, eval_iters=2, sample_tokens=20, out_dir=None)  # fmt: skip
+# fp32 on gloo: the ranks' losses are summed in another order than one process's (a mean over
+# 12 / N rows, then over N ranks), rounding of 1e-7 relative that 8 AdamW steps carry into the
+# weights; 1e-4 is the tolerance of every equivalence test in this kit (tests/library).
+RTOL = 1e-4
+
+
+def _close(mine: list[float], ref: list[float]) -> float:
+    assert len(mine) == len(ref)
+    return max(abs(a - b) / abs(b) for a, b in zip(mine, ref, strict=True))
+
+
+def test_the_data_is_nanogpts_character_split():
+    data = shakespeare.load()
+    assert (len(data.train), len(data.val), data.vocab_size) == (1_003_854, 111_540, 65)
+    assert (
+        data.chars == "\n !$&',-.3:;?" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "abcdefghijklmnopqrstuvwxyz"
+    )
+    assert data.decode(data.train[:14]) == "First Citizen:"
+    assert data.decode(data.encode("To be, or not")) == "To be, or not"
+    with pytest.raises(ValueError, match="not in the vocabulary: \\['#'\\]"):
+        data.encode("a#")
+    whole = shakespeare.get_batch(data, "train", 12, 16, 5)
+    parts = [shakespeare.get_batch(data, "train", 12, 16, 5, rank=r, world=3) for r in range(3)]
+    for i in (0, 1):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+    assert torch.equal(whole[0][:, 1:], whole[1][:, :-1])  # y is x shifted by one
+    with pytest.raises(ValueError, match="must split evenly over 5 ranks"):
+        shakespeare.get_batch(data, "train", 12, 16, 0, rank=0, world=5)
+
+
+def test_the_schedule_is_nanogpts_warmup_then_cosine():
+    cfg = TrainConfig()
+    assert get_lr(0, cfg) == pytest.approx(1e-3 / 101)
+    assert get_lr(100, cfg) == pytest.approx(1e-3)
+    assert get_lr(1050, cfg) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
+    assert get_lr(2000, cfg) == pytest.approx(1e-4)
+    assert get_lr(5000, cfg) == 1e-4
+
+
+@pytest.mark.slow
+def test_every_stage_on_two_ranks_trains_one_process_curve():
+    one = single_process(SMALL)
+    assert one["loss"][-1] < one["loss"][0]  # it learns
+    for stage in (0, 1, 2, 3):
+        results = train(replace(SMALL, stage=stage), 2, timeout=240, quiet=True)
+        assert _close(curve(results), one["loss"]) <= RTOL, stage
+        evals = results[0]["evals"]
+        assert [e[0] for e in evals] == [0, 4, 8]
+        assert all(r["evals"] == evals for r in results)  # every rank: the same average
+        for a, b in zip(evals, one["evals"], strict=True):
+            assert _close(a[1:], b[1:]) <= RTOL, (stage, a, b)
+        assert len(results[0]["sample"]) == SMALL.sample_tokens
+
+
+@pytest.mark.slow
+def test_hsdp_mesh_trains_one_process_curve():
+    one = single_process(SMALL)
+    results = train(replace(SMALL, stage=3, mesh=(2, 2)), 4, timeout=240, quiet=True)
+    assert _close(curve(results), one["loss"]) <= RTOL
+    assert results[0]["checkpoint"] is None  # save_checkpoint takes no mesh
+
+
+@pytest.mark.slow
+def test_resume_at_another_stage_and_world_continues_the_curve(tmp_path):
+    whole = train(replace(SMALL, out_dir=str(tmp_path / "whole")), 2, timeout=240, quiet=True)
+    first = replace(SMALL, max_iters=4, lr_decay_iters=SMALL.max_iters, sample_tokens=0,
+                    out_dir=str(tmp_path / "a"))  # the schedule of the whole run  # fmt: skip
+    assert train(first, 2, timeout=240, quiet=True)[0]["checkpoint"] == str(tmp_path / "a/ckpt")
+    again = replace(SMALL, stage=3, resume=str(tmp_path / "a/ckpt"), out_dir=str(tmp_path / "b"))
+    resumed = train(again, 3, timeout=240, quiet=True)  # stage 0 on 2 ranks -> stage 3 on 3
+    assert resumed[0]["start"] == 4
+    assert len(resumed[0]["loss"]) == len(resumed[2]["loss"]) == 4  # this run's iterations
+    assert len(curve(resumed)) == SMALL.max_iters  # after the checkpoint's curve
+    assert _close(curve(resumed)[4:], curve(whole)[4:]) <= RTOL
+    assert _close(curve(resumed)[:4], curve(whole)[:4]) <= 1e-12  # the saved curve, carried on
+    assert [e[0] for e in resumed[0]["evals"]] == [0, 4, 8]  # iteration 4 evaluated once
+    assert _close(resumed[0]["evals"][-1][1:], whole[0]["evals"][-1][1:]) <= RTOL
+
+
+@pytest.mark.slow
+def test_the_command_reports_and_writes_its_plot_history_and_checkpoint(tmp_path, capsys):
+    argv = ["train", "--nprocs", "2", "--stage", "2", "--n-layer", "1", "--n-embd", "32",
+            "--block-size", "16", "--max-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+            "--sample-tokens", "30", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "minizero train: stage 2 = ZeRO-2 (P_os+g), 2 ranks, gloo" in out
+    assert "step 0: train loss 4.1" in out and "step 4: train loss" in out
+    assert "--- sample (30 characters, temperature 0.8, top_k 200) ---" in out
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [e[0] for e in history["evals"]] == [0, 2, 4] and len(history["loss"]) == 4
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert (tmp_path / "ckpt" / "minizero.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nprocs", "5"], "minizero train: error: --batch-size 12 does not split evenly over 5 "
+         "ranks: pass --batch-size 10, or --nprocs dividing 12"),
+        (["--stage", "4"], "minizero train: error: argument --stage: invalid choice: 4"),
+        (["--max-iters", "0"], "minizero train: error: argument --max-iters: must be a whole "
+         "number >= 1, got '0'"),
+        (["--nprocs", "2", "--mesh", "2,2"], "minizero train: error: --mesh 2,2 covers 4 ranks, "
+         "not the 2 ranks running (--nprocs)"),
+        (["--mesh", "2"], "minizero train: error: argument --mesh: give REPLICATE,SHARD, e.g. 2,2"),
+        (["--nprocs", "2", "--mesh", "1,2"], "minizero train: error: --mesh 1,2: HSDP needs at "
+         "least 2 replicas of at least 2 ranks"),
+        (["--nprocs", "2", "--n-embd", "30"], "minizero train: error: n_embd (30) must be "
+         "divisible by n_head (4)"),
+        (["--resume", "/nonexistent/ckpt"], "minizero train: error: --resume /nonexistent/ckpt: "
+         "no such checkpoint directory"),
+        (["--precision", "fp8"], "minizero train: error: argument --precision: invalid choice"),
+    ],
+)  # fmt: skip
+def test_bad_options_end_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.startswith(message) and err.endswith(" (--help lists the options)\n"), err
+
+
+def test_resuming_past_the_end_says_what_to_pass(tmp_path):
+    from minizero.launcher import LaunchError
+
+    first = replace(SMALL, max_iters=4, out_dir=str(tmp_path), sample_tokens=0)
+    train(first, 2, timeout=240, quiet=True)
+    with pytest.raises(LaunchError, match="is at iteration 4: pass --max-iters > 4"):
+        train(replace(first, resume=str(tmp_path / "ckpt")), 2, timeout=240, quiet=True)
+
+
+def test_bench_nanogpt_without_nanogpt_says_where_to_place_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIZERO_NANOGPT", str(tmp_path))  # exists, empty: nothing is cloned
+    where, why = find_nanogpt()
+    assert where is None
+    assert why.startswith(f"nanoGPT not found in {tmp_path}: ['train.py', 'model.py'")
+    assert f"git clone https://github.com/karpathy/nanoGPT {tmp_path}" in why
+    assert main(["bench", "nanogpt", "--max-iters", "2"]) == 0
+    assert capsys.readouterr().out.startswith("minizero bench nanogpt: skipped: nanoGPT not found")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.slow
+def test_one_rank_per_gpu_over_nccl_trains_the_cpu_curve():
+    """The NCCL path: the ranks' GPUs run what one CPU process runs (fp32; GPU and CPU kernels
+    round differently, so the tolerance is the GPU equivalence tests' 1e-3)."""
+    n = max(k for k in (1, 2, 3, 4, 6) if k <= gpu_count())
+    one = single_process(SMALL)
+    for stage in (0, 3):
+        results = train(replace(SMALL, stage=stage), n, timeout=240, quiet=True, backend="nccl")
+        assert results[0]["where"]["backend"] == "nccl"
+        assert _close(curve(results), one["loss"]) <= 1e-3, stage
