@@ -100,14 +100,15 @@ lesson09.check_estimate_loss(estimate_loss, NPROCS)
 # %% [markdown]
 # ## 2. Four stages, one curve
 #
-# The baby GPT, nanoGPT's configuration, for a short budget: 60 iterations with the warm-up
-# shortened to 10 (so the loss moves), an evaluation every 10 iterations on 2 fixed batches per
-# split. First one process in plain PyTorch (no minizero, no process group), then each stage on
-# `NPROCS` ranks; the runs use minizero's own `estimate_loss`, the function you just wrote.
+# The baby GPT, nanoGPT's configuration, for a short budget: 40 iterations with the warm-up
+# shortened to 5 (so the loss moves), an evaluation every 10 iterations on one fixed batch per
+# split. First one process in plain PyTorch (no minizero, no process group, one thread as each
+# rank has), then each stage on `NPROCS` ranks; the runs use minizero's own `estimate_loss`, the
+# function you just wrote.
 
 # %%
-SHORT = TrainConfig(max_iters=60, warmup_iters=10, eval_interval=10, eval_iters=2,
-                    sample_tokens=200, out_dir=None)  # fmt: skip
+SHORT = TrainConfig(max_iters=40, warmup_iters=5, eval_interval=10, eval_iters=1,
+                    sample_tokens=150, out_dir=None)  # fmt: skip
 PSI = count_params(TinyGPT(SHORT.gpt(DATA.vocab_size)))
 ONE = single_process(SHORT)
 RUNS = {}
@@ -146,7 +147,7 @@ assert max(diffs.values()) <= TOLERANCE, diffs
 # collectives move them, not the arithmetic of training. What is left is float32 rounding, from
 # sums taken in another order (a mean over the ranks' rows, an all-reduce), which Adam's
 # division by the gradients' running magnitude carries into the weights. The 2% tolerance is the
-# one `python -m minizero train`'s 2,000-iteration runs are held to; on these 60 iterations the
+# one `python -m minizero train`'s 2,000-iteration runs are held to; on these 40 iterations the
 # printed differences are the measurement.
 #
 # ## 3. Memory per rank and step time, on this run
@@ -176,15 +177,15 @@ if INFO["backend"] == "gloo":
 
 # %% [markdown]
 # The states shrink as the paper says: stage 1 divides the optimizer's 8Ψ by the ranks, stage 2
-# the gradients' 4Ψ too, stage 3 everything. The step times are this machine's: on a few CPU
-# cores, with a model this small, the collectives' latency is a visible share of a step, and
-# stage 3 pays its extra all-gathers (3Ψ moved per step instead of 2Ψ, lesson 04). On GPUs with
-# a model that fills them, the trade is the one lesson 05 predicts.
+# the gradients' 4Ψ too, stage 3 everything. The step times are this run's, on this machine: on a
+# few shared CPU cores they move from one run to the next (rerun the cell), and with a model this
+# small a step is mostly per-call overhead. Stage 3 moves 3Ψ per step where the others move 2Ψ
+# (lesson 04); on GPUs with a model that fills them, the trade is the one lesson 05 predicts.
 #
 # ## 4. What the model writes
 #
 # After training, every rank calls `minizero.full_state_dict(model)` (collective: at stage 3 the
-# parameters are gathered) and rank 0 samples 200 characters from a plain `TinyGPT` with those
+# parameters are gathered) and rank 0 samples 150 characters from a plain `TinyGPT` with those
 # weights, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a newline).
 
 # %%
@@ -194,8 +195,9 @@ same = [s for s in texts if texts[s] == texts[3]]
 print(f"\nthe same text from stages {same} (one seed, the same weights up to rounding)")
 
 # %% [markdown]
-# Sixty iterations teach the model the shape of the text (lines, spaces, capitals after a
-# newline), not yet its words.
+# After 40 iterations the model has the texture of the text, characters in words of a few
+# letters between spaces and line breaks, and few real words. The full run below trains 50 times
+# longer.
 #
 # ## 5. The full run, and nanoGPT beside it
 #

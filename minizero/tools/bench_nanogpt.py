@@ -84,18 +84,25 @@ def write_nanogpt_data(dest: Path) -> None:
     out.joinpath("meta.pkl").write_bytes(pickle.dumps(meta))
 
 
+def eval_interval(iters: int) -> int:
+    """nanoGPT's 250, unless the run would then not end on an evaluation (nanoGPT evaluates only
+    at multiples of its eval_interval)."""
+    return 250 if iters % 250 == 0 else iters
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float, log: Path) -> tuple[float, int, str]:
     """Run ``cmd`` under the peak-memory wrapper; ``(wall seconds, peak bytes, output)``."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", PEAK, *cmd], cwd=cwd, capture_output=True,
                          text=True, timeout=timeout)  # fmt: skip
     wall = time.perf_counter() - t0
+    load = os.getloadavg()[0]  # the 1-minute load average as the run ends: a busy machine shows
     log.write_text(out.stdout + out.stderr)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({out.returncode}); see {log}:\n"
                            + (out.stdout + out.stderr)[-2000:])  # fmt: skip
     peak = int(re.findall(r"MINIZERO_PEAK_KIB (\d+)", out.stdout)[-1]) * 1024
-    return wall, peak, out.stdout
+    return wall, peak, out.stdout, load
 
 
 def run_nanogpt(src: Path, work: Path, iters: int, timeout: float) -> dict:
@@ -106,25 +113,28 @@ def run_nanogpt(src: Path, work: Path, iters: int, timeout: float) -> dict:
     args = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
             "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
             "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={iters}",
-            f"--lr_decay_iters={iters}", "--dropout=0.0", f"--out_dir={work / 'out'}"]  # fmt: skip
-    wall, peak, text = _run([sys.executable, *args], work, timeout, work / "nanogpt.log")
+            f"--lr_decay_iters={iters}", "--dropout=0.0", f"--out_dir={work / 'out'}",
+            f"--eval_interval={eval_interval(iters)}"]  # fmt: skip
+    wall, peak, text, load = _run([sys.executable, *args], work, timeout, work / "nanogpt.log")
     evals = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text)
     times = [float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", text)]
     it, tr, va = evals[-1]
     return {"name": "nanoGPT train.py (1 process)", "iter": int(it), "val": float(va),
-            "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak}  # fmt: skip
+            "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak,
+            "load": load}  # fmt: skip
 
 
 def run_minizero(stage: int, nprocs: int, work: Path, iters: int, timeout: float) -> dict:
     out = work / f"minizero_stage{stage}"
     cmd = [sys.executable, "-m", "minizero", "train", "--stage", str(stage), "--nprocs",
            str(nprocs), "--max-iters", str(iters), "--out-dir", str(out), "--sample-tokens", "0",
-           "--backend", "gloo"]  # fmt: skip
-    wall, peak, _ = _run(cmd, Path.cwd(), timeout, work / f"minizero_stage{stage}.log")
+           "--backend", "gloo", "--eval-interval", str(eval_interval(iters))]  # fmt: skip
+    wall, peak, _, load = _run(cmd, Path.cwd(), timeout, work / f"minizero_stage{stage}.log")
     h = json.loads((out / "history.json").read_text())
     it, _, va = h["evals"][-1]
     return {"name": f"minizero train, stage {stage}, {nprocs} ranks", "iter": it, "val": va,
-            "wall_s": wall, "iter_ms": h["step_ms"], "peak": max(h["rss"])}  # fmt: skip
+            "wall_s": wall, "iter_ms": h["step_ms"], "peak": max(h["rss"]),
+            "load": load}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -178,14 +188,16 @@ def main(argv: list[str]) -> int:
     print(f"\nnanoGPT's baby GPT on Tiny Shakespeare, {a.max_iters} iterations, CPU ({cores} "
           f"cores), torch threads: nanoGPT its default, minizero 1 per rank (gloo)")  # fmt: skip
     print(f"{'run':<36}{'val loss':>9}{'wall s':>9}{'/ nanoGPT':>11}{'iter ms':>9}"
-          f"{'peak RSS':>12}")  # fmt: skip
+          f"{'peak RSS':>12}{'load':>6}")  # fmt: skip
     for r in rows:
         r["ratio"] = r["wall_s"] / base
         print(f"{r['name']:<36}{r['val']:>9.4f}{r['wall_s']:>9.1f}{r['ratio']:>11.2f}"
-              f"{r['iter_ms']:>9.1f}{format_bytes(r['peak']):>12}")  # fmt: skip
+              f"{r['iter_ms']:>9.1f}{format_bytes(r['peak']):>12}{r['load']:>6.1f}")  # fmt: skip
     print(f"(nanoGPT's README: val loss {PUBLISHED_VAL} at 2000 iterations; peak RSS: the "
           "largest process, for minizero its largest rank; wall: the whole command, start-up "
-          "and evaluations included)")  # fmt: skip
+          f"and evaluations included; load: the 1-minute load average at the run's end, on "
+          f"{cores} cores: above that, the runs shared the machine and their times mean "
+          "little)")  # fmt: skip
     if a.json:
         write_json(a.json, {"max_iters": a.max_iters, "nprocs": a.nprocs, "cores": cores,
                             "published_val": PUBLISHED_VAL, "rows": rows})  # fmt: skip

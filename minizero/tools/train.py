@@ -201,13 +201,20 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
     return h
 
 
-def single_process(cfg: TrainConfig, progress=None) -> dict:
+def single_process(cfg: TrainConfig, progress=None, threads: int = 1) -> dict:
     """One process, plain PyTorch (no minizero, no process group): the reference every stage's
-    curve is compared with. The same data, model, optimizer and schedule."""
+    curve is compared with. The same data, model, optimizer and schedule, on ``threads`` CPU
+    threads (1, as each forked rank: on a busy machine more threads than free cores can make
+    every step many times slower)."""
     data = shakespeare.load()
     torch.manual_seed(cfg.seed)
     model = TinyGPT(cfg.gpt(data.vocab_size))
-    return train_loop(model, make_optimizer(model, cfg), cfg, progress=progress)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return train_loop(model, make_optimizer(model, cfg), cfg, progress=progress)
+    finally:
+        torch.set_num_threads(before)
 
 
 def train_rank(cfg: TrainConfig, progress=None) -> dict:
