@@ -134,6 +134,9 @@ def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
             + ", ".join(f"rank {i}: {b}" for i, b in enumerate(per))
             + f"; peak RSS {format_bytes(max(r['rss'] for r in results))} (largest rank)"
         )
+    if "cuda_peak" in r0:
+        print("peak CUDA memory allocated per rank: "
+              + ", ".join(format_bytes(r["cuda_peak"]) for r in results))  # fmt: skip
     if r0.get("sample"):
         print(f"\n--- sample ({len(r0['sample'])} characters, temperature 0.8, top_k 200) ---\n"
               f"{r0['sample']}\n---")  # fmt: skip
