@@ -58,11 +58,12 @@ print(DATA.decode(DATA.train[:120]))
 # a shard of the gradients.
 #
 # The evaluation is different. nanoGPT evaluates on the master process only
-# (`if iter_num % eval_interval == 0 and master_process:` in its `train.py`), each rank's own
-# random batches. Under torch DDP that works because a forward pass there communicates nothing.
-# **At ZeRO stage 3 a forward is collective**: each unit's parameters are all-gathered from every
-# rank before it runs. Rank 0 evaluating alone waits forever for ranks that are not there. So
-# every rank evaluates: its share of each eval batch, then the ranks average.
+# (`if iter_num % eval_interval == 0 and master_process:` in its `train.py`), on that process's
+# own random batches. Under torch DDP that works: nanoGPT's model has no buffers to broadcast, so
+# its forward communicates nothing. **At ZeRO stage 3 a forward is collective**: each unit's
+# parameters are all-gathered from every rank before it runs. Rank 0 evaluating alone waits for
+# ranks that never come, until the process group's timeout ends the run. So every rank
+# evaluates: its share of each eval batch, then the ranks average.
 #
 # ## Exercise — the eval loss, averaged over the ranks
 #
