@@ -90,11 +90,11 @@ def eval_interval(iters: int) -> int:
     return 250 if iters % 250 == 0 else iters
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float, log: Path) -> tuple[float, int, str]:
-    """Run ``cmd`` under the peak-memory wrapper; ``(wall seconds, peak bytes, output)``."""
+def _run(cmd: list[str], cwd: Path, timeout: float, log: Path, env: dict | None = None) -> tuple:
+    """Run ``cmd`` under the peak-memory wrapper; ``(wall s, peak bytes, output, load)``."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", PEAK, *cmd], cwd=cwd, capture_output=True,
-                         text=True, timeout=timeout)  # fmt: skip
+                         text=True, timeout=timeout, env=env)  # fmt: skip
     wall = time.perf_counter() - t0
     load = os.getloadavg()[0]  # the 1-minute load average as the run ends: a busy machine shows
     log.write_text(out.stdout + out.stderr)
@@ -105,7 +105,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float, log: Path) -> tuple[float, i
     return wall, peak, out.stdout, load
 
 
-def run_nanogpt(src: Path, work: Path, iters: int, timeout: float) -> dict:
+def run_nanogpt(src: Path, work: Path, iters: int, timeout: float, threads: int | None) -> dict:
     for f in NEEDED:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src / f, work / f)
@@ -115,11 +115,13 @@ def run_nanogpt(src: Path, work: Path, iters: int, timeout: float) -> dict:
             "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={iters}",
             f"--lr_decay_iters={iters}", "--dropout=0.0", f"--out_dir={work / 'out'}",
             f"--eval_interval={eval_interval(iters)}"]  # fmt: skip
-    wall, peak, text, load = _run([sys.executable, *args], work, timeout, work / "nanogpt.log")
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    wall, peak, text, load = _run([sys.executable, *args], work, timeout, work / "nanogpt.log", env)
     evals = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text)
     times = [float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", text)]
     it, tr, va = evals[-1]
-    return {"name": "nanoGPT train.py (1 process)", "iter": int(it), "val": float(va),
+    name = "nanoGPT train.py" + ("" if threads is None else f", {threads} thread(s)")
+    return {"name": name, "iter": int(it), "val": float(va),
             "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak,
             "load": load}  # fmt: skip
 
@@ -151,6 +153,12 @@ def main(argv: list[str]) -> int:
         help="iterations of every run (default 2000, nanoGPT's baby GPT)",
     )
     p.add_argument("--nprocs", type=positive_int, default=2, help="minizero's ranks (default 2)")
+    p.add_argument(
+        "--nanogpt-threads",
+        type=positive_int,
+        default=None,
+        help="OMP_NUM_THREADS for nanoGPT (default: unset, torch's own choice)",
+    )
     p.add_argument("--stages", default="0,3", help="minizero's stages (default 0,3)")
     p.add_argument(
         "--json",
@@ -179,14 +187,15 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="minizero-nanogpt-") as tmp:
         work = Path(tmp)
         print(f"nanoGPT ({src}): {a.max_iters} iterations, 1 process on the CPU ...", flush=True)
-        rows.append(run_nanogpt(src, work, a.max_iters, a.timeout))
+        rows.append(run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads))
         for s in stages:
             print(f"minizero train --stage {s} --nprocs {a.nprocs} ...", flush=True)
             rows.append(run_minizero(s, a.nprocs, work, a.max_iters, a.timeout))
     base = rows[0]["wall_s"]
     cores = os.cpu_count()
+    threads = a.nanogpt_threads or "torch's default"
     print(f"\nnanoGPT's baby GPT on Tiny Shakespeare, {a.max_iters} iterations, CPU ({cores} "
-          f"cores), torch threads: nanoGPT its default, minizero 1 per rank (gloo)")  # fmt: skip
+          f"cores); threads: nanoGPT {threads}, minizero 1 per rank")  # fmt: skip
     print(f"{'run':<36}{'val loss':>9}{'wall s':>9}{'/ nanoGPT':>11}{'iter ms':>9}"
           f"{'peak RSS':>12}{'load':>6}")  # fmt: skip
     for r in rows:
