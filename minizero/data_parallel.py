@@ -37,17 +37,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
 from minizero import hsdp
-from minizero.habits import (
-    SAVE_ON_RANK_0,
-    Arrival,
-    TorchNames,
-    Trainable,
-    claim,
-    full_module_state_dict,
-    match_keys,
-    refuse_dtypes,
-)  # fmt: skip
-from minizero.precision import LossScaler, Precision, floating, resolve
+from minizero.habits import (SAVE_ON_RANK_0, Arrival, TorchNames, Trainable, claim,
+                             full_module_state_dict, match_keys, refuse_dtypes)  # fmt: skip
+from minizero.precision import LossScaler, Precision, floating, full_dtype, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
 
@@ -98,7 +90,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
                 "or under torchrun (python -m minizero run ...)"
             )
         self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
-        refuse_dtypes([p for p in module.parameters() if p.requires_grad], self.param_names)
+        refuse_dtypes(module.parameters(), self.param_names, full_dtype(resolve(precision)))
         claim(module, type(self).__name__)  # before any hook: a refused model stays clean
         self.module = module
         self.group = process_group
@@ -141,7 +133,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
 
     def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
-        if self.precision.param_dtype != torch.float32:
+        if self.precision.master:
             self.module.to(self.precision.param_dtype)
 
     # -- the layout the optimizer sees -------------------------------------------------------------
@@ -174,7 +166,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
                     hsdp.broadcast(buf, self.group, self.replicate_group, tag="buffers")
         self._sync_buffers = torch.is_grad_enabled() and self.require_sync
         dtype = self.precision.param_dtype
-        if self.precision.cast_forward_inputs and dtype != torch.float32:
+        if self.precision.cast_forward_inputs and dtype != torch.float32:  # 16 bits, or fp64
             cast = lambda t: t.to(dtype) if floating(t) else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         out = self.module(*args, **kwargs)
@@ -265,8 +257,9 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
 
     def step_grads(self) -> list[torch.Tensor | None]:
         """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once."""
-        if self._step_grads is None:  # .float(): no copy when already fp32
-            self._step_grads = [None if g is None else g.float() for g in self.owned_grads()]
+        if self._step_grads is None:  # in the masters' dtype: no copy when already there
+            full = full_dtype(self.precision)
+            self._step_grads = [None if g is None else g.to(full) for g in self.owned_grads()]
             self.grads_finite(self._step_grads)
         return self._step_grads
 
@@ -350,8 +343,9 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         names = dict(self.module.named_parameters(remove_duplicate=False))
         out = {}
         for k, v in sd.items():
-            if k in names:
-                v = full[id(names[k])] if id(names[k]) in full else names[k].detach().float()
+            if k in names:  # (a frozen parameter: not in full; its working copy, cast)
+                v = full[id(names[k])] if id(names[k]) in full else names[k].detach()
+                v = v.to(full_dtype(self.precision))
             elif isinstance(v, torch.Tensor):
                 v = v.detach()
             out[prefix + k] = v
@@ -366,7 +360,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         with torch.no_grad():
             for k, v in state_dict.items():
                 if k in names:  # (names are keys of own)
-                    self.load_param(names[k], v.detach().to(torch.float32))
+                    self.load_param(names[k], v.detach().to(full_dtype(self.precision)))
                 elif k in own:
                     own[k].copy_(v)
         self._step_grads = None
@@ -392,7 +386,8 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
 
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the whole parameter in fp32, on this rank (collective where sharded)."""
-        return {id(p): p.detach().float().clone() for p in self.module.parameters()}
+        full = full_dtype(self.precision)
+        return {id(p): p.detach().to(full).clone() for p in self.module.parameters()}
 
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         ps = list(self.module.parameters())

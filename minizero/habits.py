@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -22,11 +22,19 @@ from torch import nn
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
 
-def refuse_dtypes(params: list[nn.Parameter], names: dict[int, str]) -> None:
-    """The stages keep fp32 gradient buckets and fp32 masters and cast the 16-bit working copy
-    themselves (``precision=``): a parameter of another dtype would never get its gradient."""
-    for p in params:
-        if p.dtype != torch.float32:
+def refuse_dtypes(
+    params: Iterable[nn.Parameter], names: dict[int, str], full: torch.dtype = torch.float32
+) -> None:
+    """The stages keep gradient buckets and masters in ``full`` (fp32; fp64 under
+    ``precision="fp64"``) and cast the 16-bit working copy themselves (``precision=``): a parameter
+    of another dtype would never get its gradient."""
+    for p in (p for p in params if p.requires_grad):
+        if p.dtype == torch.float64 and full != torch.float64:
+            raise TypeError(
+                f"parameter {names[id(p)]!r} is torch.float64: pass precision='fp64' to train "
+                "a float64 model, or call model.float()"
+            )
+        if p.dtype != full:
             if p.dtype in (torch.float16, torch.bfloat16):
                 fix = f"call model.float() and pass precision='{_short(p.dtype)}' instead"
             else:

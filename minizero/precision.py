@@ -28,14 +28,17 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop, torch.optim.ASGD,
 )  # fmt: skip
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Precision:
     """How a stage stores parameters and gradients.
 
-    name: "fp32", "bf16", "fp16", or "custom".
+    name: "fp32", "fp64", "bf16", "fp16", or "custom". "fp64" is fp32's rule in float64: the
+        course's checks train in it, where a different order of the same sums moves a result by
+        about 1e-16 instead of 1e-7, so a check can compare with a reference almost exactly.
     param_dtype: dtype of the working parameters (the forward and backward compute dtype).
     reduce_dtype: dtype gradients are reduced and accumulated in (None: param_dtype). fp32 here
         costs 4Ψ instead of 2Ψ of gradient memory, as production bf16 training does.
@@ -61,20 +64,27 @@ class Precision:
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", self.param_dtype)
         if self.master is None:
-            object.__setattr__(self, "master", self.param_dtype != torch.float32)
+            object.__setattr__(self, "master", self.param_dtype in _HALF)
         if self.loss_scale is None:
             fp16 = torch.float16 in (self.param_dtype, self.reduce_dtype)
             object.__setattr__(self, "loss_scale", fp16)
-        if self.param_dtype != torch.float32 and not self.master:
+        if self.param_dtype in _HALF and not self.master:
             raise ValueError("a 16-bit param_dtype needs fp32 master weights: leave master=None")
 
 
 POLICIES = {
     "fp32": Precision(name="fp32", param_dtype=torch.float32),
+    "fp64": Precision(name="fp64", param_dtype=torch.float64),
     "bf16": Precision(name="bf16", param_dtype=torch.bfloat16),
     # fp16: the output goes back to fp32, so the loss (and the scaled dL/dy) is computed in fp32
     "fp16": Precision(name="fp16", param_dtype=torch.float16, output_dtype=torch.float32),
 }
+
+
+def full_dtype(precision: Precision) -> torch.dtype:
+    """The dtype of the parameters a model hands in and of the optimizer's masters: fp32, or
+    fp64 under the "fp64" policy (a 16-bit working copy always has fp32 masters)."""
+    return torch.float64 if precision.param_dtype == torch.float64 else torch.float32
 
 
 def resolve(precision: str | Precision) -> Precision:

@@ -119,7 +119,8 @@ class GradNorms:
                     f"minizero's sharded gradients support norm 2 and inf, not {ord_}"
                 )
             inf = ord_ == float("inf")
-            part = torch.zeros(len(self.params), dtype=torch.float32, device=self.params[0].device)
+            dtype = torch.promote_types(self.params[0].dtype, torch.float32)  # fp32, or fp64
+            part = torch.zeros(len(self.params), dtype=dtype, device=self.params[0].device)
             for i, q in enumerate(self.params):  # (P,) this rank's part of each parameter's norm
                 for g in self.grad_fragments(q):
                     part[i] = (

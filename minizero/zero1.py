@@ -74,7 +74,7 @@ class ZeRO1(DDP):
 
     def cast_working(self) -> None:
         dtype = self.precision.param_dtype
-        if dtype == torch.float32:
+        if not self.precision.master:  # fp32 (or fp64): the parameters are the masters
             return
         super().cast_working()  # frozen parameters and buffers
         for b in self.buckets:
@@ -163,8 +163,8 @@ class ZeRO1(DDP):
     def full_params(self) -> dict[int, torch.Tensor]:
         full = {}
         for b, m in zip(self.buckets, self.masters):
-            flat = torch.empty(b.padded, dtype=torch.float32, device=m.device)  # (padded,) fp32
-            C.all_gather(flat, m.float(), group=self.group, tag="full_state_dict")
+            flat = torch.empty(b.padded, dtype=m.dtype, device=m.device)  # (padded,) masters'
+            C.all_gather(flat, m, group=self.group, tag="full_state_dict")
             full.update({id(p): b.view(flat, p).clone() for p in b.params})
         return full
 
