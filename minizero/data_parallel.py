@@ -7,9 +7,9 @@ keep, and which collectives they issue, from backward to the end of ``optimizer.
 
 One layout serves communication and the optimizer (lesson 02): flat buckets; rank r owns a range of
 each (all of it for DDP, chunk r for ZeRO), its fp32 masters one ``(owned,)`` tensor per bucket. The
-optimizer gets one tensor per :class:`Fragment`: the part of one parameter in this rank's range, a
-view into that master tensor, in the parameter's own param group. Per-group settings, skipping
-parameters without gradient, checkpoints by parameter name and element range: all from these views.
+optimizer gets one tensor per :class:`Fragment` (the part of one parameter in this rank's range, a
+view into that master tensor, in the parameter's param group): per-group settings, skipping
+parameters without gradient, checkpoints by parameter name and element range all come from them.
 
 One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
 
@@ -37,8 +37,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
 from minizero import hsdp
-from minizero.habits import (SAVE_ON_RANK_0, Arrival, TorchNames, Trainable, claim,
-                             full_module_state_dict, match_keys, refuse_dtypes)  # fmt: skip
+from minizero.habits import (
+    SAVE_ON_RANK_0,
+    Arrival,
+    TorchNames,
+    Trainable,
+    claim,
+    full_module_state_dict,
+    match_keys,
+    refuse_dtypes,
+)
 from minizero.precision import LossScaler, Precision, floating, full_dtype, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
 
@@ -156,7 +164,6 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         """The tensors this rank's optimizer steps: one per fragment (or the parameters)."""
         return [f.tensor for f in self.fragments]
 
-    # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._trainable.check()
         self._show_grads()
@@ -188,7 +195,6 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         finally:
             self.require_sync = old
 
-    # -- backward ----------------------------------------------------------------------------------
     def queue_backward_end(self) -> None:
         """From inside backward (a hook): run ``self.backward_end()`` once backward has finished.
         Safe to call from every hook: it queues one callback per backward."""
