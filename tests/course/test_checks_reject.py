@@ -345,11 +345,10 @@ def test_zero2_rejects_copy_for_add_a_kept_grad_and_fp32_buffers_in_bf16():
         starts="fp32, rank 0, backward 0: after their gradient hook",
         has=("still hold a full gradient in p.grad", "p.grad = None"),
     )
-    _rejects(
+    _rejects(  # float64 gradients through float32 buffers: off by float32's rounding
         lesson03.check_zero2,
         _Fp32Buffers,
-        starts="bf16, rank 0: your bucket buffers held up to",
-        has=("in the gradient's dtype (p.grad.dtype)",),
+        has=("float32's rounding", "in the gradient's dtype (p.grad.dtype)"),
     )
 
 
