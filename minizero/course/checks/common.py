@@ -79,7 +79,8 @@ def worst(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tu
         return 0.0, 1.0
     diff = (got - want).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
     bound = (atol + rtol * want.abs()).nan_to_num(nan=atol)
-    k = int((diff / bound).reshape(-1).argmax())
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)  # 0/0: equal, no NaN
+    k = int(ratio.reshape(-1).argmax())
     return float(diff.reshape(-1)[k]), float(bound.reshape(-1)[k])
 
 

@@ -28,6 +28,8 @@ from minizero.bucket import make_buckets
 from minizero.course.checks.common import (
     SUBGROUP,
     CheckFailed,
+    allclose,
+    check_seed,
     describe,
     guard,
     launch_check,
@@ -38,6 +40,7 @@ from minizero.course.checks.common import (
     run_info,
     strict_ledger,
     two_ranks_hint,
+    within,
 )
 from minizero.course.checks.common_zero import (
     BF16_ATOL,
@@ -208,12 +211,19 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
 # -- clipping: the global gradient norm over shards, the padding left out --------------------------
 SHAPES = [(37, 13), (37,), (29, 37), (29,), (7, 29), (7,), (7,)]  # the MLP's, 1,837 elements
 CLIP_CAP_MB, PADDING_VALUE = 0.002, 3.0
+# A right answer rounds its float32 norm and scaled shards a few times (each 2^-24 relative) from
+# the float64 reference; a wrong one (padding counted, a local norm, norms summed, scaling up) is
+# off by 1% or more. 3e-5 sits between them, 100x from each side.
+CLIP_RTOL = 3e-5
 
 
 def _grads() -> list[torch.Tensor]:
-    """One fixed full (averaged) gradient per parameter of SHAPES, the same on every rank."""
-    g = torch.Generator().manual_seed(7)
-    return [0.1 * torch.randn(s, generator=g) for s in SHAPES]
+    """One fixed full (averaged) gradient per parameter of SHAPES, the same on every rank: whole
+    multiples of 1/64 below 0.2 in size, so every square is a multiple of 2^-12 and every sum of
+    them (< 70) is exact in float32 in any order (any ranks, kernels, threads): a right answer's
+    norm is sqrt of the exact sum, one rounding from the float64 reference."""
+    g = torch.Generator().manual_seed(check_seed(7))
+    return [torch.randint(-12, 13, s, generator=g).float() / 64 for s in SHAPES]
 
 
 def _chunks(grads: list[torch.Tensor], world: int, rank: int) -> tuple[list, list[int]]:
@@ -313,12 +323,13 @@ def _check_clip(per_rank: list[dict], world: int, name: str) -> None:
                     "of all this rank's shards into one number, then one all_reduce "
                     "(minizero.collectives) sums the ranks' numbers"
                 )
-            params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]  # one process
+            params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in SHAPES]
             for p, g in zip(params, _grads(), strict=True):
-                p.grad = g
+                p.grad = g.double()
             want = float(torch.nn.utils.clip_grad_norm_(params, case["max_norm"]))
             got = case["norm"]
-            if got is None or not math.isclose(got, want, rel_tol=1e-5):
+            err = abs(got - want) if isinstance(got, float) else float("inf")
+            if not within(err, CLIP_RTOL * want, "03 clip norm"):
                 hint = _clip_hint(got, want, rank, world) if got is not None else ""
                 raise CheckFailed(
                     f"{name} returned norm {got} {where}; torch.nn.utils.clip_grad_norm_ on the "
@@ -327,7 +338,7 @@ def _check_clip(per_rank: list[dict], world: int, name: str) -> None:
             ref, _ = _chunks([p.grad for p in params], world, rank)
             for i, (g, w) in enumerate(zip(case["shards"], ref, strict=True)):
                 w = w[: g.numel()]
-                if not torch.allclose(g, w, rtol=1e-5, atol=1e-7):
+                if not allclose(g, w, CLIP_RTOL, 0.0, "03 clip shards"):
                     hint = (
                         "scale every shard in place by max_norm / (norm + 1e-6)"
                         if case["max_norm"] < want
