@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
-MIN_WORLD = 3  # every check runs on at least 3 ranks: a hard-coded 2 and the world size differ
+# Every check runs on at least 3 ranks: a hard-coded 2 and the world size differ. (More with
+# $MINIZERO_CHECK_WORLD: `margins` runs them on 4 and 5 too.)
+MIN_WORLD = max(3, int(os.environ.get("MINIZERO_CHECK_WORLD", "3") or 3))
 SUBGROUP = (0, 1)  # the subgroup of the world a check runs group-taking code on; rank 2 is out
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
 TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # seconds, overrides every check's own timeout when set
