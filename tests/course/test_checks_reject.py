@@ -194,8 +194,11 @@ def test_zero1_rejects_a_sum_and_a_forgotten_master():
     _rejects(
         lesson02.check_zero1,
         _NoMasterCopy,
-        starts="step 0, rank 0, parameter",
-        has=("minizero ZeRO1 in bf16", "separate fp32 master (self.masters[i])"),
+        starts="bf16, step 0, rank 0: parameter",
+        has=(
+            "from the fp32 master the optimizer stepped",
+            "separate fp32 master (self.masters[i])",
+        ),
     )
 
 

@@ -43,12 +43,11 @@ from minizero.course.checks.common import (
     within,
 )
 from minizero.course.checks.common_zero import (
-    BF16_ATOL,
-    BF16_RTOL,
     STEPS,
     check_subgroup,
     check_volume,
     compare,
+    compare_bf16,
     fsdp2,
     minizero_build,
     one_process,
@@ -161,16 +160,9 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         _check_structure(mine, refs["minizero.zero2.ZeRO2"], rank, "fp32")
         compare(mine, refs, "minizero.zero2.ZeRO2", rank, world, shards=shards)
         _check_structure(res["bf16"], res["bf16_ref"], rank, "bf16")
-        compare(
-            res["bf16"],
-            {"minizero ZeRO2 in bf16": res["bf16_ref"]},
-            "minizero ZeRO2 in bf16",
-            rank,
-            world,
-            shards=f"In bf16. {shards}",
-            rtol=BF16_RTOL,
-            atol=BF16_ATOL,
-        )
+    compare_bf16(
+        [{"mine": r["bf16"], "ref": r["bf16_ref"]} for r in res_all], "minizero ZeRO2 in bf16", ""
+    )
     res = res_all[0]
     mine = res["mine"]
     for step, (recs, marks) in enumerate(zip(mine["records"], mine["marks"], strict=True)):
