@@ -137,11 +137,15 @@ def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
     #       the sum; all_gather(flat, chunk, group=group) puts every rank's summed chunk back in its
     #       place: flat is the whole sum, on every rank. Copy its first numel elements into t,
     #       shaped like t, and return t.
-    # HINT: world = dist.get_world_size(group); n = t.numel(); shard = -(-n // world); flat =
-    #       torch.zeros(world * shard, dtype=t.dtype, device=t.device); flat[:n] = t.reshape(-1);
-    #       chunk = torch.empty(shard, dtype=t.dtype, device=t.device); reduce_scatter(chunk, flat,
-    #       group=group); all_gather(flat, chunk, group=group); t.copy_(flat[:n].view_as(t)); return
-    #       t
+    # HINT: world = dist.get_world_size(group)
+    #       shard = -(-t.numel() // world)  # ceil
+    #       flat = torch.zeros(world * shard, ...)  # (N * shard,): t's dtype and device
+    #       flat[: t.numel()] = t.reshape(-1)
+    #       chunk = torch.empty(shard, ...)  # (shard,)
+    #       reduce_scatter(chunk, flat, group=group)
+    #       all_gather(flat, chunk, group=group)
+    #       t.copy_(...)  # flat's first t.numel() elements, shaped like t
+    #       return t
     world = dist.get_world_size(group)
     n = t.numel()
     shard = -(-n // world)  # ceil(n / world): the chunk each rank owns

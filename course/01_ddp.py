@@ -99,8 +99,11 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
     #       subgroup.
     # HINT: A parameter whose p.grad is None got no gradient: skip it. Every other gradient gets one
     #       all_reduce(p.grad, group=group), then the division, in place.
-    # HINT: world = dist.get_world_size(group); for p in model.parameters(): if p.grad is not None:
-    #       all_reduce(p.grad, group=group, tag=...); p.grad.div_(world)
+    # HINT: world = dist.get_world_size(group)
+    #       for p in model.parameters():
+    #           if p.grad is not None:
+    #               all_reduce(p.grad, group=group, tag="naive")  # the sum, in place
+    #               ...  # the average
     world = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -248,10 +251,12 @@ class BucketedDDP(torch.nn.Module):
         # HINT: self.pending[b.index] counts the gradients b still waits for: one fewer now. At 0 b
         #       is complete: start its all-reduce with async_op=True and keep (b, work) in
         #       self.works. Do not wait here: backward goes on while the bucket travels.
-        # HINT: b = self.bucket_of[param]; b.view(self.flat[b.index], param).copy_(param.grad);
-        #       self.pending[b.index] -= 1; if it is 0: work = all_reduce(self.flat[b.index],
-        #       group=self.group, async_op=True, tag=f"bucket {b.index}"); self.works.append((b,
-        #       work))
+        # HINT: b = self.bucket_of[param]
+        #       b.view(self.flat[b.index], param).copy_(param.grad)
+        #       self.pending[b.index] -= 1
+        #       if self.pending[b.index] == 0:
+        #           work = all_reduce(self.flat[b.index], group=self.group, async_op=True, tag=...)
+        #           self.works.append((b, work))
         b = self.bucket_of[param]
         b.view(self.flat[b.index], param).copy_(param.grad)  # the argument is the PARAMETER
         self.pending[b.index] -= 1
@@ -270,8 +275,11 @@ class BucketedDDP(torch.nn.Module):
         # HINT: Each (b, work) in self.works is an all-reduce that may still be running: wait for it
         #       before reading b's buffer. The buffer then holds the sum over the ranks; divide it
         #       by self.world for the average.
-        # HINT: for b, work in self.works: work.wait(); flat = self.flat[b.index].div_(self.world);
-        #       for p in b.params: p.grad.copy_(b.view(flat, p))
+        # HINT: for b, work in self.works:
+        #           work.wait()
+        #           flat = self.flat[b.index].div_(self.world)  # (numel,) the average
+        #           for p in b.params:
+        #               p.grad.copy_(...)  # p's slot of flat
         for b, work in self.works:
             work.wait()
             flat = self.flat[b.index].div_(self.world)  # (numel,) sum over ranks -> average

@@ -169,9 +169,11 @@ class MyBucket:
         """Copy one tensor per parameter into a new zero-padded flat buffer (padded,)."""
         # BEGIN SOLUTION
         # TODO: a new zero-padded (padded,) buffer with each tensor in its parameter's place
-        # HINT: flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype,
-        #       device=tensors[0].device); for p, t in zip(self.params, tensors): self.view(flat,
-        #       p).copy_(t); return flat
+        # HINT: view() already finds each parameter's place in a flat buffer:
+        #       flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=...)
+        #       for p, t in zip(self.params, tensors):
+        #           ...  # t into p's view of flat
+        #       return flat
         flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
         for p, t in zip(self.params, tensors, strict=True):
             self.view(flat, p).copy_(t)
@@ -282,8 +284,8 @@ class MyZeRO1(ZeRO1):
             #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
             #       divide by self.world.
             # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
-            #       reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}");
-            #       chunk.div_(self.world)
+            #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+            #           ...  # sum -> average
             for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
                 reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
                 chunk.div_(self.world)  # sum over ranks -> average
@@ -302,9 +304,10 @@ class MyZeRO1(ZeRO1):
                 #       own; in mixed precision (self.precision.master) it is a separate fp32 copy,
                 #       so copy it into own (16-bit) first.
                 # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives
-                #       every rank every chunk, Ψ in all: if self.precision.master:
-                #       own.copy_(master); all_gather(flat, own, group=self.group, tag=f"params
-                #       {b.index}")
+                #       every rank every chunk, Ψ in all:
+                #       if self.precision.master:
+                #           own.copy_(master)
+                #       all_gather(flat, own, group=self.group, tag=f"params {b.index}")
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
@@ -604,9 +607,15 @@ def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sca
     #       on the masters' device.
     # HINT: One all_reduce(found, group=group) sums the counts over the ranks. 0: no rank saw an inf
     #       or a NaN, so optimizer.step() and return scale. Otherwise do not step; return scale / 2.
-    # HINT: found = torch.zeros(1, device=masters[0].device); for m in masters: m.grad.div_(scale);
-    #       found += (~torch.isfinite(m.grad)).sum(); all_reduce(found, group=group, tag=...); if
-    #       found.item(): return scale / 2; optimizer.step(); return scale
+    # HINT: found = torch.zeros(1, device=masters[0].device)
+    #       for m in masters:
+    #           m.grad.div_(scale)
+    #           found += ...  # how many elements of m.grad are not finite
+    #       all_reduce(found, group=group, tag="fp16 inf check")
+    #       if found.item():
+    #           return scale / 2
+    #       optimizer.step()
+    #       return scale
     found = torch.zeros(1, device=masters[0].device)  # (1,) non-finite elements on this rank
     for m in masters:
         m.grad.div_(scale)  # unscale in fp32, before anything reads the gradient

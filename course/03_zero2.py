@@ -131,10 +131,13 @@ class MyZeRO2(ZeRO2):
         #       backward).
         # HINT: self.pending[b.index] counts b's gradients still to come: one fewer. At 0,
         #       self.launch(b) starts b's reduce-scatter (it first finishes the one in flight).
-        # HINT: buf = self.filling.get(b.index); if buf is None: buf = torch.zeros(b.padded,
-        #       dtype=p.grad.dtype, device=p.grad.device); self.filling[b.index] = buf. Then
-        #       b.view(buf, p).copy_(p.grad); p.grad = None; self.pending[b.index] -= 1; if
-        #       self.pending[b.index] == 0: self.launch(b)
+        # HINT: buf = self.filling.get(b.index)
+        #       if buf is None:
+        #           buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+        #           self.filling[b.index] = buf
+        #       b.view(buf, p).copy_(p.grad)
+        #       p.grad = None
+        #       ...  # one fewer pending; at 0, launch b
         buf = self.filling.get(b.index)
         if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
             buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
@@ -152,9 +155,13 @@ class MyZeRO2(ZeRO2):
         # TODO: nothing in flight; its chunk, averaged, is added into the bucket's gradient shard
         # HINT: self.in_flight is None or (b, work, buf, out): out, a (shard,) view of buf, holds
         #       this rank's chunk of the sum once work.wait() returns.
-        # HINT: Add, do not copy (micro-batches accumulate):
-        #       self.grad_shards[b.index].add_(out.div_(self.world)); then self.in_flight = None
-        #       drops the last reference to buf, which frees it.
+        # HINT: Add, do not copy (micro-batches accumulate); forgetting the tuple drops the last
+        #       reference to buf, which frees it:
+        #       if self.in_flight is not None:
+        #           b, work, _buf, out = self.in_flight
+        #           work.wait()
+        #           self.grad_shards[b.index].add_(...)  # the average: out / self.world
+        #           self.in_flight = None
         if self.in_flight is not None:
             b, work, _buf, out = self.in_flight
             work.wait()
@@ -482,10 +489,14 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
     # HINT: The coefficient is min(1, max_norm / (norm + 1e-6)): torch.clamp(max_norm / (norm +
     #       1e-6), max=1.0), a tensor. Multiply every shard by it in place (mul_, in the shard's
     #       dtype) and return norm.
-    # HINT: sq = torch.zeros((), dtype=torch.float32, device=shards[0].device); for s, n in
-    #       zip(shards, valid): sq += s[:n].float().pow(2).sum(); all_reduce(sq, group=group); norm
-    #       = sq.sqrt(); coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0); for s in shards:
-    #       s.mul_(coef.to(s.dtype)); return norm
+    # HINT: sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)
+    #       for s, n in zip(shards, valid):
+    #           sq += s[:n].float().pow(2).sum()
+    #       all_reduce(sq, group=group, tag="grad norm")
+    #       norm = sq.sqrt()
+    #       coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    #       ...  # every shard times coef, in place, in its dtype
+    #       return norm
     sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)  # () this rank's part
     for s, n in zip(shards, valid, strict=True):
         sq += s[:n].float().pow(2).sum()  # the padding s[n:] is no parameter's: left out

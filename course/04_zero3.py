@@ -149,14 +149,20 @@ class MyZeRO3(ZeRO3):
         """Make unit i's full parameters available (asynchronously unless ``wait``)."""
         # BEGIN SOLUTION
         # TODO: unit i is gathered or on its way; with wait, its full parameters are in place
-        # HINT: A freed unit keeps its views, but the storage of its flat buffer has 0 bytes. Give
-        #       it back its bytes first: self.flat_params[i].untyped_storage().resize_(padded *
-        #       element_size()), padded = self.buckets[i].padded.
-        # HINT: Only if the unit is not gathered (self.gathered[i]): after the resize, start
-        #       all_gather(flat, self.param_shards[i], group=self.group, async_op=True), keep the
-        #       work in self.gathers[i], set self.gathered[i] = True.
-        # HINT: Waiting is separate, and also for a gather that a prefetch started: if wait and
-        #       self.gathers[i] is not None: self.gathers[i].wait(); self.gathers[i] = None.
+        # HINT: A freed unit keeps its views, but the storage under its flat buffer,
+        #       self.flat_params[i], has 0 bytes. Give the storage back its bytes first
+        #       (untyped_storage().resize_(...) of self.buckets[i].padded * element_size()), then
+        #       all-gather into it.
+        # HINT: Start the all-gather (async_op=True) only if the unit is not gathered yet, keep its
+        #       work in self.gathers[i] and mark the unit gathered. Wait, when asked, whether this
+        #       call or an earlier prefetch started the gather in flight.
+        # HINT: if not self.gathered[i]:
+        #           flat = self.flat_params[i]
+        #           flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
+        #           self.gathers[i] = all_gather(flat, self.param_shards[i], ..., async_op=True)
+        #           self.gathered[i] = True
+        #       if wait and self.gathers[i] is not None:
+        #           ...  # wait for it, then forget it
         if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) 0 bytes until now
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
@@ -173,9 +179,14 @@ class MyZeRO3(ZeRO3):
         """Drop unit i's full parameters; only this rank's shard stays."""
         # BEGIN SOLUTION
         # TODO: unit i holds 0 bytes and is not gathered; no collective writes into it
-        # HINT: Never free memory a collective is writing into: if self.gathers[i] is not None, wait
-        #       for it and set it to None. Then self.flat_params[i].untyped_storage().resize_(0)
-        #       (the views stay) and self.gathered[i] = False.
+        # HINT: Never free memory a collective is writing into: an all-gather still in flight
+        #       (self.gathers[i]) must finish first. Then the storage goes to 0 bytes; the views
+        #       stay.
+        # HINT: if self.gathers[i] is not None:
+        #           self.gathers[i].wait()
+        #           self.gathers[i] = None
+        #       self.flat_params[i].untyped_storage().resize_(0)
+        #       self.gathered[i] = False
         if self.gathers[i] is not None:  # never free memory a collective is writing into
             self.gathers[i].wait()
             self.gathers[i] = None
@@ -249,8 +260,10 @@ class PrefetchZeRO3(ZeRO3):
         # HINT: self.neighbour(m, k) gives the units of the module k places after m in the recorded
         #       order (k < 0: before; [] while recording). In forward the next module is
         #       self.prefetch places after m.
-        # HINT: for i in self.units_of[m]: self.gather(i); for i in self.neighbour(m,
-        #       +self.prefetch): self.gather(i, wait=False)
+        # HINT: for i in self.units_of[m]:
+        #           self.gather(i)  # needed now
+        #       for i in self.neighbour(m, +self.prefetch):
+        #           ...  # needed next: start it, do not wait
         for i in self.units_of[m]:
             self.gather(i)  # needed now: wait for it
         for i in self.neighbour(m, +self.prefetch):
@@ -265,8 +278,11 @@ class PrefetchZeRO3(ZeRO3):
         # HINT: Backward runs the modules in reverse: the module to prefetch is self.prefetch places
         #       BEFORE m. A unit whose gradients are all in was reduce-scattered and freed
         #       (self.pending[i] == -1): gathering it again would move Ψ/N for nothing.
-        # HINT: for i in self.units_of[m]: self.gather(i); for i in self.neighbour(m,
-        #       -self.prefetch): if self.pending[i] != -1: self.gather(i, wait=False)
+        # HINT: for i in self.units_of[m]:
+        #           self.gather(i)
+        #       for i in self.neighbour(m, -self.prefetch):
+        #           if self.pending[i] != -1:
+        #               self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):  # backward runs the modules in reverse order

@@ -373,8 +373,11 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
     #       bytes. With it each layer keeps its input only (2·sbh bytes, bf16), and one layer at a
     #       time is recomputed in full: LAYER·sbh more.
     # HINT: The rest: the output layer keeps LOGIT_BYTES per logit, s·b·V of them, whatever N; and
-    #       OTHER·sbh (the embeddings' output, the final LayerNorm). Return {"model_states": states,
-    #       "activations": layers + logits + other}.
+    #       OTHER·sbh (the embeddings' output, the final LayerNorm):
+    #       states = sum(paper_model_state_bytes(psi, case.world, case.stage, "bf16").values())
+    #       layers = ...  # L * LAYER * sbh, or with checkpointing L * 2 * sbh + LAYER * sbh
+    #       rest = LOGIT_BYTES * s * b * V + OTHER * sbh
+    #       return {"model_states": states, "activations": layers + rest}
     L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
     block = 12 * h * h + 13 * h  # attention 4h², MLP 8h² of weights; biases 9h, 2 LayerNorms 4h
     psi = V * h + cfg.block_size * h + L * block + 2 * h  # tied V·h, positions, final LayerNorm

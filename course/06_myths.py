@@ -589,11 +589,13 @@ def assign_owners(numels: list[int], world: int) -> list[int]:
     # TODO: each tensor's owner, whole tensors, no rank above total / world + the largest tensor
     # HINT: Greedy is enough: give each tensor, largest first, to the rank that owns the fewest
     #       elements so far. Keep what each rank owns in a list of world counts.
-    # HINT: Visit the indices sorted by decreasing size, sorted(range(len(numels)), key=lambda i:
-    #       -numels[i]); the owner of tensor i is min(range(world), key=load.__getitem__); add
-    #       numels[i] to its load.
-    # HINT: Return one owner per tensor in the tensors' own order (owners[i] for numels[i]), not in
-    #       the order you visited them.
+    # HINT: Visit the tensors' indices sorted by decreasing size, but return one owner per tensor in
+    #       the tensors' own order (owners[i] for numels[i]).
+    # HINT: load, owners = [0] * world, [0] * len(numels)
+    #       for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+    #           rank = min(range(world), key=load.__getitem__)  # the least loaded so far
+    #           ...  # rank owns tensor i; its load grows by numels[i]
+    #       return owners
     load, owners = [0] * world, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         rank = min(range(world), key=load.__getitem__)
@@ -608,8 +610,11 @@ def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=N
     # TODO: every rank holds every parameter as its owner updated it
     # HINT: The optimizer holds this rank's tensors only: optimizer.step() updates those. Every
     #       other parameter is stale here, and fresh on its owner.
-    # HINT: Then, for every parameter in the same order on every rank (a collective: every rank
-    #       calls it for every parameter): minizero.broadcast(p.data, src=owner, group=group).
+    # HINT: Then, for every parameter, in the same order on every rank (a collective: every rank
+    #       calls it for every parameter):
+    #       optimizer.step()
+    #       for p, owner in zip(params, owners):
+    #           minizero.broadcast(p.data, src=owner, group=group)
     optimizer.step()
     for p, owner in zip(params, owners):
         minizero.broadcast(p.data, src=owner, group=group)

@@ -127,9 +127,15 @@ def owned_ranges(model) -> dict[str, tuple[int, int]]:
     # HINT: Parameter p sits at [o, o + p.numel()) of its bucket (zip b.params with b.offsets). Its
     #       overlap with [lo, hi) is [max(o, lo), min(o + p.numel(), hi)), empty when its start is
     #       not below its end.
-    # HINT: Count the overlap from p's first element (subtract o) and store it under names[id(p)]:
-    #       s, e = max(o, lo), min(o + p.numel(), hi); if s < e: owned[names[id(p)]] = (s - o, e -
-    #       o)
+    # HINT: for b in model.buckets:
+    #           if model.stage == 0:
+    #               lo, hi = 0, b.numel
+    #           else:
+    #               lo, hi = ...  # chunk model.rank
+    #           for p, o in zip(b.params, b.offsets):
+    #               s, e = max(o, lo), min(o + p.numel(), hi)
+    #               if s < e:
+    #                   owned[names[id(p)]] = ...  # counted from o
     for b in model.buckets:
         if model.stage == 0:
             lo, hi = 0, b.numel
@@ -227,8 +233,11 @@ def read_plan(saved, want):
     #       start is not below its end.
     # HINT: An overlap [a, b) of piece k starts a - s elements into the piece and a - want[0]
     #       elements into the wanted range, and is b - a elements long.
-    # HINT: lo, hi = want; for k, (s, e) in enumerate(saved): a, b = max(s, lo), min(e, hi); if a <
-    #       b: plan.append((k, a - s, a - lo, b - a))
+    # HINT: lo, hi = want
+    #       for k, (s, e) in enumerate(saved):
+    #           a, b = max(s, lo), min(e, hi)
+    #           if a < b:
+    #               plan.append(...)  # (k, src, dst, n)
     lo, hi = want
     for k, (s, e) in enumerate(saved):
         a, b = max(s, lo), min(e, hi)

@@ -204,8 +204,11 @@ def hsdp_reduce(grad, shard_group, replicate_group):
     # HINT: Take the sizes from the groups: N_s = dist.get_world_size(shard_group), R =
     #       dist.get_world_size(replicate_group). The shard has grad.numel() // N_s elements, of
     #       grad's dtype; the average is the sum divided by N_s · R.
-    # HINT: out = torch.empty(grad.numel() // n_s, dtype=grad.dtype); C.reduce_scatter(out, grad,
-    #       group=shard_group); C.all_reduce(out, group=replicate_group); return out / (n_s * r)
+    # HINT: n_s = dist.get_world_size(shard_group)
+    #       out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)
+    #       C.reduce_scatter(out, grad, group=shard_group)
+    #       C.all_reduce(out, group=replicate_group)
+    #       return out / ...  # N_s * R
     n_s = dist.get_world_size(shard_group)
     out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)  # (numel / N_s,) this rank's shard
     C.reduce_scatter(out, grad, group=shard_group)  # summed over the node
@@ -252,9 +255,13 @@ def quantize(x, block):
     #       (blocks, block). Zeros change no block's largest |x|.
     # HINT: scales = the largest |x| of each row / 127, rows.abs().amax(dim=1) / 127; then q =
     #       round(x / scale) lies in [-127, 127].
-    # HINT: An all-zero block has scale 0: divide by 1 there instead (torch.where(scales > 0,
-    #       scales, 1)), so its q is 0 and no NaN appears. torch.round, .to(torch.int8), then
-    #       flatten and cut the padding: q.view(-1)[:n].
+    # HINT: An all-zero block has scale 0: divide by 1 there instead, so its q is 0 and no NaN
+    #       appears:
+    #       rows = ...  # x padded with zeros to whole blocks, viewed (blocks, block)
+    #       scales = rows.abs().amax(dim=1) / 127  # (blocks,)
+    #       safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    #       q = torch.round(rows / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    #       return q.view(-1)[:n], scales
     n = x.numel()
     rows = torch.zeros(-(-n // block) * block)
     rows[:n] = x
@@ -466,9 +473,12 @@ def predict_step_time(cfg: cost.Config, links: dict, compute_s: float, psi: int)
     # HINT: cost.step_collectives(cfg, [psi]) lists the collectives (each a Comm: op, nbytes, n,
     #       link, times); cost.ring(c.op, c.nbytes, c.n) gives (rounds, wire); links[c.link] has
     #       .alpha and .beta.
-    # HINT: total = cfg.micro_batches * compute_s; for c in cost.step_collectives(cfg, [psi]):
-    #       rounds, wire = cost.ring(c.op, c.nbytes, c.n); link = links[c.link]; total += c.times *
-    #       (link.alpha * rounds + wire / link.beta)
+    # HINT: total = cfg.micro_batches * compute_s
+    #       for c in cost.step_collectives(cfg, [psi]):
+    #           rounds, wire = cost.ring(c.op, c.nbytes, c.n)
+    #           link = links[c.link]
+    #           total += ...  # c.times times α · rounds + wire / β
+    #       return total
     total = cfg.micro_batches * compute_s
     for c in cost.step_collectives(cfg, [psi]):
         rounds, wire = cost.ring(c.op, c.nbytes, c.n)
@@ -637,8 +647,10 @@ def choose(rows: list[dict], memory: float) -> str | None:
     #       the memory given (an exact fit fits).
     # HINT: Among those that fit, compare step_s first and memory second: the tuple (step_s, memory)
     #       as min's key does both. No row fits: None.
-    # HINT: fits = [r for r in rows if r["memory"] <= memory]; return None if not fits, else
-    #       min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"]
+    # HINT: fits = [r for r in rows if r["memory"] <= memory]
+    #       if not fits:
+    #           return None
+    #       return min(fits, key=lambda r: ...)["name"]  # step_s first, then memory
     fits = [r for r in rows if r["memory"] <= memory]
     if not fits:
         return None

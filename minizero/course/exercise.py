@@ -6,7 +6,9 @@ Inside a function or method of a lesson's code cell, an exercise is written as::
     # TODO: every p.grad becomes the average of that gradient over the group's ranks
     # HINT: an all-reduce leaves the SUM of every rank's tensor on every rank, in place
     # HINT: ... down to near-code; a comment line with two or more spaces after '#'
-    #       continues the hint above it
+    #       continues the hint above it, on a line of its own; indented further, code:
+    #       for p in model.parameters():
+    #           ...
     code
     # END SOLUTION
 
@@ -34,7 +36,7 @@ class Block:
     func: str  # the function it is in: "MyZeRO2.finish_in_flight()"
     indent: str
     todo: str  # the result the code must produce (the lesson's one '# TODO:' line)
-    hints: list[str]  # one string a hint, from the idea down to near-code
+    hints: list[str]  # one string a hint (its lines as written), from the idea to near-code
     code: list[str]
 
 
@@ -86,8 +88,8 @@ def _read_block(lines: list[str], indent: str, func: str, begin: int, name: str)
         s = lines[k].strip() if k < len(lines) else ""
         if s.startswith(HINT):
             hints.append(s[len(HINT) :].strip())
-        elif hints and re.match(r"#\s{2,}\S", s):  # '#' and 2+ spaces: the hint goes on
-            hints[-1] += " " + s[1:].strip()
+        elif hints and re.match(r"#\s{2,}\S", s):  # '#' and 2+ spaces: the hint goes on,
+            hints[-1] += "\n" + re.sub(r"^ {1,7}", "", s[1:])  # indented under its first line
         else:
             break
     for j, s in enumerate(lines[k:]):

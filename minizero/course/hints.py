@@ -81,7 +81,7 @@ class Hints:
         part, text = flat[k - 1]
         where = f" ({part})" if len(ex["parts"]) > 1 else ""
         head = f"{name}, hint {k} of {total}{where}:"
-        body = textwrap.fill(text, 92, initial_indent="    ", subsequent_indent="    ")
+        body = textwrap.indent(text, "    ")  # its lines as the source has them
         tail = ""
         if k == total:
             tail = f"\n(That was the last hint; the worked code is in {solution}.)"

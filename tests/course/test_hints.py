@@ -202,11 +202,13 @@ def test_exercise_names_are_unique_across_lessons(tmp_path):
     (tmp_path / "course").mkdir()
     text = (
         "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: one\n    # HINT: a\n"
-        '    #   b\n    return 1\n    # END SOLUTION\n\n\n# %% check="f"\nassert f() == 1\n'
+        "    #   b\n    # HINT: for x in y:\n    #           pass\n    return 1\n"
+        '    # END SOLUTION\n\n\n# %% check="f"\nassert f() == 1\n'
     )
     (tmp_path / "course" / "01_a.py").write_text(text)
     assert build.exercise_hints(tmp_path)[0]["parts"] == [
-        {"part": "f()", "todo": "one", "hints": ["a b"]}  # '#' + 2 spaces: the hint goes on
+        # '#' + 2 or more spaces: the hint goes on, on a line of its own, code indented
+        {"part": "f()", "todo": "one", "hints": ["a\nb", "for x in y:\n    pass"]}
     ]
     (tmp_path / "course" / "02_b.py").write_text(text)
     with pytest.raises(build.SourceError, match="course/02_b.py:1: exercise 'f' is also in "
