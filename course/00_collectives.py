@@ -128,8 +128,8 @@ def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
     # BEGIN SOLUTION
     # TODO: t holds, in place, the sum of every rank's t over the group (any shape, any size)
     # HINT: A reduce-scatter cuts its input into N equal chunks, and t's size need not divide by N.
-    #       Lay t out flat at the start of a longer buffer of zeros, N equal chunks long: zeros add
-    #       nothing to a sum, and the end of the buffer is dropped at the end.
+    #       Lay t out flat at the start of a buffer of zeros N equal chunks long: zeros add nothing
+    #       to a sum. Copying back into t, leave them out.
     # HINT: N is the size of `group` (dist.get_world_size(group)): the check also runs on a
     #       subgroup. Each rank's chunk has shard = ceil(numel / N) elements, -(-numel // N) in
     #       integers; the buffer has N * shard, with t's dtype and device.

@@ -12,9 +12,10 @@ instructor can open it in JupyterLab as a notebook and save it back). Cells star
 Inside a function or method of a code cell, the lines between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION`` are the exercise. It starts with one ``# TODO: ...`` line that states the result
 the code must produce (the contract, not the code), then ``# HINT: ...`` lines, each one hint, from
-the idea down to near-code (a comment line indented by two or more spaces after ``#`` continues
-the hint above it), then the code. ``lessons/`` gets the TODO line, a pointer to ``hint("name")``
-and ``raise NotImplementedError("TODO: ...")`` in place of the block; ``solutions/`` gets the code.
+the idea down to near-code (a comment line with two or more spaces after ``#`` is the hint's next
+line, code indented as written), then the code. ``lessons/`` gets the TODO line, a pointer to
+``hint("name")`` and ``raise NotImplementedError("TODO: ...")`` in place of the block;
+``solutions/`` gets the code.
 The hints go to neither notebook: ``lessons`` collects them, per exercise (named by its check
 cell) into ``minizero/course/hints.json``, which the package ships and ``hint()`` reads
 (:mod:`minizero.course.hints`); :mod:`minizero.course.exercise` reads the blocks. A cell holding an
