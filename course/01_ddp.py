@@ -34,7 +34,7 @@ from minizero import collectives as C
 from minizero.analysis import timeline
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson01
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 
@@ -93,8 +93,17 @@ for name, p in single.named_parameters():
 def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
     """Average every gradient of ``model`` over the ranks of ``group``, in place."""
     # BEGIN SOLUTION
-    # TODO: world = dist.get_world_size(group)
-    # TODO: for every parameter with a gradient: all_reduce(p.grad, group=group), then divide
+    # TODO: every p.grad becomes the average of that gradient over the group's ranks
+    # HINT: all_reduce sums in place; the average is that sum divided by the number of ranks of
+    #       `group` (dist.get_world_size(group)), not of the default group: the check also runs on a
+    #       subgroup.
+    # HINT: A parameter whose p.grad is None got no gradient: skip it. Every other gradient gets one
+    #       all_reduce(p.grad, group=group), then the division, in place.
+    # HINT: world = dist.get_world_size(group)
+    #       for p in model.parameters():
+    #           if p.grad is not None:
+    #               all_reduce(p.grad, group=group, tag="naive")  # the sum, in place
+    #               ...  # the average
     world = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -235,8 +244,19 @@ class BucketedDDP(torch.nn.Module):
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         # BEGIN SOLUTION
-        # TODO: b = self.bucket_of[param]; copy param.grad into b.view(self.flat[b.index], param)
-        # TODO: one gradient fewer to wait for in b; if none is left, start b's async all-reduce
+        # TODO: param.grad is in its bucket's buffer; a complete bucket's all-reduce has started
+        # HINT: The hook's argument is the parameter, not the gradient: the gradient is param.grad.
+        #       self.bucket_of[param] is its bucket b, self.flat[b.index] that bucket's flat buffer,
+        #       and b.view(flat, param) param's slot in it, shaped like param.
+        # HINT: self.pending[b.index] counts the gradients b still waits for: one fewer now. At 0 b
+        #       is complete: start its all-reduce with async_op=True and keep (b, work) in
+        #       self.works. Do not wait here: backward goes on while the bucket travels.
+        # HINT: b = self.bucket_of[param]
+        #       b.view(self.flat[b.index], param).copy_(param.grad)
+        #       self.pending[b.index] -= 1
+        #       if self.pending[b.index] == 0:
+        #           work = all_reduce(self.flat[b.index], group=self.group, async_op=True, tag=...)
+        #           self.works.append((b, work))
         b = self.bucket_of[param]
         b.view(self.flat[b.index], param).copy_(param.grad)  # the argument is the PARAMETER
         self.pending[b.index] -= 1
@@ -251,8 +271,15 @@ class BucketedDDP(torch.nn.Module):
         self._finish_queued = False
         mark("backward end")
         # BEGIN SOLUTION
-        # TODO: for (b, work) in self.works: wait; divide self.flat[b.index] by self.world;
-        # TODO: copy each p's slice, b.view(self.flat[b.index], p), into p.grad
+        # TODO: every p.grad holds the average over the ranks of its gradient, read from its bucket
+        # HINT: Each (b, work) in self.works is an all-reduce that may still be running: wait for it
+        #       before reading b's buffer. The buffer then holds the sum over the ranks; divide it
+        #       by self.world for the average.
+        # HINT: for b, work in self.works:
+        #           work.wait()
+        #           flat = self.flat[b.index].div_(self.world)  # (numel,) the average
+        #           for p in b.params:
+        #               p.grad.copy_(...)  # p's slot of flat
         for b, work in self.works:
             work.wait()
             flat = self.flat[b.index].div_(self.world)  # (numel,) sum over ranks -> average

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.collectives import all_reduce
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson03
 from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
@@ -121,10 +121,23 @@ class MyZeRO2(ZeRO2):
         b = self.bucket_of(p)  # the bucket p belongs to
         self.queue_backward_end()  # given: runs self.backward_end() once backward is over
         # BEGIN SOLUTION
-        # TODO: b's (padded,) buffer is self.filling[b.index]; the first gradient of b to arrive
-        # TODO: allocates it (zeros, with p.grad's dtype and device)
-        # TODO: copy p.grad into p's slot, b.view(buf, p); drop p.grad
-        # TODO: one gradient fewer pending in b (self.pending); none left: self.launch(b)
+        # TODO: p's gradient lives only in its bucket's buffer; a complete bucket is launched
+        # HINT: self.filling maps a bucket's index to the (padded,) buffer it fills in this
+        #       backward; there is none until b's first gradient arrives. That one allocates it:
+        #       zeros (padding must add nothing), with p.grad's dtype and device, stored in
+        #       self.filling[b.index].
+        # HINT: Copy p.grad into p's slot, b.view(buf, p), then drop it: p.grad = None. Stage 2
+        #       keeps no full gradient outside its bucket (the check looks for a p.grad after
+        #       backward).
+        # HINT: self.pending[b.index] counts b's gradients still to come: one fewer. At 0,
+        #       self.launch(b) starts b's reduce-scatter (it first finishes the one in flight).
+        # HINT: buf = self.filling.get(b.index)
+        #       if buf is None:
+        #           buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+        #           self.filling[b.index] = buf
+        #       b.view(buf, p).copy_(p.grad)
+        #       p.grad = None
+        #       ...  # one fewer pending; at 0, launch b
         buf = self.filling.get(b.index)
         if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
             buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
@@ -139,8 +152,16 @@ class MyZeRO2(ZeRO2):
     def finish_in_flight(self) -> None:
         """Wait for the reduce-scatter in flight (if any); add its averaged chunk to the shard."""
         # BEGIN SOLUTION
-        # TODO: if a reduce-scatter is in flight, self.in_flight = (b, work, buf, out): wait for
-        # TODO: it, add the average (out / self.world) into self.grad_shards[b.index], forget it
+        # TODO: nothing in flight; its chunk, averaged, is added into the bucket's gradient shard
+        # HINT: self.in_flight is None or (b, work, buf, out): out, a (shard,) view of buf, holds
+        #       this rank's chunk of the sum once work.wait() returns.
+        # HINT: Add, do not copy (micro-batches accumulate); forgetting the tuple drops the last
+        #       reference to buf, which frees it:
+        #       if self.in_flight is not None:
+        #           b, work, _buf, out = self.in_flight
+        #           work.wait()
+        #           self.grad_shards[b.index].add_(...)  # the average: out / self.world
+        #           self.in_flight = None
         if self.in_flight is not None:
             b, work, _buf, out = self.in_flight
             work.wait()
@@ -458,9 +479,24 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
                     group=None) -> torch.Tensor:  # fmt: skip
     """Scale this rank's gradient shards so the global L2 norm is at most ``max_norm``."""
     # BEGIN SOLUTION
-    # TODO: sq = fp32 zero; for each shard s and its count n: add s[:n]'s sum of squares to sq
-    # TODO: all_reduce(sq, group=group) once; norm = sq.sqrt()
-    # TODO: coef = clamp(max_norm / (norm + 1e-6), max=1.0); every shard *= coef (in place)
+    # TODO: shards scaled in place to a global norm of at most max_norm; returns that global norm
+    # HINT: ‖g‖² is a sum of squares, and sums add across ranks: each rank sums the squares of its
+    #       own elements, one all-reduce adds the ranks' sums, and the square root is the norm, the
+    #       same on every rank.
+    # HINT: Only the first n = valid[i] elements of shard i are gradient (s[:n]); the rest is
+    #       padding of any value. Sum their squares in fp32 into one 0-d fp32 tensor on the shards'
+    #       device, then all_reduce it over group, once.
+    # HINT: The coefficient is min(1, max_norm / (norm + 1e-6)): torch.clamp(max_norm / (norm +
+    #       1e-6), max=1.0), a tensor. Multiply every shard by it in place (mul_, in the shard's
+    #       dtype) and return norm.
+    # HINT: sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)
+    #       for s, n in zip(shards, valid):
+    #           sq += s[:n].float().pow(2).sum()
+    #       all_reduce(sq, group=group, tag="grad norm")
+    #       norm = sq.sqrt()
+    #       coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    #       ...  # every shard times coef, in place, in its dtype
+    #       return norm
     sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)  # () this rank's part
     for s, n in zip(shards, valid, strict=True):
         sq += s[:n].float().pow(2).sum()  # the padding s[n:] is no parameter's: left out

@@ -45,7 +45,7 @@ import torch._dynamo  # noqa: F401
 import minizero
 from minizero.analysis import budget
 from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
-from minizero.course import checks, compare, plots, plots_budget
+from minizero.course import checks, compare, hint, plots, plots_budget
 from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
 from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
@@ -362,10 +362,22 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
     cfg, s, b = case.cfg, case.seq_len, case.micro_batch
     sbh = s * b * cfg.n_embd
     # BEGIN SOLUTION
-    # TODO: Ψ(L, h, V): count TinyGPT's parameters from its definition (minizero/models.py)
-    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16")
-    # TODO: activations: what each layer keeps, with and without checkpointing; the output layer;
-    # TODO: the rest (sections 3 and 4 measured each per sbh, or per logit)
+    # TODO: the bytes one rank holds at the peak of a step: its model states and its activations
+    # HINT: Model states depend on Ψ, N and the stage only: count Ψ from TinyGPT's definition
+    #       (minizero/models.py); paper_model_state_bytes(Ψ, case.world, case.stage, "bf16") gives
+    #       their parts, a dict: sum its values.
+    # HINT: Ψ(L, h, V): the token embedding V·h (tied to the output layer: count it once), the
+    #       positions block_size·h, per block attention 4h² and MLP 8h² of weights, 9h of biases and
+    #       two LayerNorms 4h (12h² + 13h), and the final LayerNorm 2h.
+    # HINT: Activations do not shrink with N. Without checkpointing every layer keeps LAYER·sbh
+    #       bytes. With it each layer keeps its input only (2·sbh bytes, bf16), and one layer at a
+    #       time is recomputed in full: LAYER·sbh more.
+    # HINT: The rest: the output layer keeps LOGIT_BYTES per logit, s·b·V of them, whatever N; and
+    #       OTHER·sbh (the embeddings' output, the final LayerNorm):
+    #       states = sum(paper_model_state_bytes(psi, case.world, case.stage, "bf16").values())
+    #       layers = ...  # L * LAYER * sbh, or with checkpointing L * 2 * sbh + LAYER * sbh
+    #       rest = LOGIT_BYTES * s * b * V + OTHER * sbh
+    #       return {"model_states": states, "activations": layers + rest}
     L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
     block = 12 * h * h + 13 * h  # attention 4h², MLP 8h² of weights; biases 9h, 2 LayerNorms 4h
     psi = V * h + cfg.block_size * h + L * block + 2 * h  # tied V·h, positions, final LayerNorm

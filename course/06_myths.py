@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero import collectives as C
-from minizero.course import checks, compare, plots
+from minizero.course import checks, compare, hint, plots
 from minizero.course.checks.lesson06 import check_owned_tensors
 from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
@@ -586,8 +586,16 @@ for key in zro[0]:
 def assign_owners(numels: list[int], world: int) -> list[int]:
     """The rank that owns each tensor: whole tensors, the elements balanced over the ranks."""
     # BEGIN SOLUTION
-    # TODO: load = [0] * world; visit the tensors largest first (sorted indices)
-    # TODO: give each to the rank with the smallest load so far; return the owner of each tensor
+    # TODO: each tensor's owner, whole tensors, no rank above total / world + the largest tensor
+    # HINT: Greedy is enough: give each tensor, largest first, to the rank that owns the fewest
+    #       elements so far. Keep what each rank owns in a list of world counts.
+    # HINT: Visit the tensors' indices sorted by decreasing size, but return one owner per tensor in
+    #       the tensors' own order (owners[i] for numels[i]).
+    # HINT: load, owners = [0] * world, [0] * len(numels)
+    #       for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+    #           rank = min(range(world), key=load.__getitem__)  # the least loaded so far
+    #           ...  # rank owns tensor i; its load grows by numels[i]
+    #       return owners
     load, owners = [0] * world, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         rank = min(range(world), key=load.__getitem__)
@@ -599,8 +607,14 @@ def assign_owners(numels: list[int], world: int) -> list[int]:
 def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=None) -> None:
     """After DDP's all-reduce: update this rank's tensors, then every rank gets every tensor."""
     # BEGIN SOLUTION
-    # TODO: step the optimizer (it holds this rank's tensors only)
-    # TODO: then broadcast each parameter's data from its owner: minizero.broadcast(t, src=owner)
+    # TODO: every rank holds every parameter as its owner updated it
+    # HINT: The optimizer holds this rank's tensors only: optimizer.step() updates those. Every
+    #       other parameter is stale here, and fresh on its owner.
+    # HINT: Then, for every parameter, in the same order on every rank (a collective: every rank
+    #       calls it for every parameter):
+    #       optimizer.step()
+    #       for p, owner in zip(params, owners):
+    #           minizero.broadcast(p.data, src=owner, group=group)
     optimizer.step()
     for p, owner in zip(params, owners):
         minizero.broadcast(p.data, src=owner, group=group)

@@ -36,7 +36,7 @@ import minizero
 from minizero import collectives as C
 from minizero.analysis import cost
 from minizero.analysis.simulate import short_psi
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson08
 from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
@@ -197,8 +197,18 @@ for s in range(4):
 # %%
 def hsdp_reduce(grad, shard_group, replicate_group):
     # BEGIN SOLUTION
-    # TODO: this rank's shard of the node's sum (one collective over the node), then the sum of
-    # TODO: that shard over the nodes (one collective over the others holding it); the average
+    # TODO: this rank's (numel / N_s,) shard of the gradient averaged over every rank
+    # HINT: Two collectives: a reduce-scatter over shard_group sums the node's gradients and leaves
+    #       this rank its shard; an all-reduce over replicate_group sums that shard over the nodes
+    #       that hold the same shard.
+    # HINT: Take the sizes from the groups: N_s = dist.get_world_size(shard_group), R =
+    #       dist.get_world_size(replicate_group). The shard has grad.numel() // N_s elements, of
+    #       grad's dtype; the average is the sum divided by N_s · R.
+    # HINT: n_s = dist.get_world_size(shard_group)
+    #       out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)
+    #       C.reduce_scatter(out, grad, group=shard_group)
+    #       C.all_reduce(out, group=replicate_group)
+    #       return out / ...  # N_s * R
     n_s = dist.get_world_size(shard_group)
     out = torch.empty(grad.numel() // n_s, dtype=grad.dtype)  # (numel / N_s,) this rank's shard
     C.reduce_scatter(out, grad, group=shard_group)  # summed over the node
@@ -240,8 +250,18 @@ lesson08.check_hsdp_reduce(hsdp_reduce)
 # %%
 def quantize(x, block):
     # BEGIN SOLUTION
-    # TODO: pad x to whole blocks and view it (blocks, block); per block scale = max|x| / 127;
-    # TODO: q = the nearest integer to x / scale as int8 (a zero scale: q = 0); cut the padding
+    # TODO: q, (n,) int8, and one fp32 scale per block, with x ≈ q · the scale of its block
+    # HINT: Work block by block: pad x with zeros to a whole number of blocks and view it as
+    #       (blocks, block). Zeros change no block's largest |x|.
+    # HINT: scales = the largest |x| of each row / 127, rows.abs().amax(dim=1) / 127; then q =
+    #       round(x / scale) lies in [-127, 127].
+    # HINT: An all-zero block has scale 0: divide by 1 there instead, so its q is 0 and no NaN
+    #       appears:
+    #       rows = ...  # x padded with zeros to whole blocks, viewed (blocks, block)
+    #       scales = rows.abs().amax(dim=1) / 127  # (blocks,)
+    #       safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    #       q = torch.round(rows / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    #       return q.view(-1)[:n], scales
     n = x.numel()
     rows = torch.zeros(-(-n // block) * block)
     rows[:n] = x
@@ -446,8 +466,19 @@ for c in cost.step_collectives(cost.Config(stage=3, world=16, node_size=8, micro
 def predict_step_time(cfg: cost.Config, links: dict, compute_s: float, psi: int) -> float:
     """Seconds of one optimizer step of ``cfg``: compute + α-β communication, no overlap."""
     # BEGIN SOLUTION
-    # TODO: every micro-batch computes; every collective of the step costs α·rounds + wire/β on
-    # TODO: its own link class, as many times as it runs
+    # TODO: the seconds of one step: every micro-batch's compute, then every collective, no overlap
+    # HINT: Compute: cfg.micro_batches forward + backward passes of compute_s each. Communication:
+    #       the α-β model, α · rounds + wire / β per collective, with the (α, β) of its own link
+    #       class, as many times as it runs in the step.
+    # HINT: cost.step_collectives(cfg, [psi]) lists the collectives (each a Comm: op, nbytes, n,
+    #       link, times); cost.ring(c.op, c.nbytes, c.n) gives (rounds, wire); links[c.link] has
+    #       .alpha and .beta.
+    # HINT: total = cfg.micro_batches * compute_s
+    #       for c in cost.step_collectives(cfg, [psi]):
+    #           rounds, wire = cost.ring(c.op, c.nbytes, c.n)
+    #           link = links[c.link]
+    #           total += ...  # c.times times α · rounds + wire / β
+    #       return total
     total = cfg.micro_batches * compute_s
     for c in cost.step_collectives(cfg, [psi]):
         rounds, wire = cost.ring(c.op, c.nbytes, c.n)
@@ -611,7 +642,15 @@ else:
 def choose(rows: list[dict], memory: float) -> str | None:
     """The name of the fastest row that fits in ``memory`` (ties: less memory), or None."""
     # BEGIN SOLUTION
-    # TODO: keep the rows that fit; of those, the smallest (step_s, memory); None if none fits
+    # TODO: the name of the fastest row that fits in memory (a tie: less memory), or None
+    # HINT: Two steps: keep the rows that fit, then pick one. A row fits when its memory is at most
+    #       the memory given (an exact fit fits).
+    # HINT: Among those that fit, compare step_s first and memory second: the tuple (step_s, memory)
+    #       as min's key does both. No row fits: None.
+    # HINT: fits = [r for r in rows if r["memory"] <= memory]
+    #       if not fits:
+    #           return None
+    #       return min(fits, key=lambda r: ...)["name"]  # step_s first, then memory
     fits = [r for r in rows if r["memory"] <= memory]
     if not fits:
         return None

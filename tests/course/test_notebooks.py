@@ -64,9 +64,11 @@ def test_lessons_hide_the_solutions_and_solutions_hide_the_hints():
         for lc, sc in zip(lesson["cells"], solution["cells"], strict=True):
             ltext, stext = "".join(lc["source"]), "".join(sc["source"])
             assert lc["metadata"] == sc["metadata"]
+            assert "# HINT:" not in ltext + stext  # hints come on demand: hint("name")
             if "exercise" in lc["metadata"].get("tags", []):
                 assert 'raise NotImplementedError("TODO: write' in ltext
                 assert "# TODO:" in ltext and "# TODO:" not in stext
+                assert "# stuck? hint(" in ltext and "hint(" not in stext
                 assert "NotImplementedError" not in stext
                 assert "BEGIN SOLUTION" not in ltext + stext
             else:
@@ -120,8 +122,23 @@ def test_a_small_source_renders_to_both_variants():
         ),
         ("# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n", "x.py:1: '# BEGIN SOLUTION' without"),
         (
-            "# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n",
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: f returns\n    pass\n"
+            "    # END SOLUTION\n",
             "x.py:1: exercise cell has no check cell after it",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n",
+            "x.py:4: an exercise starts with one '# TODO: ...' line that states the result",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: a\n    # TODO: b\n    pass\n"
+            "    # END SOLUTION\n",
+            "x.py:5: one '# TODO:' line per exercise block, first",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: a\n    pass\n    # HINT: b\n"
+            "    # END SOLUTION\n",
+            "x.py:6: '# HINT:' lines come right after the '# TODO:' line",
         ),
         ('# %% tags=["x"]\n', "x.py:1: cannot read cell header"),
         ("# %% [raw]\n# x\n", "x.py:1: cannot read cell header"),
