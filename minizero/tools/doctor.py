@@ -47,6 +47,7 @@ class Finding:
     value: str
     problem: str = ""  # what is wrong; "" when nothing is
     fix: str = ""  # the command or step that fixes it
+    note: str = ""  # worth knowing, nothing to fix (it does not count as a problem)
 
 
 def _smi(args: list[str]) -> str | None:
@@ -263,8 +264,9 @@ def jupyter_findings(kernel: bool = True) -> list[Finding]:
     if missing:
         out[-1].problem, out[-1].fix = f"missing: {', '.join(missing)}", install
     if getattr(os, "geteuid", lambda: None)() == 0:  # containers, lab images
-        root = ["`jupyter lab` refuses to run as root", "jupyter lab --allow-root my-lessons/"]
-        out.append(Finding("user", "root (uid 0)", *root))
+        # Most containers and lab images run as root: nothing is wrong, one flag is needed.
+        note = "`jupyter lab` refuses to run as root: start it with jupyter lab --allow-root"
+        out.append(Finding("user", "root (uid 0)", note=f"{note} my-lessons/"))
     if kernel and "ipykernel" not in missing:
         out.append(_kernel_finding())
     return out
@@ -328,7 +330,7 @@ def render(title: str, findings: list[Finding]) -> str:
         if not head.strip():  # pre-formatted (the topology matrix)
             lines.append(f"{head}{text}".rstrip())
             return
-        wrapped = textwrap.wrap(text, 100 - len(pad)) or [""]
+        wrapped = textwrap.wrap(text, 100 - len(pad), break_on_hyphens=False) or [""]
         lines.append(f"{head}{wrapped[0]}".rstrip())
         lines.extend(pad + w for w in wrapped[1:])
 
@@ -337,6 +339,8 @@ def render(title: str, findings: list[Finding]) -> str:
         if f.problem:
             put(f"{pad}PROBLEM: ", f.problem)
             put(f"{pad}fix: ", f.fix)
+        if f.note:
+            put(f"{pad}note: ", f.note)
     return "\n".join(lines)
 
 
