@@ -208,4 +208,4 @@ def test_doctor_as_root_on_a_ready_machine_exits_0(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
     assert doctor.main(["--no-probe", "--no-kernel"]) == 0
     out = capsys.readouterr().out
-    assert "jupyter lab --allow-root my-lessons/" in out and "ready: nothing to fix" in out
+    assert "start it with jupyter lab --allow-root" in out and "ready: nothing to fix" in out
