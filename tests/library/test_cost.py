@@ -194,6 +194,13 @@ def test_zeropp_cross_node_volumes():
     assert qwz["params fwd"] / base["params fwd"] == pytest.approx((1 + 4 / 256) / 2)
     qgz = across(qgz=True)["grads"] / base["grads"]
     assert qgz == pytest.approx(node * (1 + 4 / 256) / 2 * (world - node) / (world - 1))
+    # ZeRO++'s qgZ: inside the node first, then int4 (half a byte) of each GPU's Ψ/node across,
+    # one rank per node, node such groups at once: about a quarter of the fp16 ring
+    nodes = world // node
+    hier = cost.Comm("all_to_all", psi / node * 0.5, nodes, nodes, node, "replicate", "qgZ")
+    assert hier.node_bytes() / base["grads"] == pytest.approx(
+        0.25 * (nodes - 1) / nodes * world / (world - 1)
+    )
 
 
 # -- a real gloo run: the model's collectives are the ledger's -----------------------------------
