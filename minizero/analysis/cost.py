@@ -120,7 +120,7 @@ class Config:
     keeps a secondary shard per node after each forward, so backward's all-gather stays in the node
     (ZeRO++ hpZ; ``reshard_after_forward=node_size``). ``qwz``: stage 3's all-gathers from the
     primary shards go as int8 with one fp32 scale per ``qwz_block`` elements (ZeRO++ qwZ).
-    ``qgz``: stages 2-3 reduce-scatter as one all-to-all of int8 blocks (ZeRO++ qgZ in one hop).
+    ``qgz``: stage 3 reduce-scatters as one all-to-all of int8 blocks (ZeRO++ qgZ in one hop).
     ``micro_batches``: forward+backward passes per optimizer step.
 
     Per step, as the library issues them: stages 0-1 reduce once (``no_sync`` before); stages 2-3
@@ -158,10 +158,10 @@ class Config:
             raise ValueError(
                 f"world ({self.world}) must be a positive multiple of node_size ({self.node_size})"
             )
-        if (self.hpz or self.qwz) and self.stage != 3:
-            raise ValueError("hpz and qwz are stage 3's (ZeRO++): set stage=3 or turn them off")
-        if self.qgz and self.stage < 2:
-            raise ValueError("qgz quantises stage 2-3's reduce-scatter: set stage=2 or 3")
+        if (self.hpz or self.qwz or self.qgz) and self.stage != 3:
+            raise ValueError(
+                "hpz, qwz and qgz are stage 3's (ZeRO++): set stage=3 or turn them off"
+            )
         if self.hpz and self.hsdp:
             raise ValueError(
                 "hpz with hsdp: HSDP already gathers inside the node; turn one of them off"

@@ -1,8 +1,9 @@
 """The cost model prices what the library does: for every configuration lesson 08 prices (flat
-stages 1-3, HSDP stages 1-3, hpZ, hpZ + qwZ), at 1 and 4 micro-batches per step, the collectives
-``analysis.cost.step_collectives`` lists are the ones a 4-rank gloo run (2 "nodes" x 2) records,
-group by group, op by op, byte for byte. Each run is one optimizer step after a warm-up step, under
-a ``CommLedger``; stages 0-1 accumulate under ``no_sync`` as lesson 08 does."""
+stages 1-3, HSDP stages 1-3, hpZ, hpZ + qwZ; and qwZ, qgZ), at 1 and 4 micro-batches per step,
+the collectives ``analysis.cost.step_collectives`` lists are the ones a 4-rank gloo run (2
+"nodes" x 2) records, group by group, op by op, byte for byte. Each run is one optimizer step
+after a warm-up step, under a ``CommLedger``; stages 0-1 accumulate under ``no_sync`` as lesson
+08 does."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ CONFIGS = {  # name: (cost.Config options, parallelize options; "mesh": the 2 x 
     "hpz": (dict(stage=3, hpz=True), {"reshard_after_forward": NODE}),
     "hpz+qwz": (dict(stage=3, hpz=True, qwz=True),
                 {"reshard_after_forward": NODE, "quantize_weights": True}),
+    "qwz": (dict(stage=3, qwz=True), {"quantize_weights": True}),
+    "qgz": (dict(stage=3, qgz=True), {"quantize_gradients": True}),
 }  # fmt: skip
 
 
