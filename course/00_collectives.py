@@ -339,8 +339,10 @@ print(
 #   because there the reduce-scatter *is* an all-reduce, so RS + AG costs more than one
 #   all-reduce. With a native reduce-scatter (NCCL) the ring model says each half moves half an
 #   all-reduce's bytes; whether it also takes half the time is for `python -m minizero bench
-#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its tree or NVLS
-#   algorithms, which RS + AG cannot use, so the all-reduce can be faster than the two halves).
+#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its Tree
+#   algorithm, which is all-reduce only, so the all-reduce can be faster than the two halves;
+#   NVLS serves reduce-scatter and all-gather too, and NCCL 2.20 added CollNet for both:
+#   NVIDIA/nccl `src/device/reduce_scatter.h` and `src/device/all_gather.h`).
 #   The *volume* is the same either way (section 3): that is what the ZeRO paper
 #   counts, and what lessons 02–04 measure.
 

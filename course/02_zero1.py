@@ -367,15 +367,19 @@ print_states_per_rank(STATES, PSI, NPROCS)
 # KΨ to KΨ/N, parameters and gradients stay whole. When Ψ does not divide by N the measured
 # figure is a few bytes above the formula: the padding of section 2.
 #
-# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero
-# keeps them so (the bf16 rows above), as do FSDP2's default (`MixedPrecisionPolicy` reduces in
-# `param_dtype` unless `reduce_dtype` is set) and DeepSpeed with ZeRO (bf16 gradients by
-# default). Some systems keep them in fp32, because bf16's 8-bit mantissa loses small
-# contributions when gradients are accumulated: Megatron-LM's distributed optimizer does (its
-# documented table, `docs/source/api-guide/dist_optimizer.md`, counts 18 bytes per parameter
-# for bf16 parameters with fp32 gradients: 2 + 4 + 12), and `megatron/training/arguments.py`
-# says "bfloat16 requires gradient accumulation and all-reduce to be done in fp32". The fp32
-# rows above measure that case: the stages divide 4-byte gradients as they divide 2-byte ones.
+# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero keeps
+# them so (the bf16 rows above), as does DeepSpeed with ZeRO (bf16 gradients by default). FSDP2 does
+# not: its default `MixedPrecisionPolicy` reduce-scatters in `param_dtype`, then casts each sharded
+# gradient back to the parameter's dtype before it stores it (`_to_dtype_if_needed(reduce_output,
+# orig_dtype)` in `foreach_reduce`, pytorch/pytorch
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), so with fp32 parameters its stored
+# gradients are fp32 (lesson 04 measures it). Some systems keep them in fp32 on purpose, because
+# bf16's 8-bit mantissa loses small contributions when gradients are accumulated: Megatron-LM's
+# distributed optimizer does (its documented table, `docs/source/api-guide/dist_optimizer.md`,
+# counts 18 bytes per parameter for bf16 parameters with fp32 gradients: 2 + 4 + 12), and
+# `megatron/training/arguments.py` says "bfloat16 requires gradient accumulation and all-reduce to
+# be done in fp32". The fp32 rows above measure that case: the stages divide 4-byte gradients as
+# they divide 2-byte ones.
 #
 # minizero's precision policy uses the field names of FSDP2's `MixedPrecisionPolicy`, so the two
 # can be set side by side: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,

@@ -452,9 +452,12 @@ plt.show()
 #
 # What this budget leaves out, so keep a margin: the CUDA allocator's caching and fragmentation
 # (`torch.cuda.memory_reserved` exceeds `max_memory_allocated`), the CUDA context and NCCL's own
-# buffers, and the gradients' precision: minizero, FSDP2's default and DeepSpeed's ZeRO keep
-# bf16 gradients (the paper's 16Ψ), but Megatron-LM's distributed optimizer keeps them in fp32
-# (its table in `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
+# buffers, and the gradients' precision: minizero and DeepSpeed's ZeRO keep bf16 gradients (the
+# paper's 16Ψ), but FSDP2's default stores them in the parameters' fp32 (it casts each
+# reduce-scattered shard back, `_to_dtype_if_needed(reduce_output, orig_dtype)` in pytorch/pytorch
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; lesson 04 measures it) and
+# Megatron-LM's distributed optimizer keeps them in fp32 (its table in
+# `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
 #
 # ## 8. A calculator
 #
@@ -598,6 +601,13 @@ for st in (1, 2, 3):
 # for with about k/2 times the communication, and stage 3's with about 3k/2 times: which is why
 # such runs pick stage 1 (or stage 2/3 with full gradients kept across micro-batches) when the
 # model states fit, and why stage 3 needs its communication overlapped with computation.
+#
+# These volumes are minizero's. DeepSpeed's differ: its stages 1-2 all-reduce each gradient
+# bucket that spans several ranks' partitions (`use_multi_rank_bucket_allreduce`, on by default
+# in `deepspeed/runtime/zero/config.py`), stage 2 every micro-batch, so about 3Ψ (stage 1) and 9Ψ
+# (stage 2) per step at 4 micro-batches; its stage 3 re-gathers less, keeping recently used
+# parameters gathered (`stage3_max_reuse_distance`) and small ones always
+# (`stage3_param_persistence_threshold`).
 #
 # ## Summary
 #

@@ -135,9 +135,10 @@ for rank, r in enumerate(runs):
 # Partitioned updates sound like ranks updating their shards on their own schedules, with stale
 # gradients. They do not. Two measurements, at every stage:
 #
-# 1. **Ranks wait for each other.** The last rank sleeps 0.3 s before the forward of step 2;
-#    rank 0 times its steps. In a synchronous step rank 0 cannot finish until the last rank's
-#    gradients have arrived, so its step 2 takes about 0.3 s longer.
+# 1. **Ranks wait for each other.** The last rank sleeps 0.3 s before the forward of its third
+#    step (`step == 2`, counting from 0); rank 0 times its steps. In a synchronous step rank 0
+#    cannot finish until the last rank's gradients have arrived, so its third step takes about
+#    0.3 s longer.
 # 2. **Same result as one process.** After every step each rank collects the full parameters
 #    (`minizero.full_state_dict`, an all-gather for ZeRO); they must be bit-identical on every rank
 #    and equal, up to float rounding, to one process trained on the whole global batch. A stale

@@ -23,7 +23,7 @@ name                    file                            lesson
 launch, plan            minizero/launcher/__init__.py   00_collectives
 (the ranks' processes)  minizero/launcher/ranks.py      00_collectives
 all_reduce, CommLedger  minizero/collectives.py         00_collectives
-ring_bytes              minizero/topology.py            (issue 17: nodes; no lesson yet)
+ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
 NaiveDDP, DDP           minizero/ddp.py                 01_ddp
@@ -38,6 +38,8 @@ select_units            minizero/units.py               04_zero3
 model_state_bytes       minizero/memory.py              02_zero1 .. 05_all_stages
 step_budget             minizero/analysis/budget.py     05_all_stages
 simulate                minizero/analysis/simulate.py   05_all_stages
+fit, sweep (α-β)        minizero/analysis/link.py       00_collectives, 01_ddp
+Links, predict          minizero/analysis/cost.py       08_beyond_one_node
 parallelize             minizero/parallelize.py         every lesson
 MLP, TinyGPT, data      minizero/models.py              every lesson
 save/load_checkpoint    minizero/checkpoint/            07_checkpoints

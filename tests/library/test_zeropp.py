@@ -305,7 +305,7 @@ def test_qwz_and_qgz_train_within_tolerance_of_unquantised(what):
 
 
 def test_all_to_all_sends_a_chunk_straight_to_each_peer():
-    from minizero.topology import ring_bytes
+    from minizero.analysis.topology import ring_bytes
 
     # 4 ranks, nodes of 2, S = 400 bytes: 100 to each of the 3 others, 1 inside, 2 across
     assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 0, node_size=2) == (100.0, 200.0)
