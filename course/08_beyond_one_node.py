@@ -658,8 +658,9 @@ def predict_step_time(cfg: cost.Config, links: cost.Links, compute_s: float, psi
     # HINT: cost.step_collectives(cfg, [psi]) lists the collectives (each a Comm with .times,
     #       .nodes, .rounds(), .gpu_bytes() over NVLink, .node_bytes() across); links has .intra,
     #       .inter (each .alpha, .beta) and .nics, the NICs per node.
-    # HINT: α: links.inter's when the group crosses nodes (c.nodes > 1), else links.intra's. The two
-    #       pipes: c.gpu_bytes() / links.intra.beta and c.node_bytes() / (links.nics * links.inter.beta).
+    # HINT: α: links.inter's when the group crosses nodes (c.nodes > 1), else links.intra's. The
+    #       two pipes: c.gpu_bytes() / links.intra.beta, and c.node_bytes() divided by
+    #       links.nics * links.inter.beta.
     # HINT: total = cfg.micro_batches * compute_s
     #       for c in cost.step_collectives(cfg, [psi]):
     #           alpha = ...
