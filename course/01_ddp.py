@@ -34,7 +34,7 @@ from minizero import collectives as C
 from minizero.analysis import timeline
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
-from minizero.course import checks, hint
+from minizero.course import checks, hint, plots
 from minizero.course.checks import lesson01
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 
@@ -405,11 +405,8 @@ for cap in CAPS:
 # the same data):
 
 # %%
-try:
+if plots.widgets_available():  # JupyterLab (and ipywidgets installed); never in a graded run
     import ipywidgets
-except ImportError:  # the static figure above shows the same timelines
-    ipywidgets = None
-if ipywidgets is not None:
 
     def show(cap):
         fig, ax = plt.subplots(figsize=(10, 3))

@@ -468,7 +468,7 @@ plt.show()
 # cell.
 
 # %%
-if plots_budget.widgets_available():  # a widget front end is there; never in a graded run
+if plots.widgets_available():  # a widget front end is there; never in a graded run
     from IPython.display import display
 
     display(plots_budget.calculator(BIG, BIG_N, BIG_B, GPU_GB))
