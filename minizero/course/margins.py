@@ -79,7 +79,7 @@ def measure(perturbations: dict[str, dict], log=print) -> dict[str, dict]:
             for r in _records(folder):
                 row = table.setdefault(r["what"], {"right": 0.0, "wrong": None})
                 ratio = r["err"] / r["tol"] if r["tol"] > 0 else (0.0 if r["err"] == 0 else 1e30)
-                if ratio >= row["right"]:
+                if ratio > row["right"] or "right_at" not in row:
                     row["right"], row["right_at"] = ratio, name
         folder = Path(tmp) / "wrong"
         folder.mkdir()
@@ -108,7 +108,7 @@ def render(table: dict[str, dict]) -> str:
         margin = None if right is None else (1e30 if right == 0 else 1 / right)
         lines.append(
             f"{what:<44} {_g(right):>9} {_g(margin):>9} {_g(row['wrong']):>9}  "
-            f"{row.get('right_at', '')}"
+            f"{row.get('right_at', '') if right else '-'}"
         )
     return "\n".join(lines)
 
