@@ -66,32 +66,47 @@ def _records(folder: Path) -> list[dict]:
     return out
 
 
-def measure(perturbations: dict[str, dict], log=print) -> dict[str, dict]:
-    """Run the tests; per comparison ``what``: the largest right ``err/tol`` (and under which
-    perturbation), the smallest failing wrong ``err/tol`` (and which test)."""
+def _ratio(r: dict) -> float:
+    if r["tol"] > 0:
+        return r["err"] / r["tol"]
+    return 0.0 if r["err"] == 0 else 1e30
+
+
+def tabulate(right: dict[str, list[dict]], wrong: list[dict]) -> dict[str, dict]:
+    """Per comparison ``what``: the largest ``err/tol`` of the right answers' records (``right``:
+    perturbation -> records) and under which perturbation; the smallest of the wrong answers'
+    records that failed (a wrong answer's comparisons that passed, before the one that failed it,
+    are not its margin) and in which test."""
     table: dict[str, dict] = {}
+    for name, records in right.items():
+        for r in records:
+            row = table.setdefault(r["what"], {"right": 0.0, "wrong": None})
+            if row["right"] is None or _ratio(r) > row["right"] or "right_at" not in row:
+                row["right"], row["right_at"] = _ratio(r), name
+    for r in wrong:
+        if _ratio(r) <= 1:
+            continue
+        row = table.setdefault(r["what"], {"right": None, "wrong": None})
+        if row["wrong"] is None or _ratio(r) < row["wrong"]:
+            row["wrong"], row["wrong_at"] = _ratio(r), r["test"]
+    return table
+
+
+def measure(perturbations: dict[str, dict], log=print) -> dict[str, dict]:
+    """Run the solutions' check tests under each perturbation and the wrong answers once; the
+    :func:`tabulate` of what their comparisons recorded."""
+    right = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, env in perturbations.items():
-            folder = Path(tmp) / f"right-{len(table)}-{abs(hash(name))}"
+        for k, (name, env) in enumerate(perturbations.items()):
+            folder = Path(tmp) / f"right-{k}"
             folder.mkdir()
             code = _pytest(folder, env, RIGHT)
             log(f"{name:>18}: solutions' check tests {'passed' if code == 0 else 'FAILED'}")
-            for r in _records(folder):
-                row = table.setdefault(r["what"], {"right": 0.0, "wrong": None})
-                ratio = r["err"] / r["tol"] if r["tol"] > 0 else (0.0 if r["err"] == 0 else 1e30)
-                if ratio > row["right"] or "right_at" not in row:
-                    row["right"], row["right_at"] = ratio, name
+            right[name] = _records(folder)
         folder = Path(tmp) / "wrong"
         folder.mkdir()
         _pytest(folder, {}, "rejects")
-        for r in _records(folder):
-            if r["tol"] > 0 and r["err"] <= r["tol"]:
-                continue  # a comparison the wrong answer passed, before the one it failed
-            ratio = r["err"] / r["tol"] if r["tol"] > 0 else 1e30
-            row = table.setdefault(r["what"], {"right": None, "wrong": None})
-            if row["wrong"] is None or ratio < row["wrong"]:
-                row["wrong"], row["wrong_at"] = ratio, r["test"].split("__")[-1]
-    return table
+        return tabulate(right, _records(folder))
 
 
 def _g(v: float | None) -> str:
