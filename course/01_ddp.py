@@ -464,7 +464,7 @@ for name, (sec, count, volume) in ROWS.items():
 #
 # Every rank holds the whole model state: parameters, gradients and optimizer states. The cell
 # measures, on every rank, the bytes of each after one step of DDP with AdamW in fp32 and in bf16
-# mixed precision (`minizero.memory.model_state_bytes`), next to the paper's formulas:
+# mixed precision (`minizero.analysis.memory.model_state_bytes`), next to the paper's formulas:
 # (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed precision (fp32
 # master weights, momentum and variance). On GPUs the same states also show in
 # `torch.cuda.memory_allocated()`; lesson 02 plots the allocator's figures.
@@ -472,7 +472,7 @@ for name, (sec, count, volume) in ROWS.items():
 
 # %%
 def model_states(precision):
-    from minizero.memory import model_state_bytes, paper_model_state_bytes
+    from minizero.analysis.memory import model_state_bytes, paper_model_state_bytes
 
     torch.manual_seed(0)
     model, opt = minizero.parallelize(

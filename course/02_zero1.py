@@ -41,11 +41,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.bucket import make_buckets, trainable_parameters
-from minizero.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.course import checks
-from minizero.course.checks import lesson02
-from minizero.memory import (
+from minizero.analysis.memory import (
     PAPER_TABLE1,
     TABLE1_PSI,
     MemoryMeter,
@@ -54,6 +50,10 @@ from minizero.memory import (
     print_states_per_rank,
     table1_gb,
 )
+from minizero.bucket import make_buckets, trainable_parameters
+from minizero.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.course import checks
+from minizero.course.checks import lesson02
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
@@ -264,15 +264,14 @@ class MyZeRO1(ZeRO1):
         """Average every bucket's gradient over the ranks into this rank's chunk of it."""
         # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self.reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
-            # BEGIN SOLUTION
-            # TODO: per bucket: one collective (minizero.collectives) that leaves in its chunk
-            # TODO: the average over the group's ranks of that chunk of every rank's buffer
-            for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
-                reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-                chunk.div_(self.world)  # sum over ranks -> average
-            # END SOLUTION
-            self.reduced = True
+        # (called once a step: clip_grad_norm_() and step() share its result)
+        # BEGIN SOLUTION
+        # TODO: per bucket: one collective (minizero.collectives) that leaves in its chunk
+        # TODO: the average over the group's ranks of that chunk of every rank's buffer
+        for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
+            reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+            chunk.div_(self.world)  # sum over ranks -> average
+        # END SOLUTION
         return chunks
 
     def after_step(self) -> None:
@@ -429,7 +428,7 @@ plt.show()
 # %% [markdown]
 # The dots (every rank of every group; they coincide) sit on the lines. The lines beyond the
 # dots are the formula alone; for large models the paper's Table 1 lists it, and
-# `minizero.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
+# `minizero.analysis.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
 
 # %%
 for stage in (1, 2, 3):

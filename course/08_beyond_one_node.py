@@ -35,10 +35,10 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.analysis import cost
+from minizero.analysis.memory import format_bytes
 from minizero.analysis.simulate import short_psi
 from minizero.course import checks
 from minizero.course.checks import lesson08
-from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 WORLD, NODE = 4, 2  # 4 ranks as 2 "nodes" of 2: ranks 0, 1 on node 0; ranks 2, 3 on node 1

@@ -24,11 +24,12 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, refuse_sparse_adam, regroup
-from minizero.precision import Precision, check_elementwise, resolve
+from minizero.optimizer import attach, check_elementwise, refuse_sparse_adam, regroup
+from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
+from minizero.zeropp import ZeROPlusPlus
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,10 +38,8 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
-STAGE3_OPTIONS = {
-    "units", "prefetch", "reshard_root", "check_modules",
-    "reshard_after_forward", "quantize_weights", "quantize_gradients",  # ZeRO++ (zeropp.py)
-}  # fmt: skip
+ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
+STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",
@@ -130,7 +129,8 @@ def parallelize(
         check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    wrapped = STAGES[stage](
+    cls = ZeROPlusPlus if set(stage_options) & ZEROPP_OPTIONS else STAGES[stage]
+    wrapped = cls(
         model,
         precision=policy,
         process_group=process_group,

@@ -138,7 +138,7 @@ def test_attributes_of_the_model_and_an_optimizer_built_after_wrapping(stage):
 
 
 def grad_scaler_rank(stage):
-    from minizero.precision import check_elementwise
+    from minizero.optimizer import check_elementwise
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("mlp")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.memory import format_bytes
 from minizero.course.checks.common import (
     MIN_WORLD,
     SUBGROUP,
@@ -25,7 +26,6 @@ from minizero.course.checks.common import (
     strict_ledger,
     subgroup_failure,
 )
-from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 
 TIMEOUT = 180.0  # seconds for the check's ranks
@@ -98,7 +98,7 @@ def _owned_rank(owned_step, owners: list[int], opt_name: str, sub_owners=None) -
 def _owned_run(group, owned_step, owners: list[int], opt_name: str) -> dict:
     """Inside a rank of ``group``: TinyGPT tiny, gradients averaged by an all-reduce per tensor
     (DDP's 2Ψ), then the student's ``owned_step``; one process on the whole batch beside it."""
-    from minizero.memory import model_state_bytes
+    from minizero.analysis.memory import model_state_bytes
     from minizero.models import synthetic_batch
 
     rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
