@@ -152,7 +152,7 @@ class DataParallel(nn.Module):
         except AttributeError:
             if "habits" not in self.__dict__:
                 raise
-            return self.habits.missing_attribute(name)
+        return self.habits.missing_attribute(name)  # (outside the except: no chained error)
 
     def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
@@ -174,6 +174,10 @@ class DataParallel(nn.Module):
                     f = Fragment(self.param_names[id(p)], p, b.index, s - o, e - o, s - lo, t)
                     self.fragments.append(f)
                     self.fragments_of.setdefault(id(p), []).append(f)
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The tensors this rank's optimizer steps: one per fragment (or the parameters)."""
+        return [f.tensor for f in self.fragments]
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
