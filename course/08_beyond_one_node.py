@@ -286,7 +286,8 @@ def held_bytes(model):
     if getattr(model, "stage", None) != 3:
         return 0
     full = sum(f.untyped_storage().nbytes() for f in model.flat_params)
-    shards = model.secondary.shards if model.secondary is not None else []
+    secondary = getattr(model, "secondary", None)  # ZeRO++'s hpZ (minizero.zeropp.ZeROPlusPlus)
+    shards = secondary.shards if secondary is not None else []
     return full + sum(t.numel() * t.element_size() for t in shards if t is not None)
 
 
