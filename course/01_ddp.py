@@ -105,7 +105,8 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 # %% check="allreduce_gradients"
 # 3 SGD steps of minizero's MLP on max(NPROCS, 3) ranks: your gradients and parameters, step by
-# step, against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
+# step, against one process on the whole batch, torch DDP and minizero.naive_ddp.NaiveDDP;
+# volume 2Ψ.
 lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 
 # %% [markdown]
@@ -134,7 +135,7 @@ def gpt_step(model, step):
 
 
 def naive_volume():
-    from minizero.ddp import NaiveDDP
+    from minizero.naive_ddp import NaiveDDP
 
     torch.manual_seed(0)
     model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
@@ -406,7 +407,8 @@ if ipywidgets is not None:
 def compare(progress, steps=7):
     from torch.nn.parallel import DistributedDataParallel
 
-    from minizero.ddp import DDP, NaiveDDP
+    from minizero.ddp import DDP
+    from minizero.naive_ddp import NaiveDDP
 
     dev = checks.rank_device()
     ids = [dev.index] if dev.type == "cuda" else None

@@ -29,7 +29,8 @@ all_reduce, CommLedger  minizero/collectives.py         00_collectives
 ring_bytes              minizero/topology.py            (issue 17: nodes; no lesson yet)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
-NaiveDDP, DDP           minizero/ddp.py                 01_ddp
+DDP                     minizero/ddp.py                 01_ddp
+NaiveDDP                minizero/naive_ddp.py           01_ddp
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1
@@ -73,7 +74,7 @@ from minizero.collectives import (  # noqa: E402
     broadcast,
     reduce_scatter,
 )
-from minizero.ddp import DDP, NaiveDDP  # noqa: E402
+from minizero.ddp import DDP  # noqa: E402
 from minizero.habits import Habits  # noqa: E402, F401  (every wrapper composes the habits)
 from minizero.launcher import LaunchError, LaunchTimeout, launch  # noqa: E402
 from minizero.models import (  # noqa: E402
@@ -83,6 +84,7 @@ from minizero.models import (  # noqa: E402
     count_params,
     synthetic_batch,  # noqa: E402
 )
+from minizero.naive_ddp import NaiveDDP
 from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
 from minizero.precision import Precision  # noqa: E402
 from minizero.units import ShardedParameterError  # noqa: E402

@@ -44,8 +44,6 @@ from minizero import collectives as C
 from minizero import hsdp
 from minizero.precision import LossScaler, Precision, floating, resolve
 
-SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
-
 
 @dataclass(frozen=True, eq=False)
 class Fragment:
@@ -94,8 +92,13 @@ class Extension:
     def zero_grad(self, set_to_none: bool) -> None:
         """At ``zero_grad()``, before the stage's ``reset_grads``."""
 
-    def before_collective(self, what: str, how: str) -> None:
-        """Before a collective outside the step (``state_dict()`` at stages 1-3)."""
+    def state_dict(self, destination: dict | None, prefix: str) -> dict:
+        """``model.state_dict()``: here nn.Module's."""
+        return nn.Module.state_dict(self.wrapper, destination=destination, prefix=prefix)
+
+    def load_state_dict(self, state_dict: dict, strict: bool):
+        """``model.load_state_dict(sd)``: here nn.Module's."""
+        return nn.Module.load_state_dict(self.wrapper, state_dict, strict)
 
     def missing_attribute(self, name: str) -> Any:
         """An attribute the wrapper does not have: return one, or raise AttributeError."""
@@ -303,37 +306,14 @@ class DataParallel(nn.Module):
         """The stage's part of ``zero_grad()``: clear (or free) its gradient buffers."""
         raise NotImplementedError
 
-    # -- state dicts: full in, full out, under the user's model's keys -----------------------------
+    # -- state dicts: what the habits make them (a full fp32 one, under the model's keys) -------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The user's model's state dict with every parameter full and fp32 (collective)."""
-        if self.stage > 0:  # the fp32 masters are sharded: gathering them is collective
-            self.habits.before_collective("model.state_dict()", SAVE_ON_RANK_0)
-        sd = self.module.state_dict(keep_vars=True)  # parameter objects are not read here
-        full = self.full_params()  # id(param) -> full fp32 tensor
-        names = dict(self.module.named_parameters(remove_duplicate=False))
-        out = {}
-        for k, v in sd.items():
-            if k in names:
-                v = full[id(names[k])] if id(names[k]) in full else names[k].detach().float()
-            elif isinstance(v, torch.Tensor):
-                v = v.detach()
-            out[prefix + k] = v
-        return out if destination is None else destination.update(out) or destination
+        return self.habits.state_dict(destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (a plain model's, torch DDP's, or this wrapper's): parameters
-        go straight to the fp32 masters and the working copy, so the next step starts from them."""
-        own = self.module.state_dict(keep_vars=True)
-        state_dict, missing, unexpected = match_keys(own, state_dict, strict)
-        names = dict(self.module.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for k, v in state_dict.items():
-                if k in names:  # (names are keys of own)
-                    self.load_param(names[k], v.detach().to(torch.float32))
-                elif k in own:
-                    own[k].copy_(v)
-        self.averaged = None
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return self.habits.load_state_dict(state_dict, strict)
+
+    full_state_dict = state_dict  # the name FSDP-era code knows
 
     def load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
         """Write a full fp32 value of ``p`` into its working copy and this rank's master views."""
@@ -351,29 +331,6 @@ class DataParallel(nn.Module):
                 if f.is_master:
                     f.tensor.copy_(f.param.detach().reshape(-1)[f.start : f.end])
 
-    full_state_dict = state_dict  # the name FSDP-era code knows
-
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(param) -> the whole parameter in fp32, on this rank (collective where sharded)."""
         return {id(p): p.detach().float().clone() for p in self.module.parameters()}
-
-
-def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[str], list[str]]:
-    """``load_state_dict`` of a plain model's or torch DDP's (``module.``) state dict: the keys
-    and shapes must match the wrapped model's (only the keys unless ``strict``)."""
-    if state_dict and all(k.startswith("module.") for k in state_dict):  # torch DDP's keys
-        state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
-            f"(pass strict=False to load the keys that match)"
-        )
-    for k, v in state_dict.items():
-        if k in own and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(own[k].shape):
-            raise RuntimeError(
-                f"load_state_dict: {k!r} has shape {tuple(v.shape)} in the state dict and "
-                f"{tuple(own[k].shape)} in the model"
-            )
-    return state_dict, missing, unexpected

@@ -1,4 +1,4 @@
-"""DDP from scratch: naive, then bucketed and overlapped with backward. Taught in lesson 01.
+"""DDP from scratch, bucketed and overlapped with backward (naive_ddp.py: the naive one). Lesson 01.
 
 The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): every rank holds all
 model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
@@ -17,45 +17,6 @@ from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
-
-
-class NaiveDDP(DataParallel):
-    """After backward, all-reduce every gradient, one collective per parameter, then average.
-
-    Correct and slow: Ψ elements cross the network only after backward has finished, in as many
-    small messages as there are parameters. fp32 only; use :class:`DDP` for mixed precision.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        find_unused_parameters: bool = False,
-    ):
-        super().__init__(
-            module, process_group=process_group, find_unused_parameters=find_unused_parameters
-        )
-        self.params = trainable_parameters(module)
-        for p in self.params:
-            # The hook's argument is the *parameter*; its gradient is p.grad, already accumulated.
-            p.register_post_accumulate_grad_hook(lambda p: self.queue_backward_end())
-
-    def backward_end(self) -> None:
-        if not self.require_sync:
-            return
-        for p in self.params:
-            if p.grad is None:  # unused on this rank: it still takes part in the average
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, group=self.group, tag="naive")
-            p.grad.div_(self.world)
-
-    def reset_grads(self, set_to_none: bool) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
 
 
 class DDP(DataParallel):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.precision import divides_before_sum
 
 MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, dim 1 inside one
 
@@ -84,14 +85,14 @@ def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: 
 
 def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: str) -> None:
     """HSDP's second step: each gradient shard (shard,), already averaged over its node, is
-    averaged over the R nodes holding the same shard (all-reduce, then / R; fp16: / R before,
-    so that the sum cannot overflow). Nothing without a replicate group."""
+    averaged over the R nodes holding the same shard (all-reduce and / R; fp16 divides first:
+    ``divides_before_sum``). Nothing without a replicate group."""
     if replicate_group is None:
         return
     r = dist.get_world_size(replicate_group)
     live = {i: s for i, s in enumerate(shards) if s is not None}  # index: the bucket's
     for s in live.values():
-        if s.dtype == torch.float16:
+        if divides_before_sum(s):
             s.div_(r)
     name = lambda i: tag if len(shards) == 1 else f"{tag} {i}"
     works = [
@@ -99,5 +100,5 @@ def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: st
     ]
     for w, s in zip(works, live.values(), strict=True):
         w.wait()
-        if s.dtype != torch.float16:
+        if not divides_before_sum(s):
             s.div_(r)

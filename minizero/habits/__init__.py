@@ -36,7 +36,7 @@ class Habits(Extension):
         module.refuse_second_wrapper(model, type(wrapper).__name__)  # before any hook
         self.flags = module.FrozenFlags(model, names)
         self.arrival = module.ArrivalCheck(wrapper.group, wrapper.world)
-        self.norms = GradNorms(wrapper, self.arrival)
+        self.norms = GradNorms(wrapper)
         self.grads = GradGuards(wrapper, self.norms)  # its hook first: it counts the used ones
         autograd.install(trainable, self.grads.show)
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
@@ -58,9 +58,11 @@ class Habits(Extension):
     def zero_grad(self, set_to_none: bool) -> None:
         self.grads.zero_grad(set_to_none)
 
-    def before_collective(self, what: str, how: str) -> None:
-        why = f"at ZeRO stage {self.wrapper.stage} (a rank holds only its shard)"
-        self.arrival.expect(what, why, how)
+    def state_dict(self, destination: dict | None, prefix: str) -> dict:
+        return module.full_state_dict(self.wrapper, destination, prefix)
+
+    def load_state_dict(self, state_dict: dict, strict: bool):
+        return module.load_full_state_dict(self.wrapper, state_dict, strict)
 
     def missing_attribute(self, name: str):
         return module.forward_attribute(self.wrapper, name)

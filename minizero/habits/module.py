@@ -2,8 +2,10 @@
 
 One wrapper per model; fp32 parameters only (the stage makes the 16-bit copy); which parameters
 train fixed at construction; the model's own attributes through the wrapper (an error naming the
-wrapper's class otherwise); the model's own ``state_dict()`` full and fp32; every rank arriving at
-a collective that one might call on rank 0 only.
+wrapper's class otherwise); state dicts full and fp32 under the model's own keys, the wrapper's
+and the model's own (``torch.save(model.state_dict())`` as with one process, a plain model's or
+torch DDP's state dict loaded back); every rank arriving at a collective that one might call on
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.data_parallel import SAVE_ON_RANK_0
+SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
 
 def refuse_dtypes(params: list[nn.Parameter], names: dict[int, str]) -> None:
@@ -89,6 +91,66 @@ def forward_attribute(wrapper, name: str):
     raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}{nor}")
 
 
+def expect_every_rank(wrapper, what: str, how: str) -> None:
+    """Before a collective one might call on rank 0 only: every rank arrives, or an error."""
+    why = f"at ZeRO stage {wrapper.stage} (a rank holds only its shard)"
+    wrapper.habits.arrival.expect(what, why, how)
+
+
+def full_state_dict(wrapper, destination: dict | None, prefix: str) -> dict:
+    """The user's model's state dict with every parameter full and fp32 (collective)."""
+    if wrapper.stage > 0:  # the fp32 masters are sharded: gathering them is collective
+        expect_every_rank(wrapper, "model.state_dict()", SAVE_ON_RANK_0)
+    sd = wrapper.module.state_dict(keep_vars=True)  # parameter objects are not read here
+    full = wrapper.full_params()  # id(param) -> full fp32 tensor
+    names = dict(wrapper.module.named_parameters(remove_duplicate=False))
+    out = {}
+    for k, v in sd.items():
+        if k in names:
+            v = full[id(names[k])] if id(names[k]) in full else names[k].detach().float()
+        elif isinstance(v, torch.Tensor):
+            v = v.detach()
+        out[prefix + k] = v
+    return out if destination is None else destination.update(out) or destination
+
+
+def load_full_state_dict(wrapper, state_dict: dict, strict: bool):
+    """Load a full state dict (a plain model's, torch DDP's, or the wrapper's): parameters go
+    straight to the fp32 masters and the working copy, so the next step starts from them."""
+    own = wrapper.module.state_dict(keep_vars=True)
+    state_dict, missing, unexpected = match_keys(own, state_dict, strict)
+    names = dict(wrapper.module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            if k in names:  # (names are keys of own)
+                wrapper.load_param(names[k], v.detach().to(torch.float32))
+            elif k in own:
+                own[k].copy_(v)
+    wrapper.averaged = None  # this step's gradients, if any, were of other parameters
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[str], list[str]]:
+    """``load_state_dict`` of a plain model's or torch DDP's (``module.``) state dict: the keys
+    and shapes must match the wrapped model's (only the keys unless ``strict``)."""
+    if state_dict and all(k.startswith("module.") for k in state_dict):  # torch DDP's keys
+        state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
+            f"(pass strict=False to load the keys that match)"
+        )
+    for k, v in state_dict.items():
+        if k in own and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(own[k].shape):
+            raise RuntimeError(
+                f"load_state_dict: {k!r} has shape {tuple(v.shape)} in the state dict and "
+                f"{tuple(own[k].shape)} in the model"
+            )
+    return state_dict, missing, unexpected
+
+
 def full_module_state_dict(wrapper) -> Callable[..., None]:
     """A state-dict hook for the wrapped model itself (nanoGPT's ``raw_model.state_dict()``,
     Hugging Face's ``unwrap_model(model).save_pretrained``): its parameters full and fp32, as
@@ -104,7 +166,7 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
         if any(isinstance(state_dict.get(k), nn.Parameter) for k, _ in named):
             return  # keep_vars=True (minizero itself asks so)
         if w.stage > 0:
-            w.habits.before_collective("model.module.state_dict()", SAVE_ON_RANK_0)
+            expect_every_rank(w, "model.module.state_dict()", SAVE_ON_RANK_0)
         full = w.full_params()  # id(param) -> full fp32
         for k, p in named:  # (frozen ones: kept once in the working dtype; fp32 out)
             if k in state_dict:

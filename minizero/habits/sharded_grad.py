@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero.habits.module import expect_every_rank
 
 _META = {  # attribute reads and metadata that need no values
     "shape", "dtype", "device", "layout", "is_sparse", "is_cuda", "is_meta", "ndim", "size",
@@ -101,8 +102,8 @@ class GradNorms:
     :class:`ShardedGrad`). The norms are kept while this step's gradients (``step_grads()``) are,
     until an in-place op changes them."""
 
-    def __init__(self, wrapper, arrival) -> None:
-        self.wrapper, self.arrival = wrapper, arrival
+    def __init__(self, wrapper) -> None:
+        self.wrapper = wrapper
         self.norms: dict[float, dict[int, torch.Tensor]] = {}  # ord -> id(p) -> global norm
 
     @property
@@ -136,10 +137,8 @@ class GradNorms:
                         torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
                     )
             if w.stage > 0:  # disjoint ranges: one all-reduce (DDP owns every element)
-                # a collective: a rank that logs alone would wait forever
-                why = f"at ZeRO stage {w.stage} (a rank holds only its shard)"
-                what = "a gradient norm (p.grad.norm(), clip_grad_norm_)"
-                self.arrival.expect(what, why, "print or save on rank 0 only")
+                what = "a gradient norm (p.grad.norm(), clip_grad_norm_)"  # a rank that logs
+                expect_every_rank(w, what, "print or save on rank 0 only")  # alone: an error
                 op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
                 C.all_reduce(part, op=op, group=w.group, tag="grad norm")
             norms = part if inf else part.sqrt()

@@ -171,8 +171,8 @@ def test_layers_depend_one_way_library_tools_course():
 
 def test_the_top_of_the_package_is_the_library_a_student_reads():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
-    # one concept a file: the chain, what it shares, its bucket, collectives, units, precision,
-    # HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models (down from 29)
+    # one concept a file: the chain, what it shares, naive DDP, its bucket, collectives, units,
+    # precision, HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models
     assert len(top) <= 16, f"{len(top)} modules at the top of minizero/: {top}"
     for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
         assert stage in top, stage
@@ -224,7 +224,7 @@ def test_the_stages_are_the_papers_chain():
         assert mine, f"{file}.py defines no {cls}"
         assert [ast.unparse(b) for b in mine[0].bases] == [base], f"{cls} must extend {base}"
         assert term in (ast.get_docstring(mine[0]) or ""), f"{cls}'s docstring must name {term}"
-        others = [c.name for c in classes if c.name != cls and file != "ddp"]  # ddp: NaiveDDP too
+        others = [c.name for c in classes if c.name != cls]
         assert not others, f"{file}.py: one stage per file, found also {others}"
         stage = importlib.import_module(f"minizero.{file}")
         assert issubclass(getattr(stage, cls), DataParallel)
