@@ -24,7 +24,8 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, check_elementwise, refuse_sparse_adam, regroup
+from minizero.habits.optimizer import check_elementwise, refuse_sparse_adam
+from minizero.optimizer import attach, regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2

@@ -11,6 +11,8 @@ that names the habit and says what works instead.
     autograd.py      double backward, sparse gradients
     module.py        the wrapped model: one wrapper per model, fp32 only, frozen flags fixed,
                      its attributes and its state dict; every rank arriving at a collective
+    optimizer.py     the optimizer: elementwise ones only at stages 1-3, no SparseAdam
+                     (parallelize asks it; the others are Habits' guards, below)
 
 The core (data_parallel.py and the stages) imports none of this: it calls the extension points
 of :class:`~minizero.data_parallel.Extension`, one per moment. :class:`Habits` implements them,
