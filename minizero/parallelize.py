@@ -78,7 +78,8 @@ def parallelize(
     ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
     also takes ``units`` (module classes or a predicate; default: the repeated blocks),
     ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
-    as FSDP2 defines it) and ``quantize_weights`` (qwZ: int8 all-gathers); see minizero/zero3.py.
+    as FSDP2 defines it), ``quantize_weights`` (qwZ: int8 all-gathers) and
+    ``quantize_gradients`` (qgZ), which build minizero/zeropp.py's ZeROPlusPlus.
     Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):

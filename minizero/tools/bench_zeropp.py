@@ -1,6 +1,6 @@
 """ZeRO++ measured: ``python -m minizero bench zeropp [--nprocs 4 --node-size 2 --steps 20]``.
-For lesson 08 (beyond one node); the library side is minizero/zero3.py (``reshard_after_forward``,
-``quantize_weights``) with zeropp.py (SecondaryShards, QuantizedGather and the
+For lesson 08 (beyond one node); the library side is minizero/zeropp.py (``ZeROPlusPlus``, ZeRO3
+with ``reshard_after_forward``, ``quantize_weights``: SecondaryShards, QuantizedGather and the
 block quantiser). Wang et al., arXiv 2306.10209.
 
 :func:`measure` trains the same TinyGPT at stage 3 under each configuration on gloo ranks and
