@@ -114,7 +114,8 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 # %% check="allreduce_gradients"
 # 3 SGD steps of minizero's MLP on max(NPROCS, 3) ranks: your gradients and parameters, step by
-# step, against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
+# step, against one process on the whole batch, torch DDP and minizero.naive_ddp.NaiveDDP;
+# volume 2Ψ.
 lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 
 # %% [markdown]
@@ -143,7 +144,7 @@ def gpt_step(model, step):
 
 
 def naive_volume():
-    from minizero.ddp import NaiveDDP
+    from minizero.naive_ddp import NaiveDDP
 
     torch.manual_seed(0)
     model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
@@ -430,7 +431,8 @@ if plots.widgets_available():  # JupyterLab (and ipywidgets installed); never in
 def compare(progress, steps=7):
     from torch.nn.parallel import DistributedDataParallel
 
-    from minizero.ddp import DDP, NaiveDDP
+    from minizero.ddp import DDP
+    from minizero.naive_ddp import NaiveDDP
 
     dev = checks.rank_device()
     ids = [dev.index] if dev.type == "cuda" else None
@@ -488,7 +490,7 @@ for name, (sec, count, volume) in ROWS.items():
 #
 # Every rank holds the whole model state: parameters, gradients and optimizer states. The cell
 # measures, on every rank, the bytes of each after one step of DDP with AdamW in fp32 and in bf16
-# mixed precision (`minizero.memory.model_state_bytes`), next to the paper's formulas:
+# mixed precision (`minizero.analysis.memory.model_state_bytes`), next to the paper's formulas:
 # (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed precision (fp32
 # master weights, momentum and variance). On GPUs the same states also show in
 # `torch.cuda.memory_allocated()`; lesson 02 plots the allocator's figures.
@@ -496,7 +498,7 @@ for name, (sec, count, volume) in ROWS.items():
 
 # %%
 def model_states(precision):
-    from minizero.memory import model_state_bytes, paper_model_state_bytes
+    from minizero.analysis.memory import model_state_bytes, paper_model_state_bytes
 
     torch.manual_seed(0)
     model, opt = minizero.parallelize(

@@ -41,11 +41,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.bucket import make_buckets, trainable_parameters
-from minizero.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.course import checks, hint
-from minizero.course.checks import lesson02
-from minizero.memory import (
+from minizero.analysis.memory import (
     PAPER_TABLE1,
     TABLE1_PSI,
     MemoryMeter,
@@ -54,6 +50,10 @@ from minizero.memory import (
     print_states_per_rank,
     table1_gb,
 )
+from minizero.bucket import make_buckets, trainable_parameters
+from minizero.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.course import checks, hint
+from minizero.course.checks import lesson02
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
@@ -274,23 +274,22 @@ class MyZeRO1(ZeRO1):
         """Average every bucket's gradient over the ranks into this rank's chunk of it."""
         # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self.reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
-            # BEGIN SOLUTION
-            # TODO: each chunk holds its elements' gradient, averaged over the group's ranks
-            # HINT: Lesson 00: a reduce-scatter leaves on rank r chunk r of the sum over the ranks,
-            #       and moves Ψ where an all-reduce moves 2Ψ. One per bucket.
-            # HINT: Its input is the bucket's whole (padded,) gradient buffer (self.grad_buffers),
-            #       its output this rank's (shard,) chunk of it, already in chunks: a view of the
-            #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
-            #       divide by self.world.
-            # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
-            #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-            #           ...  # sum -> average
-            for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
-                reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-                chunk.div_(self.world)  # sum over ranks -> average
-            # END SOLUTION
-            self.reduced = True
+        # (called once a step: clip_grad_norm_() and step() share its result)
+        # BEGIN SOLUTION
+        # TODO: each chunk holds its elements' gradient, averaged over the group's ranks
+        # HINT: Lesson 00: a reduce-scatter leaves on rank r chunk r of the sum over the ranks,
+        #       and moves Ψ where an all-reduce moves 2Ψ. One per bucket.
+        # HINT: Its input is the bucket's whole (padded,) gradient buffer (self.grad_buffers),
+        #       its output this rank's (shard,) chunk of it, already in chunks: a view of the
+        #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
+        #       divide by self.world.
+        # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
+        #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+        #           ...  # sum -> average
+        for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
+            reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+            chunk.div_(self.world)  # sum over ranks -> average
+        # END SOLUTION
         return chunks
 
     def after_step(self) -> None:
@@ -458,7 +457,7 @@ plt.show()
 # %% [markdown]
 # The dots (every rank of every group; they coincide) sit on the lines. The lines beyond the
 # dots are the formula alone; for large models the paper's Table 1 lists it, and
-# `minizero.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
+# `minizero.analysis.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
 
 # %%
 for stage in (1, 2, 3):

@@ -44,10 +44,10 @@ import torch._dynamo  # noqa: F401
 
 import minizero
 from minizero.analysis import budget
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
 from minizero.course import checks, compare, hint, plots, plots_budget
 from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
-from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
 
 NPROCS = checks.default_nprocs()

@@ -37,9 +37,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.course import checks, compare, hint, plots
 from minizero.course.checks.lesson06 import check_owned_tensors
-from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import full_state_dict, parallelize
 from minizero.units import assign_params, select_units

@@ -37,10 +37,10 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.analysis import cost
+from minizero.analysis.memory import format_bytes
 from minizero.analysis.simulate import short_psi
 from minizero.course import checks, hint, plots
 from minizero.course.checks import lesson08
-from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 WORLD, NODE = 4, 2  # 4 ranks as 2 "nodes" of 2: ranks 0, 1 on node 0; ranks 2, 3 on node 1
@@ -374,7 +374,8 @@ def held_bytes(model):
     if getattr(model, "stage", None) != 3:
         return 0
     full = sum(f.untyped_storage().nbytes() for f in model.flat_params)
-    shards = model.secondary.shards if model.secondary is not None else []
+    secondary = getattr(model, "secondary", None)  # ZeRO++'s hpZ (minizero.zeropp.ZeROPlusPlus)
+    shards = secondary.shards if secondary is not None else []
     return full + sum(t.numel() * t.element_size() for t in shards if t is not None)
 
 

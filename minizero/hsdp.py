@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP): shard inside a node, replicate across nodes. Issue 17, lesson 08.
+"""Hybrid sharding (HSDP): shard inside a node, replicate across nodes. Taught in lesson 08.
 
 The reference is FSDP2's HSDP, ``fully_shard(model, mesh=mesh)`` with a 2-D ``DeviceMesh`` whose
 dims are (replicate, shard) (torch/distributed/fsdp/_fully_shard/_fully_shard.py; the reduction:
@@ -20,8 +20,8 @@ DDP over every rank (the world group). Per rank and step (paper volumes, Ψ elem
     "replicate"  2 x Ψ/N_s (an all-reduce of this rank's shard, Ψ/N_s elements)
 
 so only the replicate all-reduce crosses a node boundary: in the ring model of
-minizero/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over the
-same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
+minizero/analysis/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over
+the same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
 sends all of it across (on 2 nodes x 2 ranks, fp32: 9Ψ bytes from each of 2 ranks, against 2Ψ
 from each of 4 with HSDP; tests/library/test_hsdp.py). The price: model states per rank are those
 of a world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.precision import divides_before_sum
 
 MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, dim 1 inside one
 
@@ -84,14 +85,14 @@ def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: 
 
 def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: str) -> None:
     """HSDP's second step: each gradient shard (shard,), already averaged over its node, is
-    averaged over the R nodes holding the same shard (all-reduce, then / R; fp16: / R before,
-    so that the sum cannot overflow). Nothing without a replicate group."""
+    averaged over the R nodes holding the same shard (all-reduce and / R; fp16 divides first:
+    ``divides_before_sum``). Nothing without a replicate group."""
     if replicate_group is None:
         return
     r = dist.get_world_size(replicate_group)
     live = {i: s for i, s in enumerate(shards) if s is not None}  # index: the bucket's
     for s in live.values():
-        if s.dtype == torch.float16:
+        if divides_before_sum(s):
             s.div_(r)
     name = lambda i: tag if len(shards) == 1 else f"{tag} {i}"
     works = [
@@ -99,5 +100,5 @@ def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: st
     ]
     for w, s in zip(works, live.values(), strict=True):
         w.wait()
-        if s.dtype != torch.float16:
+        if not divides_before_sum(s):
             s.div_(r)

@@ -24,11 +24,13 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, refuse_sparse_adam, regroup
-from minizero.precision import Precision, check_elementwise, resolve
+from minizero.habits.optimizer import check_elementwise, refuse_sparse_adam
+from minizero.optimizer import attach, regroup
+from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
+from minizero.zeropp import ZeROPlusPlus
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,10 +39,8 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
-STAGE3_OPTIONS = {
-    "units", "prefetch", "reshard_root", "check_modules",
-    "reshard_after_forward", "quantize_weights", "quantize_gradients",  # ZeRO++ (zeropp.py)
-}  # fmt: skip
+ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
+STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",
@@ -78,7 +78,8 @@ def parallelize(
     ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
     also takes ``units`` (module classes or a predicate; default: the repeated blocks),
     ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
-    as FSDP2 defines it) and ``quantize_weights`` (qwZ: int8 all-gathers); see minizero/zero3.py.
+    as FSDP2 defines it), ``quantize_weights`` (qwZ: int8 all-gathers) and
+    ``quantize_gradients`` (qgZ), which build minizero/zeropp.py's ZeROPlusPlus.
     Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
@@ -130,7 +131,8 @@ def parallelize(
         check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    wrapped = STAGES[stage](
+    cls = ZeROPlusPlus if set(stage_options) & ZEROPP_OPTIONS else STAGES[stage]
+    wrapped = cls(
         model,
         precision=policy,
         process_group=process_group,

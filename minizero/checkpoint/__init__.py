@@ -242,7 +242,7 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{what} takes the model that minizero.parallelize returned, got "
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
-    if getattr(optimizer, "_stage", None) is not model:
+    if getattr(optimizer, "_wrapper", None) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.course.plots import (
     MODELS,
     STAGES,
@@ -30,7 +31,6 @@ from minizero.course.plots import (
     time_axes,
     volume_axes,
 )
-from minizero.memory import format_bytes, paper_model_state_bytes
 
 MLP_SIZES = (32, 64, 64, 16)  # every layer's and gain's element count divides by 2, 4 and 8
 
@@ -77,8 +77,8 @@ def profile_stage(
     as 25 MB buckets cut a model of a few hundred MB: with one bucket for the whole model, stage 2
     would hold every gradient at once during backward.
     """
+    from minizero.analysis.memory import MemoryMeter, model_state_bytes
     from minizero.course.checks import rank_device
-    from minizero.memory import MemoryMeter, model_state_bytes
     from minizero.models import count_params
     from minizero.parallelize import parallelize
 

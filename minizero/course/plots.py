@@ -15,7 +15,7 @@ import os
 import statistics
 
 from minizero import collectives as C
-from minizero.memory import format_bytes, paper_model_state_bytes
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 
 CATS = ("params", "grads", "optimizer")
 # bar segment -> (legend label, colour, hatch), bottom to top

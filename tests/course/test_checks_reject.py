@@ -169,10 +169,8 @@ def test_bucket_layout_rejects_floor_copies_missing_padding_and_flat_views():
 class _SumNotAverage(ZeRO1):
     def reduce_gradients(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self.reduced:
-            for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
-                reduce_scatter(chunk, flat, group=self.group)  # the sum: no division by N
-            self.reduced = True
+        for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
+            reduce_scatter(chunk, flat, group=self.group)  # the sum: no division by N
         return chunks
 
 
@@ -304,27 +302,27 @@ class _KeepsGrad(ZeRO2):
     def on_grad_ready(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
-        buf = self.filling.get(b.index)
+        buf = self.grad_buffers[b.index]
         if buf is None:
-            buf = self.filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
+            buf = self.grad_buffers[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
         b.view(buf, p).copy_(p.grad)  # p.grad kept: the full gradient stays alive
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch(b)
+            self.reduce_bucket(b)
 
 
 class _Fp32Buffers(ZeRO2):
     def on_grad_ready(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
-        buf = self.filling.get(b.index)
+        buf = self.grad_buffers[b.index]
         if buf is None:
-            buf = self.filling[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
+            buf = self.grad_buffers[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
         b.view(buf, p).copy_(p.grad)
         p.grad = None
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch(b)
+            self.reduce_bucket(b)
 
     def finish_in_flight(self):
         if self.in_flight is not None:
@@ -439,7 +437,7 @@ class _FreeUnderAGather(ZeRO3):
     def free(self, i):
         self.flat_params[i].untyped_storage().resize_(0)  # the gather in flight is not waited
         self.gathered[i] = False
-        self.gathers[i] = None
+        self.gather_works[i] = None
 
 
 class _WaitsOnlyForItsOwn(ZeRO3):
@@ -447,12 +445,12 @@ class _WaitsOnlyForItsOwn(ZeRO3):
         if not self.gathered[i]:
             flat = self.flat_params[i]
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self.gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
+            self.gather_works[i] = all_gather(flat, self.param_shards[i], group=self.group,
                                           async_op=True, tag=f"zero3 params {i}")  # fmt: skip
             self.gathered[i] = True
             if wait:  # a prefetched gather (started with wait=False) is never waited for here
-                self.gathers[i].wait()
-                self.gathers[i] = None
+                self.gather_works[i].wait()
+                self.gather_works[i] = None
         self.max_gathered = max(self.max_gathered, sum(self.gathered))
 
 
@@ -463,9 +461,9 @@ class _NeverFills(ZeRO3):
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
             flat.fill_(float("nan"))  # room made (as uninitialised memory), nothing gathered
             self.gathered[i] = True
-        if wait and self.gathers[i] is not None:
-            self.gathers[i].wait()
-            self.gathers[i] = None
+        if wait and self.gather_works[i] is not None:
+            self.gather_works[i].wait()
+            self.gather_works[i] = None
         self.max_gathered = max(self.max_gathered, sum(self.gathered))
 
 
@@ -475,7 +473,7 @@ def test_zero3_gather_rejects_a_free_under_a_gather_and_an_unwaited_prefetch_and
         lesson04.check_zero3_gather,
         _FreeUnderAGather,
         starts="rank 0: free(0) resized unit 0's storage to 0 bytes while its all-gather",
-        has=("neither waited for nor kept", "Wait for self.gathers[i] first"),
+        has=("neither waited for nor kept", "Wait for self.gather_works[i] first"),
     )
     _rejects(
         lesson04.check_zero3_gather,

@@ -45,11 +45,9 @@ class _ZeRO1(ZeRO1):
 
     def reduce_gradients(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self.reduced:
-            for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
-                reduce_scatter(chunk, flat, **self.rs_group())
-                chunk.div_(self.world_())
-            self.reduced = True
+        for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
+            reduce_scatter(chunk, flat, **self.rs_group())
+            chunk.div_(self.world_())
         return chunks
 
     def after_step(self):
@@ -143,17 +141,17 @@ class _ZeRO3(ZeRO3):
         if not self.gathered[i]:
             flat = self.flat_params[i]
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self.gathers[i] = self.start(i, flat)
+            self.gather_works[i] = self.start(i, flat)
             self.gathered[i] = True
-        if wait and self.gathers[i] is not None:
-            self.gathers[i].wait()
-            self.gathers[i] = None
+        if wait and self.gather_works[i] is not None:
+            self.gather_works[i].wait()
+            self.gather_works[i] = None
         self.max_gathered = max(self.max_gathered, sum(self.gathered))
 
     def free(self, i):
-        if self.gathers[i] is not None:
-            self.gathers[i].wait()
-            self.gathers[i] = None
+        if self.gather_works[i] is not None:
+            self.gather_works[i].wait()
+            self.gather_works[i] = None
         self.flat_params[i].untyped_storage().resize_(0)
         self.gathered[i] = False
 

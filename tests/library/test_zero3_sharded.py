@@ -23,7 +23,7 @@ from zero3_lm import D, assert_same, batch, build, loss_of, run, train, wrap
 import minizero
 from minizero import ShardedParameterError
 from minizero import collectives as C
-from minizero.memory import MemoryMeter, state_tensors
+from minizero.analysis.memory import MemoryMeter, state_tensors
 from minizero.models import count_params
 from minizero.units import select_units
 from minizero.zero3 import ZeRO3

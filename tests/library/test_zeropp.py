@@ -34,14 +34,14 @@ from harness import (
 
 import minizero
 from minizero import collectives as C
-from minizero.memory import model_state_bytes
-from minizero.precision import (
+from minizero.analysis.memory import model_state_bytes
+from minizero.zeropp import (
     QUANT_BLOCK,
+    ZeROPlusPlus,
     dequantize_blockwise,
     quantization_error,
     quantize_blockwise,
 )
-from minizero.zero3 import ZeRO3
 
 pytestmark = pytest.mark.timeout(600)
 OPT = {"mlp": "adam", "gpt": "adamw"}  # harness.ATOL's pairs
@@ -99,16 +99,16 @@ def _train_settings(kind: str, settings: list) -> dict:
         errors = {}
         for bad in (3, 0, 2.0):
             try:
-                ZeRO3(build(kind), reshard_after_forward=bad)
+                ZeROPlusPlus(build(kind), reshard_after_forward=bad)
             except ValueError as e:
                 errors[bad] = str(e)
         every = dist.new_group(list(range(world)))  # the same ranks, but not the world group
         try:  # hpZ makes its blocks with new_group on every rank: over the world only
-            ZeRO3(build(kind), process_group=every, reshard_after_forward=2)
+            ZeROPlusPlus(build(kind), process_group=every, reshard_after_forward=2)
         except ValueError as e:
             out["subgroup"] = str(e)
         out["errors"] = errors
-        out["trivial"] = [ZeRO3(build(kind), reshard_after_forward=k).reshard_after_forward
+        out["trivial"] = [ZeROPlusPlus(build(kind), reshard_after_forward=k).reshard_after_forward
                           for k in (1, 4)]  # fmt: skip
     return out
 

@@ -96,7 +96,8 @@ def _train(make, rank: int, world: int, dev: torch.device, sync=None, grad_marks
 def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from minizero.ddp import DDP, NaiveDDP
+    from minizero.ddp import DDP
+    from minizero.naive_ddp import NaiveDDP
 
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     refs = {"one process on the whole batch": _train(lambda m: m, 0, 1, dev)}
@@ -108,7 +109,7 @@ def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
         dev,
     )
     if kind == "naive":
-        refs["minizero.ddp.NaiveDDP"] = _train(lambda m: NaiveDDP(m), rank, world, dev)
+        refs["minizero.naive_ddp.NaiveDDP"] = _train(lambda m: NaiveDDP(m), rank, world, dev)
         mine, err = guard(_train, lambda m: m, rank, world, dev, sync=student)
     else:
         refs["minizero.ddp.DDP"] = _train(
@@ -136,7 +137,8 @@ def _ddp_rank(student, kind: str, bucket_cap_mb: float) -> dict:
 
 def _sub_run(group, student, kind: str, bucket_cap_mb: float) -> dict:
     """On the members of a subgroup: the student's code given ``group``, against minizero's."""
-    from minizero.ddp import DDP, NaiveDDP
+    from minizero.ddp import DDP
+    from minizero.naive_ddp import NaiveDDP
 
     rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()
     if kind == "naive":

@@ -39,9 +39,6 @@ from minizero.course.checks.common import (
 from minizero.course.checks.common_zero import (
     STEPS,
     check_subgroup,
-    check_volume,
-    compare,
-    compare_bf16,
     minizero_build,
     one_process,
     results,
@@ -50,6 +47,7 @@ from minizero.course.checks.common_zero import (
     train,
     with_subgroup,
 )
+from minizero.course.checks.compare_zero import check_volume, compare, compare_bf16
 from minizero.zero1 import ZeRO1
 
 # (parameter shapes, world size): the MLP's 1,837 elements over 3 ranks; fewer elements than

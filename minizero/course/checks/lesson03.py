@@ -45,9 +45,6 @@ from minizero.course.checks.common import (
 from minizero.course.checks.common_zero import (
     STEPS,
     check_subgroup,
-    check_volume,
-    compare,
-    compare_bf16,
     fsdp2,
     minizero_build,
     one_process,
@@ -56,6 +53,7 @@ from minizero.course.checks.common_zero import (
     train,
     with_subgroup,
 )
+from minizero.course.checks.compare_zero import check_volume, compare, compare_bf16
 from minizero.zero2 import ZeRO2
 
 MICRO = (1, 2, 1)  # step 1 accumulates two backwards into the gradient shards
@@ -74,13 +72,13 @@ def _observe(model, module: nn.Module) -> dict:
 
 def _count_live(model) -> None:
     """After each gradient hook of ``model``: how many full-size bucket buffers are alive, and
-    their bytes (the one being filled, ``filling``, and the one in flight, ``in_flight``)."""
+    their bytes (the one filling, in ``grad_buffers``, and the one in flight, ``in_flight``)."""
     model._live_max = model._live_bytes_max = 0
 
     def after(p, model=model):
         if p.grad is not None:  # the class's own hook ran: stage 2 has dropped p.grad by now
             model.__dict__.setdefault("_kept", set()).add(id(p))
-        live = list(getattr(model, "filling", {}).values())
+        live = [g for g in getattr(model, "grad_buffers", []) if g is not None]
         flight = getattr(model, "in_flight", None)
         if flight is not None:
             live.append(flight[2])
@@ -132,8 +130,8 @@ def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
     if live > 2:
         raise CheckFailed(
             f"{precision}, rank {rank}: up to {live} full-size gradient buffers were alive at once "
-            "during backward: keep one being filled (self.filling) and one in flight, and free "
-            "each as it completes."
+            "during backward: keep one being filled (self.grad_buffers[b.index]) and one in "
+            "flight, and free each as it completes."
         )
     got = max(obs["live_bytes"] for obs in mine["observed"])
     want = max(obs["live_bytes"] for obs in ref["observed"])
@@ -179,7 +177,7 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
             raise CheckFailed(
                 f"step {step}: {len(inside)} of {len(rs)} reduce-scatters started during backward, "
                 f"the others after it ended: start each bucket's reduce-scatter from the hook, as "
-                "soon as its last gradient is in (self.launch(b)), so it overlaps backward."
+                "soon as its last gradient is in (self.reduce_bucket(b)), so it overlaps backward."
             )
     live = max(obs["live"] for obs in mine["observed"])
     volume = check_volume(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.memory import format_bytes
 from minizero.course.checks.common import (
     MIN_WORLD,
     SUBGROUP,
@@ -27,7 +28,6 @@ from minizero.course.checks.common import (
     strict_ledger,
     subgroup_failure,
 )
-from minizero.memory import format_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params
 
 TIMEOUT = 180.0  # seconds for the check's ranks
@@ -105,7 +105,7 @@ def _owned_run(group, owned_step, owners: list[int], opt_name: str) -> dict:
     bit on any CPU or GPU); and, for the student's information, one process on the whole batch
     (which sums in another order: about 1e-7 apart, more where Adam divides a gradient near zero
     by its own size)."""
-    from minizero.memory import model_state_bytes
+    from minizero.analysis.memory import model_state_bytes
     from minizero.models import synthetic_batch
 
     rank, world, dev = dist.get_rank(group), dist.get_world_size(group), rank_device()

@@ -273,7 +273,7 @@ def _quant_cases() -> list[tuple[str, torch.Tensor, int]]:
 def check_quantize(fn) -> None:
     """Lesson 08: ``fn(x, block) -> (q, scales)``, symmetric absmax int8 per block, as
     minizero.precision.quantize_blockwise (qwZ's quantiser)."""
-    from minizero.precision import dequantize_blockwise, quantize_blockwise
+    from minizero.zeropp import dequantize_blockwise, quantize_blockwise
 
     name = getattr(fn, "__name__", "your function")
     for what, x, block in _quant_cases():

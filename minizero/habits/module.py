@@ -1,23 +1,25 @@
-"""The habits of a PyTorch training loop that a data-parallel wrapper must notice.
+"""The wrapped model: what a PyTorch user does to it, and what the wrapper must notice.
 
-Each guard here stands for one habit that would otherwise train a different model without a word,
-or hang (the README's "What a PyTorch user expects" says, habit by habit, what happens). A guard
-either makes the habit mean what it means with torch DDP and FSDP2, or refuses it with one message
-that names the habit and says what works instead. Used by data_parallel.py and parallelize.py.
+One wrapper per model; fp32 parameters only (the stage makes the 16-bit copy); which parameters
+train fixed at construction; the model's own attributes through the wrapper (an error naming the
+wrapper's class otherwise); state dicts full and fp32 under the model's own keys, the wrapper's
+and the model's own (``torch.save(model.state_dict())`` as with one process, a plain model's or
+torch DDP's state dict loaded back); every rank arriving at a collective that one might call on
+rank 0 only.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from minizero.precision import full_dtype
 
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
@@ -49,7 +51,7 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
-def claim(module: nn.Module, wrapper: str) -> None:
+def refuse_second_wrapper(module: nn.Module, wrapper: str) -> None:
     """One wrapper per model: a second ``parallelize`` of the same module (a notebook cell run
     twice) would stack a second set of hooks and buckets on it."""
     held = module.__dict__.get("_minizero_wrapped_by")
@@ -62,7 +64,7 @@ def claim(module: nn.Module, wrapper: str) -> None:
     module.__dict__["_minizero_wrapped_by"] = wrapper  # not an attribute nn.Module registers
 
 
-class Trainable:
+class FrozenFlags:
     """Which parameters train is fixed when the buckets are built: freezing or unfreezing one
     later (``p.requires_grad_(...)``, mid-run fine-tuning) is refused at the next forward."""
 
@@ -85,25 +87,58 @@ class Trainable:
             )
 
 
-def check_step_is_elementwise(optimizer: torch.optim.Optimizer, base: type) -> None:
-    """A subclass of an elementwise optimizer is elementwise only if it keeps the base's
-    ``step``: LAMB written on Adam (or LARS on SGD) overrides it with per-tensor norms, which on
-    a flat shard would be norms of fragments. A subclass that is elementwise anyway says so with
-    ``minizero_elementwise = True``."""
-    cls = type(optimizer)
-    if getattr(cls, "minizero_elementwise", False):
-        return
-    want = inspect.unwrap(base.step)  # torch wraps step with profiling hooks; compare the code
-    for c in cls.__mro__[: cls.__mro__.index(base)]:
-        step = None if c.__dict__.get("minizero_wraps_step") else c.__dict__.get("step")
-        if step is not None and inspect.unwrap(step) is not want:
-            raise TypeError(
-                f"{cls.__name__}.step overrides {base.__name__}.step: at stages 1-3 (and in mixed "
-                f"precision) each rank steps flat fragments of the parameters, so a step that "
-                f"uses per-tensor norms (LAMB, LARS) would compute them over fragments. Use "
-                f"stage=0 with precision='fp32', or, if your step is elementwise, set "
-                f"{cls.__name__}.minizero_elementwise = True"
-            )
+def forward_attribute(wrapper, name: str):
+    """``model.config`` and other attributes of the wrapped model, on the wrapper (FSDP2 keeps the
+    model's class, so they work there). A name neither has is an error that names the wrapper's
+    class (a typo in a subclass a lesson writes, ``self.grad_buffer``), and the model's."""
+    module = wrapper.__dict__["_modules"].get("module")
+    if not name.startswith("_") and module is not None:
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
+    nor = "" if module is None else f" (nor has the model it wraps, {type(module).__name__})"
+    raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}{nor}")
+
+
+def expect_every_rank(wrapper, what: str, how: str) -> None:
+    """Before a collective one might call on rank 0 only: every rank arrives, or an error."""
+    why = f"at ZeRO stage {wrapper.stage} (a rank holds only its shard)"
+    wrapper.habits.arrival.expect(what, why, how)
+
+
+def full_state_dict(wrapper, destination: dict | None, prefix: str) -> dict:
+    """The user's model's state dict with every parameter full and fp32 (collective)."""
+    if wrapper.stage > 0:  # the fp32 masters are sharded: gathering them is collective
+        expect_every_rank(wrapper, "model.state_dict()", SAVE_ON_RANK_0)
+    sd = wrapper.module.state_dict(keep_vars=True)  # parameter objects are not read here
+    full = wrapper.full_params()  # id(param) -> full fp32 tensor
+    names = dict(wrapper.module.named_parameters(remove_duplicate=False))
+    out = {}
+    for k, v in sd.items():
+        if k in names:
+            v = full[id(names[k])] if id(names[k]) in full else names[k].detach()
+            v = v.to(full_dtype(wrapper.precision))  # fp32, or fp64
+        elif isinstance(v, torch.Tensor):
+            v = v.detach()
+        out[prefix + k] = v
+    return out if destination is None else destination.update(out) or destination
+
+
+def load_full_state_dict(wrapper, state_dict: dict, strict: bool):
+    """Load a full state dict (a plain model's, torch DDP's, or the wrapper's): parameters go
+    straight to the fp32 masters and the working copy, so the next step starts from them."""
+    own = wrapper.module.state_dict(keep_vars=True)
+    state_dict, missing, unexpected = match_keys(own, state_dict, strict)
+    names = dict(wrapper.module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            if k in names:  # (names are keys of own)
+                wrapper.load_param(names[k], v.detach().to(full_dtype(wrapper.precision)))
+            elif k in own:
+                own[k].copy_(v)
+    wrapper.averaged = None  # this step's gradients, if any, were of other parameters
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[str], list[str]]:
@@ -127,32 +162,6 @@ def match_keys(own: dict, state_dict: dict, strict: bool) -> tuple[dict, list[st
     return state_dict, missing, unexpected
 
 
-class TorchNames:
-    """What PyTorch users reach for on torch DDP's and FSDP2's wrappers, on minizero's too.
-
-    ``model.config`` and other attributes of the wrapped model (FSDP2 keeps the model's class, so
-    they work there); ``model.set_requires_gradient_sync(False)`` (FSDP2) and nanoGPT's
-    ``model.require_backward_grad_sync = False`` (torch DDP's attribute): ``no_sync()`` until set
-    back, refused where ``no_sync()`` is (stages 2-3 keep no local gradient to accumulate into)."""
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)  # parameters, buffers, submodules (nn.Module's)
-        except AttributeError:
-            if name.startswith("_") or name == "module" or "module" not in self._modules:
-                raise
-            return getattr(self.module, name)
-
-    def set_requires_gradient_sync(self, requires: bool) -> None:
-        with nullcontext() if requires else self.no_sync():  # stages 2-3 refuse here
-            pass
-        self.require_sync = requires
-
-    require_backward_grad_sync = property(
-        lambda self: self.require_sync, set_requires_gradient_sync
-    )
-
-
 def full_module_state_dict(wrapper) -> Callable[..., None]:
     """A state-dict hook for the wrapped model itself (nanoGPT's ``raw_model.state_dict()``,
     Hugging Face's ``unwrap_model(model).save_pretrained``): its parameters full and fp32, as
@@ -168,16 +177,17 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
         if any(isinstance(state_dict.get(k), nn.Parameter) for k, _ in named):
             return  # keep_vars=True (minizero itself asks so)
         if w.stage > 0:
-            w.expect_every_rank("model.module.state_dict()", SAVE_ON_RANK_0)
+            expect_every_rank(w, "model.module.state_dict()", SAVE_ON_RANK_0)
         full = w.full_params()  # id(param) -> full fp32
         for k, p in named:  # (frozen ones: kept once in the working dtype; fp32 out)
             if k in state_dict:
-                state_dict[k] = full[id(p)] if id(p) in full else state_dict[k].float()
+                v = full[id(p)] if id(p) in full else state_dict[k]
+                state_dict[k] = v.to(full_dtype(w.precision))
 
     return hook
 
 
-class Arrival:
+class ArrivalCheck:
     """Before a collective that one might call on rank 0 only (nanoGPT's ``if master_process:``):
     every rank of ``group`` arrives within ``MINIZERO_ARRIVAL_S`` (30) seconds, or an error.
 
@@ -200,7 +210,7 @@ class Arrival:
             return  # of minizero.simulate): no check
         self.store, self.prefix = store, f"minizero/arrival/{name}/{n}"
 
-    def __deepcopy__(self, memo) -> Arrival:  # copy.deepcopy(model) shares the store
+    def __deepcopy__(self, memo) -> ArrivalCheck:  # copy.deepcopy(model) shares the store
         return self
 
     def expect(self, what: str, why: str, how: str) -> None:

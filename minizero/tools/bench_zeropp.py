@@ -1,6 +1,6 @@
 """ZeRO++ measured: ``python -m minizero bench zeropp [--nprocs 4 --node-size 2 --steps 20]``.
-For lesson 08 (beyond one node); the library side is minizero/zero3.py (``reshard_after_forward``,
-``quantize_weights``) with zeropp.py (SecondaryShards, QuantizedGather) and precision.py (the
+For lesson 08 (beyond one node); the library side is minizero/zeropp.py (``ZeROPlusPlus``, ZeRO3
+with ``reshard_after_forward``, ``quantize_weights``: SecondaryShards, QuantizedGather and the
 block quantiser). Wang et al., arXiv 2306.10209.
 
 :func:`measure` trains the same TinyGPT at stage 3 under each configuration on gloo ranks and
@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.memory import format_bytes, model_state_bytes
 from minizero.analysis.topology import ring_bytes
-from minizero.memory import format_bytes, model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, synthetic_batch
-from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 from minizero.tools.cli import Parser, positive_int
 from minizero.tools.report import header, measured_on, write_json
 from minizero.units import assign_params, select_units
+from minizero.zeropp import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 
 GLOBAL_BATCH = 16
 
