@@ -19,6 +19,7 @@ from minizero.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.course.checks import (
     CheckFailed,
     common_zero,
+    compare_zero,
     lesson00,
     lesson01,
     lesson02,
@@ -528,9 +529,9 @@ def test_zero3_prefetch_rejects_gathering_on_demand_and_prefetching_finished_uni
 
 # -- what the comparisons do with NaN --------------------------------------------------------------
 def test_a_nan_loss_or_parameter_is_a_difference():
-    assert not common_zero.close(math.nan, 1.0, 1e-4, 1e-6)
-    assert not common_zero.close(1.0, math.inf, 1e-4, 1e-6)
-    assert common_zero.close(1.0 + 1e-7, 1.0, 1e-4, 1e-6)
+    assert not compare_zero.close(math.nan, 1.0, 1e-4, 1e-6)
+    assert not compare_zero.close(1.0, math.inf, 1e-4, 1e-6)
+    assert compare_zero.close(1.0 + 1e-7, 1.0, 1e-4, 1e-6)
     layout = [{"shard": 2, "params": [("w", 0, 3)]}]
     ref = {
         "loss": [1.0] * common_zero.STEPS,
@@ -540,10 +541,10 @@ def test_a_nan_loss_or_parameter_is_a_difference():
     }
     mine = {**ref, "loss": [math.nan] + [1.0] * (common_zero.STEPS - 1)}
     with pytest.raises(CheckFailed, match=r"^step 0, rank 0: the forward gave loss nan, ref 1:"):
-        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+        compare_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
     mine = {**ref, "params": [{"w": torch.tensor([1.0, math.nan, 1.0])}] * common_zero.STEPS}
     with pytest.raises(CheckFailed, match=r"^step 0, rank 0, parameter 'w' after"):
-        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+        compare_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
     mine = {**ref, "seen": [[torch.tensor([1.0, math.nan])]] * common_zero.STEPS}
     with pytest.raises(CheckFailed, match=r"chunk element 1 = element 1 of 'w': yours nan"):
-        common_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
+        compare_zero.compare(mine, {"ref": ref}, "ref", 0, 2, shards="")
