@@ -234,14 +234,16 @@ for name, (kw, _) in MORE.items():
 # world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
 #
 # How often step 2 runs. With several micro-batches per step, minizero's HSDP all-reduces across
-# nodes after **every** backward at stages 2-3 (minizero/zero2.py's `finish_in_flight` calls
-# `hsdp.average_replicas`), and once per step at stage 1 (section 1's table: "replicate" carries
-# MICRO times more at stages 2-3). FSDP2 does the same by default and offers the switch:
+# nodes after **every** backward at stages 2-3 by default (minizero/zero2.py's `finish_in_flight`
+# hands each shard to `hsdp.Replicas`), and once per step at stage 1 (section 1's table:
+# "replicate" carries MICRO times more at stages 2-3). FSDP2 does the same by default and offers
+# the switch, which minizero's stages 2-3 take under the same name:
 # `model.set_requires_all_reduce(False)` on all but the last micro-batch keeps the reduce-scattered
 # shards and all-reduces them once (pytorch/pytorch,
 # `torch/distributed/fsdp/_fully_shard/_fully_shard.py`); DeepSpeed's MiCS all-reduces once, at
-# the accumulation boundary. The cost model prices either (`cost.Config(...,
-# replicate_every_microbatch=False)`). HSDP at stages 1 and 2 is minizero's extension: FSDP2 and
+# the accumulation boundary (minizero too, if the switch stays False: the step averages what is
+# held). The cost model prices either (`cost.Config(..., replicate_every_microbatch=False)`), and
+# tests/library/test_cost_ledger.py measures both against the ledger. HSDP at stages 1 and 2 is minizero's extension: FSDP2 and
 # MiCS always shard the parameters too (stage 3).
 #
 # **Exercise 1.** Write that reduction. `grad` is this rank's local gradient, flat, (numel,) with

@@ -83,6 +83,45 @@ def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: 
         C.all_reduce(t, op=op, group=replicate_group, tag=tag)
 
 
+class Replicas:
+    """HSDP's second step at stages 2-3, where every backward reduce-scatters its buckets. By
+    default each backward's shard is all-reduced over "replicate" at once (FSDP2's default): Ψ/N_s
+    crosses the nodes once per micro-batch. ``model.set_requires_all_reduce(False)`` (FSDP2's
+    switch, ``FSDPModule.set_requires_all_reduce``) keeps the shards apart instead, summed over
+    the micro-batches, and averages them over the replicas once: at the next backward run with
+    the switch back on (FSDP2's way), or at the step if it never is (DeepSpeed MiCS's once per
+    accumulation boundary). The step sees the same average either way (up to the order of the
+    sums); what changes is how many times the shard crosses the nodes, and Ψ/N_s more memory
+    held for the sum meanwhile."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.requires_all_reduce = True
+        self.partial: dict[int, torch.Tensor] = {}  # bucket -> (shard,) sum not yet averaged
+
+    def add(self, shards: list, i: int, out: torch.Tensor, tag: str) -> None:
+        """``out`` (shard,): bucket ``i``'s chunk averaged over this node; into ``shards[i]``
+        averaged over every node, now or later."""
+        if self.group is not None and not self.requires_all_reduce:
+            held = self.partial.get(i)
+            self.partial[i] = out.clone() if held is None else held.add_(out)
+            return
+        if i in self.partial:
+            out.add_(self.partial.pop(i))
+        average_replicas([out], self.group, tag)
+        shards[i].add_(out)
+
+    def flush(self, shards: list, tag: str) -> None:
+        """At the step: average what is still held over the replicas (one all-reduce each)."""
+        for i in sorted(self.partial):
+            held = self.partial.pop(i)
+            average_replicas([held], self.group, f"{tag} {i}")
+            shards[i].add_(held)
+
+    def clear(self) -> None:
+        self.partial.clear()
+
+
 def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: str) -> None:
     """HSDP's second step: each gradient shard (shard,), already averaged over its node, is
     averaged over the R nodes holding the same shard (all-reduce and / R; fp16 divides first:

@@ -129,8 +129,8 @@ class Config:
 
     * HSDP's replicate all-reduce: minizero runs it once per step at stage 1 and after every
       backward at stages 2-3, as FSDP2 does by default; ``replicate_every_microbatch=False`` prices
-      it once per step, as DeepSpeed's MiCS does, and as FSDP2 does with
-      ``set_requires_all_reduce(False)`` on all but the last micro-batch.
+      it once per step, as DeepSpeed's MiCS does, and as FSDP2 and minizero's stages 2-3 do with
+      ``model.set_requires_all_reduce(False)`` on all but the last micro-batch.
     * hpZ: minizero drops the secondary shard at every forward, as FSDP2's integer
       ``reshard_after_forward`` does, so every forward gathers across nodes; DeepSpeed keeps it
       until the optimizer step, so only the first micro-batch's forward crosses.

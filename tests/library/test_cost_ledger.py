@@ -27,6 +27,11 @@ CONFIGS = {  # name: (cost.Config options, parallelize options; "mesh": the 2 x 
     "hsdp1": (dict(stage=1, hsdp=True), {"mesh": True}),
     "hsdp2": (dict(stage=2, hsdp=True), {"mesh": True}),
     "hsdp3": (dict(stage=3, hsdp=True), {"mesh": True}),
+    # FSDP2's switch: set_requires_all_reduce(False) on all but the last micro-batch
+    "hsdp2-once": (dict(stage=2, hsdp=True, replicate_every_microbatch=False),
+                   {"mesh": True, "once": True}),
+    "hsdp3-once": (dict(stage=3, hsdp=True, replicate_every_microbatch=False),
+                   {"mesh": True, "once": True}),
     "hpz": (dict(stage=3, hpz=True), {"reshard_after_forward": NODE}),
     "hpz+qwz": (dict(stage=3, hpz=True, qwz=True),
                 {"reshard_after_forward": NODE, "quantize_weights": True}),
@@ -35,9 +40,12 @@ CONFIGS = {  # name: (cost.Config options, parallelize options; "mesh": the 2 x 
 }  # fmt: skip
 
 
-def _step(model, opt, stage: int, micro: int, x, y) -> None:
-    """One optimizer step of ``micro`` micro-batches; stages 0-1 accumulate under no_sync."""
+def _step(model, opt, stage: int, micro: int, x, y, once: bool = False) -> None:
+    """One optimizer step of ``micro`` micro-batches; stages 0-1 accumulate under no_sync;
+    ``once``: HSDP's replicate all-reduce at the last micro-batch only (FSDP2's switch)."""
     for m in range(micro):
+        if once:
+            model.set_requires_all_reduce(m == micro - 1)
         if m < micro - 1 and stage < 2:
             with model.no_sync():
                 model(x, y).backward()
@@ -55,15 +63,16 @@ def _ledgers() -> dict:
     out = {}
     for name, (cfg, opts) in CONFIGS.items():
         stage = cfg["stage"]
+        once, opts = opts.get("once", False), {k: v for k, v in opts.items() if k != "once"}
         opts = {**opts, "mesh": mesh} if opts.get("mesh") else opts
         cap = {} if stage == 3 else {"bucket_cap_mb": H.TINY_BUCKET_MB}
         model, opt = minizero.parallelize(H.build("gpt"), stage, H.optimizer_fn("adamw"),
                                           **cap, **opts)  # fmt: skip
         x, y = H.local_batch("gpt", 0, rank, world)
         for micro in MICRO:
-            _step(model, opt, stage, micro, x, y)  # warm-up: stage 3 records its order
+            _step(model, opt, stage, micro, x, y, once)  # warm-up: stage 3 records its order
             with C.CommLedger(node_size=NODE) as ledger:
-                _step(model, opt, stage, micro, x, y)
+                _step(model, opt, stage, micro, x, y, once)
             out[name, micro] = dict(
                 sizes=[b.padded for b in model.buckets],
                 records=[(r.group, r.op, r.nbytes) for r in ledger.records],
