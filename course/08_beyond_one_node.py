@@ -243,8 +243,8 @@ for name, (kw, _) in MORE.items():
 # `torch/distributed/fsdp/_fully_shard/_fully_shard.py`); DeepSpeed's MiCS all-reduces once, at
 # the accumulation boundary (minizero too, if the switch stays False: the step averages what is
 # held). The cost model prices either (`cost.Config(..., replicate_every_microbatch=False)`), and
-# tests/library/test_cost_ledger.py measures both against the ledger. HSDP at stages 1 and 2 is minizero's extension: FSDP2 and
-# MiCS always shard the parameters too (stage 3).
+# tests/library/test_cost_ledger.py measures both against the ledger. HSDP at stages 1 and 2 is
+# minizero's extension: FSDP2 and MiCS always shard the parameters too (stage 3).
 #
 # **Exercise 1.** Write that reduction. `grad` is this rank's local gradient, flat, (numel,) with
 # numel divisible by N_s; return this rank's (numel / N_s,) shard of the gradient averaged over
