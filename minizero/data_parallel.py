@@ -43,6 +43,7 @@ from minizero.habits import (
     TorchNames,
     Trainable,
     claim,
+    full_module_load_state_dict,
     full_module_state_dict,
     match_keys,
     refuse_dtypes,
@@ -131,6 +132,9 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
         module.register_load_state_dict_post_hook(lambda m, keys: self.params_written())
         module.register_state_dict_post_hook(full_module_state_dict(self))
+        pre, post = full_module_load_state_dict(self)  # its inverse; post after params_written
+        module.register_load_state_dict_pre_hook(pre)
+        module.register_load_state_dict_post_hook(post)
         self._arrival = Arrival(process_group, self.world)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:

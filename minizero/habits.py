@@ -177,6 +177,51 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
     return hook
 
 
+def full_module_load_state_dict(wrapper) -> tuple[Callable, Callable]:
+    """``raw_model.load_state_dict(sd)`` on the wrapped model itself, ``sd`` full and fp32 as its
+    ``state_dict()`` gives it (nanoGPT's resume; Hugging Face's ``from_pretrained`` weights): a
+    pre-hook and a post-hook for the wrapped model (its ``register_load_state_dict_pre_hook`` /
+    ``..._post_hook``), the inverse of :func:`full_module_state_dict`.
+
+    torch would ``copy_`` each value into the parameter: at stage 3 a sharded one (a
+    ShardedParameterError), in mixed precision the 16-bit working copy (the fp32 masters would
+    then be refreshed from its rounded values). So the pre-hook takes those parameters' entries
+    (the right shape; trainable) out of torch's copy of the dict, and the post-hook, after the
+    wrapper's own (``params_written``), gives each to ``wrapper.load_param``: this rank's ranges
+    go into its shard or working copy and its fp32 masters, exactly (local: no collective), and
+    the keys come off ``missing_keys``. Buffers, frozen parameters, fp32 stages 0-2 (the working
+    copy is the full fp32 value) and stage 3 inside ``summon_full_params()`` are left to torch."""
+    ref = weakref.ref(wrapper)
+    taken: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        from minizero.units import _Guarded  # (units imports precision, which imports this)
+
+        taken.clear()
+        w = ref()
+        if w is None or not (w.stage == 3 or w.precision.master):
+            return
+        for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+            v = state_dict.get(name)
+            ok = isinstance(v, torch.Tensor) and v.shape == p.shape and p.requires_grad
+            if ok and (w.stage < 3 or isinstance(p, _Guarded)):
+                taken[name] = (p, v.detach())
+                del state_dict[name]  # (torch's own copy of the dict)
+
+    def post(module, incompatible_keys) -> None:
+        from minizero.precision import full_dtype
+
+        w = ref()
+        with torch.no_grad():
+            for name, (p, v) in taken.items():
+                w.load_param(p, v.to(full_dtype(w.precision)))
+                if name in incompatible_keys.missing_keys:
+                    incompatible_keys.missing_keys.remove(name)
+        taken.clear()
+
+    return pre, post
+
+
 class Arrival:
     """Before a collective that one might call on rank 0 only (nanoGPT's ``if master_process:``):
     every rank of ``group`` arrives within ``MINIZERO_ARRIVAL_S`` (30) seconds, or an error.

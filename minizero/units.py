@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.precision import full_dtype
 
 Units = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
 
@@ -350,36 +349,3 @@ def summon_full_params(stage, writeback: bool = True):
             for b, buf, shard in zip(stage.buckets, bufs, stage.param_shards, strict=True):
                 shard.copy_(b.chunk(buf, stage.rank))
         stage.params_written()
-
-
-# -- the wrapped model's own load_state_dict -----------------------------------------------------
-def load_into_shards(stage) -> tuple[Callable, Callable]:
-    """``raw_model.load_state_dict(full_sd)`` on the wrapped model itself (nanoGPT's and Hugging
-    Face's way back from ``raw_model.state_dict()``) at stage 3: a pre-hook and a post-hook for the
-    root module (``register_load_state_dict_pre_hook`` / ``..._post_hook``).
-
-    torch would ``copy_`` each full value into a sharded parameter (a ShardedParameterError). The
-    pre-hook takes every entry of a sharded parameter whose shape matches out of the dict and
-    gives it to ``stage.load_param``: this rank's ranges go into its shard and its fp32 masters
-    (exact, as the wrapper's ``load_state_dict``; local, no collective). The post-hook takes those
-    keys off ``missing_keys``. Buffers, frozen (replicated) parameters, a wrong shape, and
-    parameters that are full now (inside ``summon_full_params()``) are left to torch."""
-    taken: list[str] = []
-
-    def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        taken.clear()
-        for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-            v = state_dict.get(name)
-            if isinstance(p, _Guarded) and isinstance(v, torch.Tensor) and v.shape == p.shape:
-                with torch.no_grad():
-                    stage.load_param(p, v.detach().to(full_dtype(stage.precision)))
-                del state_dict[name]  # (torch's own copy of the dict)
-                taken.append(name)
-
-    def post(module, incompatible_keys) -> None:
-        for name in taken:
-            if name in incompatible_keys.missing_keys:
-                incompatible_keys.missing_keys.remove(name)
-        taken.clear()
-
-    return pre, post

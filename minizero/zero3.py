@@ -131,9 +131,6 @@ class ZeRO3(ZeRO2):
             m.register_forward_pre_hook(Hook(eager(self._forward_pre_hook)), prepend=True)
             m.register_forward_hook(Hook(eager(self._post_forward)))
         self._accumulators = Accumulators(self.params)
-        pre, post = U.load_into_shards(self)  # raw_model.load_state_dict(full): into the shards
-        module.register_load_state_dict_pre_hook(pre)
-        module.register_load_state_dict_post_hook(post)
         for i in range(n):
             self._release(i)
 
