@@ -73,7 +73,8 @@ def parallelize(
     ``adopt``), as if it had been passed here. ``precision``: "fp32", "bf16", "fp16"
     (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
-    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
+    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2), torch DDP's rule: a bucket closes
+    once it reaches the cap; default 25, with a first bucket of 1 MiB (minizero/bucket.py).
     ``process_group``: the ranks to train on (default: the world). ``mesh``: hybrid sharding
     (HSDP, as FSDP2's ``fully_shard(mesh=2-D mesh)``): a 2-D ``DeviceMesh`` with dims
     ("replicate", "shard"); stages 1-3 shard over "shard" and average each gradient shard over
