@@ -12,6 +12,10 @@ the stage's part:
     before_step()  reduce / unscale / hand gradients to the fragments  (False: skip, fp16 inf)
     <the user's optimizer step on this rank's fragments; a fragment without gradient is skipped>
     after_step()   copy masters back to the working parameters, all-gather them (ZeRO)
+
+An optimizer built *after* wrapping (FSDP2's order: ``model = parallelize(model, s)``, then
+``opt = AdamW(model.parameters())``) is made the same at its first ``step()``: :func:`adopt`,
+from torch's optimizer step pre-hook that :func:`adopt_on_first_step` installs for each wrapper.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ class ShardedGrad(torch.Tensor):
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
             f"model.grad_fragments(p) for this rank's ranges of the averaged gradient (fp32 "
-            f"views). An optimizer built over model.parameters() after parallelize cannot step "
-            f"shards: pass it to minizero.parallelize, which returns the optimizer that does."
+            f"views). An update written by hand cannot step shards: use a torch.optim optimizer "
+            f"(minizero adopts one built over model.parameters() at its first step)."
         )
 
 

@@ -272,8 +272,8 @@ def _raise(op: str, args, kwargs) -> None:
         "forward or backward. To read or change it, wrap the code in `with "
         "model.summon_full_params():` on every rank (minizero.full_state_dict(model) gives a "
         "full copy); if a module reads it without calling its unit, pass units=... so that one "
-        "unit contains both; an optimizer built over model.parameters() after parallelize cannot "
-        "step shards: pass it to minizero.parallelize, which returns the optimizer that does."
+        "unit contains both; an update written by hand cannot step shards: use a torch.optim "
+        "optimizer (minizero adopts one built over model.parameters() at its first step)."
     )
 
 

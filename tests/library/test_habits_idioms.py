@@ -142,16 +142,32 @@ def mixed_rank():
         except ValueError as e:
             out[what] = str(e)
         a.zero_grad()
+    # one optimizer per wrapper: each adopted by its own, in one process
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    for model, opt in ((a, oa), (b, ob)):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["owners"] = (oa._stage is a, ob._stage is b)
+    out["states"] = (snapshot(a), snapshot(b))
     return out
 
 
-def test_an_optimizer_over_a_wrapped_model_and_other_tensors_is_refused():
+def test_an_optimizer_over_a_wrapped_model_and_other_tensors_is_refused_one_per_model_trains():
     for got in run(mixed_rank, 2):
         for what in ("plain", "two"):
             msg = got[what]
             assert msg is not None, what
             assert "Build one optimizer per wrapped model" in msg, msg
             assert "other tensor(s)" in msg, msg
+        assert got["owners"] == (True, True)
+        for state in got["states"]:  # one SGD step of each model, as one process takes it
+            model = build("mlp")
+            opt = torch.optim.SGD(trainable(model), lr=0.1)
+            model(*local_batch("mlp", 0)).backward()
+            opt.step()
+            for k, v in snapshot(model).items():
+                torch.testing.assert_close(state[k], v, atol=1e-6, rtol=0, msg=k)
 
 
 # -- the wrapped model's own state dict, saved and loaded back --------------------------------
