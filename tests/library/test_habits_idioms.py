@@ -212,3 +212,26 @@ def test_the_wrapped_models_state_dict_loads_back_and_training_goes_on(stage, wo
             assert res["keys"] == ([], []), (precision, res["keys"])
             what = f"rank {r} {precision}: resumed vs never stopped"
             assert_states(res["resumed"], res["straight"], 0, what)
+
+
+def deepcopy_rank():
+    import copy
+
+    out = []
+    for stage in (0, 1, 2):
+        raw = build("mlp")
+        model, _ = minizero.parallelize(raw, stage, adamw, precision="bf16")
+        before = model.state_dict()
+        twin = copy.deepcopy(raw).float()  # a plain copy, e.g. for evaluation
+        twin.load_state_dict({k: torch.zeros_like(v) for k, v in twin.state_dict().items()})
+        after = model.state_dict()
+        out.append(all(torch.equal(before[k], after[k]) for k in before))
+    return out
+
+
+def test_loading_into_a_deepcopy_of_the_wrapped_model_leaves_the_wrapper_alone():
+    """The load hooks (the wrapper's params_written and full_module_load_state_dict) are dropped
+    by copy.deepcopy: loading into the copy refreshed the wrapper's fp32 masters from its bf16
+    working copy (a rounding of every master)."""
+    for got in run(deepcopy_rank, 2):
+        assert got == [True, True, True]
