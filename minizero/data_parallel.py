@@ -43,14 +43,12 @@ from minizero.habits import (
     TorchNames,
     Trainable,
     claim,
-    full_module_load_state_dict,
     full_module_state_dict,
     match_keys,
     refuse_dtypes,
 )
 from minizero.precision import LossScaler, Precision, floating, full_dtype, resolve
 from minizero.sharded_grad import GradNorms, ShardedGrad
-from minizero.units import Hook
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,11 +129,7 @@ class DataParallel(GradNorms, TorchNames, nn.Module):
                 p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
         # torch habit: model.zero_grad() on the user's module must clear the stage's gradients too
         module.zero_grad = self.zero_grad  # type: ignore[method-assign]
-        module.register_load_state_dict_post_hook(Hook(lambda m, keys: self.params_written()))
         module.register_state_dict_post_hook(full_module_state_dict(self))
-        pre, post = full_module_load_state_dict(self)  # its inverse; post after params_written
-        module.register_load_state_dict_pre_hook(Hook(pre))  # (Hook: a deepcopy drops them)
-        module.register_load_state_dict_post_hook(Hook(post))
         self._arrival = Arrival(process_group, self.world)
 
     def expect_every_rank(self, what: str, how: str = "print or save on rank 0 only") -> None:

@@ -16,6 +16,7 @@ from minizero import collectives as C
 from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
+from minizero.habits import full_module_load_state_dict
 from minizero.precision import Precision
 from minizero.units import Hook
 
@@ -99,6 +100,7 @@ class DDP(DataParallel):
         self.cast_working()
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
+        full_module_load_state_dict(self)  # raw_model.load_state_dict(full): exact, into shards
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         self.next_bucket = 0  # buckets below it are launched (launch_in_order)
         for p in self.params:

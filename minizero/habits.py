@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minizero.units import Hook, _Guarded
+
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
 
@@ -177,26 +179,24 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
     return hook
 
 
-def full_module_load_state_dict(wrapper) -> tuple[Callable, Callable]:
-    """``raw_model.load_state_dict(sd)`` on the wrapped model itself, ``sd`` full and fp32 as its
-    ``state_dict()`` gives it (nanoGPT's resume; Hugging Face's ``from_pretrained`` weights): a
-    pre-hook and a post-hook for the wrapped model (its ``register_load_state_dict_pre_hook`` /
-    ``..._post_hook``), the inverse of :func:`full_module_state_dict`.
+def full_module_load_state_dict(wrapper) -> None:
+    """``raw_model.load_state_dict(sd)`` on the wrapped model itself: three hooks on it, the
+    inverse of :func:`full_module_state_dict` (each a ``Hook``: a deepcopy of the model drops them,
+    so loading into a copy leaves the wrapper alone).
 
-    torch would ``copy_`` each value into the parameter: at stage 3 a sharded one (a
-    ShardedParameterError), in mixed precision the 16-bit working copy (the fp32 masters would
-    then be refreshed from its rounded values). So the pre-hook takes those parameters' entries
-    (the right shape; trainable) out of torch's copy of the dict, and the post-hook, after the
-    wrapper's own (``params_written``), gives each to ``wrapper.load_param``: this rank's ranges
-    go into its shard or working copy and its fp32 masters, exactly (local: no collective), and
-    the keys come off ``missing_keys``. Buffers, frozen parameters, fp32 stages 0-2 (the working
-    copy is the full fp32 value) and stage 3 inside ``summon_full_params()`` are left to torch."""
+    torch ``copy_``s each value into the parameter; then ``wrapper.params_written()`` refreshes the
+    fp32 masters from the working copy (exact in fp32). Where that copy is sharded (stage 3: a
+    ShardedParameterError) or 16-bit (mixed precision: masters rounded), a pre-hook takes the
+    trainable parameters' full fp32 entries (``sd`` as ``state_dict()`` gives it, nanoGPT's resume)
+    out of torch's copy of the dict, and a post-hook, after ``params_written``, gives each to
+    ``wrapper.load_param``: this rank's ranges go into its shard or working copy and its fp32
+    masters, exactly (local: no collective), and the keys come off ``missing_keys``. Buffers,
+    frozen parameters, a wrong shape (torch's message) and stage 3 inside ``summon_full_params()``
+    (full parameters) are left to torch."""
     ref = weakref.ref(wrapper)
     taken: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
 
     def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        from minizero.units import _Guarded  # (units imports precision, which imports this)
-
         taken.clear()
         w = ref()
         if w is None or not (w.stage == 3 or w.precision.master):
@@ -208,8 +208,13 @@ def full_module_load_state_dict(wrapper) -> tuple[Callable, Callable]:
                 taken[name] = (p, v.detach())
                 del state_dict[name]  # (torch's own copy of the dict)
 
+    def written(module, incompatible_keys) -> None:
+        w = ref()
+        if w is not None:
+            w.params_written()
+
     def post(module, incompatible_keys) -> None:
-        from minizero.precision import full_dtype
+        from minizero.precision import full_dtype  # (precision imports this module)
 
         w = ref()
         with torch.no_grad():
@@ -219,7 +224,9 @@ def full_module_load_state_dict(wrapper) -> tuple[Callable, Callable]:
                     incompatible_keys.missing_keys.remove(name)
         taken.clear()
 
-    return pre, post
+    wrapper.module.register_load_state_dict_pre_hook(Hook(pre))
+    wrapper.module.register_load_state_dict_post_hook(Hook(written))
+    wrapper.module.register_load_state_dict_post_hook(Hook(post))
 
 
 class Arrival:

@@ -49,8 +49,7 @@ from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
 ROWS = 4  # rows per rank: global batch 4 N, two equal micro-batches per rank when accumulating
-CAP_MB = 0.002  # 2 KiB buckets (torch DDP's rule): the MLP's 7 parameters in 2 buckets in fp32
-# (4 and 3 parameters), 3 in float64 (4, 2, 1)
+CAP_MB = 0.002  # 2 KiB, torch DDP's rule: the MLP's 7 parameters in 2 buckets in fp32, 3 in fp64
 # The "fp32" runs train in float64 (minizero's precision="fp64", the references in float64 too),
 # so that a right answer sits ~1e-16 from every reference whatever the order of its sums (ranks,
 # kernels, threads). Why 1e-8: Adam's step lr*m/(sqrt(v)+eps) changes by at most lr/eps = 1e6
