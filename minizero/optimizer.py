@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 
 class Stage(Protocol):
@@ -271,14 +272,14 @@ def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
     return True
 
 
-def adopt_on_first_step(stage) -> object:
+def adopt_on_first_step(stage) -> RemovableHandle:
     """Adopt (:func:`adopt`) any torch optimizer over ``stage``'s parameters at its first
     ``step()``, through torch's optimizer step pre-hook. One hook per wrapper, holding it weakly
     and removed with it; an optimizer already adopted, or over other parameters, costs one check.
 
-    The first ``step()`` is already inside the optimizer's own class's step when the hook runs,
-    so that once the stage's part is run around it here (closure, ``before_step``; a post-hook:
-    ``after_step``, ``end_step``), as :class:`StageStep` does from the next call on."""
+    When the hook runs, the first ``step()`` is already inside the class's own step, so for that
+    call the stage's part runs around it here: the closure and ``before_step`` now, ``after_step``
+    and ``end_step`` in a one-off step post-hook; :class:`StageStep` does it from the next call."""
     ref = weakref.ref(stage)
 
     def pre(optimizer, args, kwargs):
