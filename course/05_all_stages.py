@@ -295,7 +295,8 @@ print(f"\n6.7B: {BIG.n_layer} x 2sbh kept + one layer rebuilt = {ck_big / GB:.1f
 # Beyond model states and activations a rank holds, at moments:
 #
 # * **gradient buckets** (stages 0–2): the bucket being filled and the one being reduced. minizero
-#   and PyTorch's DDP default to 25 MB (`bucket_cap_mb`); §1 used small buckets on purpose.
+#   and PyTorch's DDP default to 25 MiB (`bucket_cap_mb`, first bucket 1 MiB); §1 used small
+#   buckets on purpose.
 #   On gloo a reduce-scatter also clones its input (lesson 03 measured it), one bucket more;
 # * **stage 3's gathered units**: the root's unit (gathered through forward and backward), the
 #   block computing, the prefetched one, and the full gradient of a unit before its

@@ -48,7 +48,7 @@ class DDP(DataParallel):
         self,
         module: nn.Module,
         *,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
@@ -69,7 +69,7 @@ class DDP(DataParallel):
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     # -- layout ------------------------------------------------------------------------------
-    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
         return make_buckets(self.params, bucket_cap_mb)
 
     def bucket_of(self, p: nn.Parameter) -> Bucket:

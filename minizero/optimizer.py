@@ -12,6 +12,9 @@ the stage's part:
     before_step()  reduce / unscale / hand gradients to the fragments  (False: skip, fp16 inf)
     <the user's optimizer step on this rank's fragments; a fragment without gradient is skipped>
     after_step()   copy masters back to the working parameters, all-gather them (ZeRO)
+
+An optimizer built *after* wrapping (FSDP2's order) is adopted at its first ``step()`` by the
+habit machinery (minizero/habits/optimizer.py's ``adopt``), through the same ``attach``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.habits.optimizer import check_elementwise, refuse_sparse_adam
+from minizero.habits.optimizer import adopt_on_first_step, check_elementwise, refuse_sparse_adam
 from minizero.optimizer import attach, regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
@@ -52,7 +52,7 @@ TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizer
 def parallelize(
     model: nn.Module,
     stage: int,
-    optimizer: torch.optim.Optimizer | OptimizerFn,
+    optimizer: torch.optim.Optimizer | OptimizerFn | None = None,
     *,
     precision: str | Precision = "fp32",
     bucket_cap_mb: float | None = None,
@@ -61,16 +61,20 @@ def parallelize(
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
     **stage_options,
-) -> tuple[nn.Module, torch.optim.Optimizer]:
+) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
 
     ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
     per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are kept;
     at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
-    must be elementwise (SGD, Adam, AdamW, ... or subclasses). ``precision``: "fp32", "bf16", "fp16"
+    must be elementwise (SGD, Adam, AdamW, ... or subclasses). Without ``optimizer`` only the model
+    is returned (FSDP2's order: ``model = parallelize(model, 3); opt = AdamW(model.parameters())``):
+    a torch optimizer over its parameters is adopted at its first ``step()`` (optimizer.py's
+    ``adopt``), as if it had been passed here. ``precision``: "fp32", "bf16", "fp16"
     (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
-    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
+    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2), torch DDP's rule: a bucket closes
+    once it reaches the cap; default 25, with a first bucket of 1 MiB (minizero/bucket.py).
     ``process_group``: the ranks to train on (default: the world). ``mesh``: hybrid sharding
     (HSDP, as FSDP2's ``fully_shard(mesh=2-D mesh)``): a 2-D ``DeviceMesh`` with dims
     ("replicate", "shard"); stages 1-3 shard over "shard" and average each gradient shard over
@@ -112,7 +116,9 @@ def parallelize(
         if stage > 0:  # (stage 0 with a mesh: DDP over every rank, the world group)
             process_group, stage_options["replicate_group"] = shard, replicate
     policy = resolve(precision)
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is None:
+        built = None
+    elif isinstance(optimizer, torch.optim.Optimizer):
         built = optimizer
     elif callable(optimizer):
         built = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -126,9 +132,10 @@ def parallelize(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
             f"params -> optimizer, got {type(optimizer).__name__}"
         )
-    refuse_sparse_adam(built)
-    if stage > 0 or policy.master:
-        check_elementwise(built)
+    if built is not None:
+        refuse_sparse_adam(built)
+        if stage > 0 or policy.master:
+            check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     cls = ZeROPlusPlus if set(stage_options) & ZEROPP_OPTIONS else STAGES[stage]
@@ -140,9 +147,12 @@ def parallelize(
         find_unused_parameters=find_unused_parameters,
         **stage_options,
     )
-    regroup(built, wrapped, model)
+    adopt_on_first_step(wrapped)  # an optimizer built after wrapping, over its parameters
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
+    if built is None:
+        return wrapped
+    regroup(built, wrapped, model)
     return wrapped, attach(built, wrapped)
 
 

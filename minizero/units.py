@@ -268,8 +268,8 @@ def _raise(op: str, args, kwargs) -> None:
         "forward or backward. To read or change it, wrap the code in `with "
         "model.summon_full_params():` on every rank (minizero.full_state_dict(model) gives a "
         "full copy); if a module reads it without calling its unit, pass units=... so that one "
-        "unit contains both; an optimizer built over model.parameters() after parallelize cannot "
-        "step shards: pass it to minizero.parallelize, which returns the optimizer that does."
+        "unit contains both; an update written by hand cannot step shards: use a torch.optim "
+        "optimizer (minizero adopts one built over model.parameters() at its first step)."
     )
 
 
@@ -287,6 +287,11 @@ def guarded_class(cls: type) -> type:
     if cls not in _guarded_classes:
         _guarded_classes[cls] = type(f"Sharded{cls.__name__}", (_Guarded, cls), {"__slots__": ()})
     return _guarded_classes[cls]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a stage-3 parameter between uses (guarded: only its shard is here)."""
+    return isinstance(t, _Guarded)
 
 
 def set_guard(params: list[nn.Parameter], on: bool) -> None:

@@ -49,7 +49,7 @@ class ZeRO1(DDP):
     stage = 1
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
-    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
         return self.flatten(make_buckets(self.params, bucket_cap_mb, self.world))
 
     def flatten(self, buckets: list[Bucket]) -> list[Bucket]:

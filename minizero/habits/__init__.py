@@ -45,7 +45,7 @@ class Habits(Extension):
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
         # own load_state_dict refreshes the masters, its state_dict is full fp32
         model.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
-        model.register_load_state_dict_post_hook(lambda m, keys: wrapper.params_written())
+        module.full_module_load_state_dict(wrapper)  # and stage 3's shards, 16-bit masters
         model.register_state_dict_post_hook(module.full_module_state_dict(wrapper))
 
     def before_forward(self) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero.precision import full_dtype
+from minizero.units import UncopiedHook, is_sharded
 
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
@@ -185,6 +186,54 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
                 state_dict[k] = v.to(full_dtype(w.precision))
 
     return hook
+
+
+def full_module_load_state_dict(wrapper) -> None:
+    """``raw_model.load_state_dict(sd)`` on the wrapped model itself: three hooks on it, the
+    inverse of :func:`full_module_state_dict` (each an ``UncopiedHook``: a deepcopy of the model
+    drops them, so loading into a copy leaves the wrapper alone).
+
+    torch ``copy_``s each value into the parameter; then ``wrapper.params_written()`` refreshes the
+    fp32 masters from the working copy (exact in fp32). Where that copy is sharded (stage 3: a
+    ShardedParameterError) or 16-bit (mixed precision: masters rounded), a pre-hook takes the
+    trainable parameters' full fp32 entries (``sd`` as ``state_dict()`` gives it, nanoGPT's resume)
+    out of torch's copy of the dict, and a post-hook, after ``params_written``, gives each to
+    ``wrapper.load_param``: this rank's ranges go into its shard or working copy and its fp32
+    masters, exactly (local: no collective), and the keys come off ``missing_keys``. Buffers,
+    frozen parameters, a wrong shape (torch's message) and stage 3 inside ``summon_full_params()``
+    (full parameters) are left to torch."""
+    ref = weakref.ref(wrapper)
+    taken: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        taken.clear()
+        w = ref()
+        if w is None or not (w.stage == 3 or w.precision.master):
+            return
+        for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+            v = state_dict.get(name)
+            ok = isinstance(v, torch.Tensor) and v.shape == p.shape and p.requires_grad
+            if ok and (w.stage < 3 or is_sharded(p)):
+                taken[name] = (p, v.detach())
+                del state_dict[name]  # (torch's own copy of the dict)
+
+    def written(module, incompatible_keys) -> None:
+        w = ref()
+        if w is not None:
+            w.params_written()
+
+    def post(module, incompatible_keys) -> None:
+        w = ref()
+        with torch.no_grad():
+            for name, (p, v) in taken.items():
+                w.load_param(p, v.to(full_dtype(w.precision)))
+                if name in incompatible_keys.missing_keys:
+                    incompatible_keys.missing_keys.remove(name)
+        taken.clear()
+
+    wrapper.module.register_load_state_dict_pre_hook(UncopiedHook(pre))
+    wrapper.module.register_load_state_dict_post_hook(UncopiedHook(written))
+    wrapper.module.register_load_state_dict_post_hook(UncopiedHook(post))
 
 
 class ArrivalCheck:

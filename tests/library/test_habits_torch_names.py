@@ -133,10 +133,7 @@ def test_attributes_of_the_model_and_an_optimizer_built_after_wrapping(stage):
     assert "no_such_attribute" in got["missing"]
     cls = {0: "DDP", 1: "ZeRO1", 2: "ZeRO2", 3: "ZeRO3"}[stage]
     assert got["missing"].startswith(f"'{cls}' object has no attribute"), got["missing"]
-    if stage == 0:  # fp32 DDP: the parameters hold their averaged gradients, as torch DDP
-        assert got["late"] is None
-    else:
-        assert "pass it to minizero.parallelize" in got["late"], got["late"]
+    assert got["late"] is None  # adopted at its first step (test_habits_idioms.py trains it)
 
 
 def grad_scaler_rank(stage):

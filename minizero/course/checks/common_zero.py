@@ -45,7 +45,7 @@ from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
 ROWS = 4  # rows per rank: global batch 4 N, two equal micro-batches per rank when accumulating
-CAP_MB = 0.002  # 2 KiB buckets: the MLP (1,837 parameters) gets 3 buckets in fp32
+CAP_MB = 0.002  # 2 KiB, torch DDP's rule: the MLP's 7 parameters in 2 buckets in fp32, 3 in fp64
 
 
 # -- building the runs -----------------------------------------------------------------------------
