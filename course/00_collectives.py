@@ -34,7 +34,7 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.collectives import all_gather, reduce_scatter
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson00
 
 NPROCS = checks.default_nprocs()  # one rank per GPU if there are >= 2 GPUs, else 2 CPU ranks
@@ -117,15 +117,35 @@ print(
 # The catch: `t` may have any shape and any number of elements. Reduce-scatter cuts its input
 # into N **equal** chunks, so pad the flattened tensor with zeros to a multiple of N first, and
 # drop the padding at the end. (ZeRO does the same to every flat buffer it shards.)
+#
+# Stuck? `hint("all_reduce_via_rs_ag")` in any cell shows a hint, and each call the next one, from
+# the idea down to near-code; every exercise of the course has them (`hint()` lists them).
 
 
 # %%
 def all_reduce_via_rs_ag(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``t`` over the ranks of ``group`` in place with a reduce-scatter and an all-gather."""
     # BEGIN SOLUTION
-    # TODO: world = dist.get_world_size(group); shard = ceil(t.numel() / world)
-    # TODO: flat = zeros(world * shard) holding t's elements; reduce_scatter into a (shard,) chunk
-    # TODO: all_gather the chunks back into flat; copy the first t.numel() elements into t
+    # TODO: t holds, in place, the sum of every rank's t over the group (any shape, any size)
+    # HINT: A reduce-scatter cuts its input into N equal chunks, and t's size need not divide by N.
+    #       Lay t out flat at the start of a buffer of zeros N equal chunks long: zeros add nothing
+    #       to a sum. Copying back into t, leave them out.
+    # HINT: N is the size of `group` (dist.get_world_size(group)): the check also runs on a
+    #       subgroup. Each rank's chunk has shard = ceil(numel / N) elements, -(-numel // N) in
+    #       integers; the buffer has N * shard, with t's dtype and device.
+    # HINT: reduce_scatter(chunk, flat, group=group) leaves in chunk, (shard,), this rank's chunk of
+    #       the sum; all_gather(flat, chunk, group=group) puts every rank's summed chunk back in its
+    #       place: flat is the whole sum, on every rank. Copy its first numel elements into t,
+    #       shaped like t, and return t.
+    # HINT: world = dist.get_world_size(group)
+    #       shard = -(-t.numel() // world)  # ceil
+    #       flat = torch.zeros(world * shard, ...)  # (N * shard,): t's dtype and device
+    #       flat[: t.numel()] = t.reshape(-1)
+    #       chunk = torch.empty(shard, ...)  # (shard,)
+    #       reduce_scatter(chunk, flat, group=group)
+    #       all_gather(flat, chunk, group=group)
+    #       t.copy_(...)  # flat's first t.numel() elements, shaped like t
+    #       return t
     world = dist.get_world_size(group)
     n = t.numel()
     shard = -(-n // world)  # ceil(n / world): the chunk each rank owns
@@ -319,8 +339,10 @@ print(
 #   because there the reduce-scatter *is* an all-reduce, so RS + AG costs more than one
 #   all-reduce. With a native reduce-scatter (NCCL) the ring model says each half moves half an
 #   all-reduce's bytes; whether it also takes half the time is for `python -m minizero bench
-#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its tree or NVLS
-#   algorithms, which RS + AG cannot use, so the all-reduce can be faster than the two halves).
+#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its Tree
+#   algorithm, which is all-reduce only, so the all-reduce can be faster than the two halves;
+#   NVLS serves reduce-scatter and all-gather too, and NCCL 2.20 added CollNet for both:
+#   NVIDIA/nccl `src/device/reduce_scatter.h` and `src/device/all_gather.h`).
 #   The *volume* is the same either way (section 3): that is what the ZeRO paper
 #   counts, and what lessons 02–04 measure.
 

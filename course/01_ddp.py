@@ -34,7 +34,7 @@ from minizero import collectives as C
 from minizero.analysis import timeline
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
-from minizero.course import checks
+from minizero.course import checks, hint, plots
 from minizero.course.checks import lesson01
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 
@@ -93,8 +93,17 @@ for name, p in single.named_parameters():
 def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
     """Average every gradient of ``model`` over the ranks of ``group``, in place."""
     # BEGIN SOLUTION
-    # TODO: world = dist.get_world_size(group)
-    # TODO: for every parameter with a gradient: all_reduce(p.grad, group=group), then divide
+    # TODO: every p.grad becomes the average of that gradient over the group's ranks
+    # HINT: all_reduce sums in place; the average is that sum divided by the number of ranks of
+    #       `group` (dist.get_world_size(group)), not of the default group: the check also runs on a
+    #       subgroup.
+    # HINT: A parameter whose p.grad is None got no gradient: skip it. Every other gradient gets one
+    #       all_reduce(p.grad, group=group), then the division, in place.
+    # HINT: world = dist.get_world_size(group)
+    #       for p in model.parameters():
+    #           if p.grad is not None:
+    #               all_reduce(p.grad, group=group, tag="naive")  # the sum, in place
+    #               ...  # the average
     world = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -105,7 +114,8 @@ def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 # %% check="allreduce_gradients"
 # 3 SGD steps of minizero's MLP on max(NPROCS, 3) ranks: your gradients and parameters, step by
-# step, against one process on the whole batch, torch DDP and minizero.ddp.NaiveDDP; volume 2Ψ.
+# step, against one process on the whole batch, torch DDP and minizero.naive_ddp.NaiveDDP;
+# volume 2Ψ.
 lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 
 # %% [markdown]
@@ -134,7 +144,7 @@ def gpt_step(model, step):
 
 
 def naive_volume():
-    from minizero.ddp import NaiveDDP
+    from minizero.naive_ddp import NaiveDDP
 
     torch.manual_seed(0)
     model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
@@ -184,7 +194,9 @@ lin(torch.randn(4, 3)).sum().backward()
 # ## Exercise 2 — bucketed DDP, overlapped with backward
 #
 # Torch DDP (and minizero's `DDP`) group parameters into **buckets** of about `bucket_cap_mb`
-# MiB, in **reverse** registration order (backward produces the last layer's gradients first).
+# MiB (a bucket closes once it reaches the cap; at the default, 25, the first closes at 1 MiB),
+# in **reverse** registration order (backward produces the last layer's gradients first; torch
+# DDP then re-cuts them in the order the gradients really arrived in its first backward).
 # Each bucket has one flat buffer; when the last gradient of a bucket has arrived, the bucket's
 # all-reduce starts **asynchronously**, while backward goes on with earlier layers. At the end of
 # backward we wait for every bucket and write the averages back into `p.grad`.
@@ -235,8 +247,19 @@ class BucketedDDP(torch.nn.Module):
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         # BEGIN SOLUTION
-        # TODO: b = self.bucket_of[param]; copy param.grad into b.view(self.flat[b.index], param)
-        # TODO: one gradient fewer to wait for in b; if none is left, start b's async all-reduce
+        # TODO: param.grad is in its bucket's buffer; a complete bucket's all-reduce has started
+        # HINT: The hook's argument is the parameter, not the gradient: the gradient is param.grad.
+        #       self.bucket_of[param] is its bucket b, self.flat[b.index] that bucket's flat buffer,
+        #       and b.view(flat, param) param's slot in it, shaped like param.
+        # HINT: self.pending[b.index] counts the gradients b still waits for: one fewer now. At 0 b
+        #       is complete: start its all-reduce with async_op=True and keep (b, work) in
+        #       self.works. Do not wait here: backward goes on while the bucket travels.
+        # HINT: b = self.bucket_of[param]
+        #       b.view(self.flat[b.index], param).copy_(param.grad)
+        #       self.pending[b.index] -= 1
+        #       if self.pending[b.index] == 0:
+        #           work = all_reduce(self.flat[b.index], group=self.group, async_op=True, tag=...)
+        #           self.works.append((b, work))
         b = self.bucket_of[param]
         b.view(self.flat[b.index], param).copy_(param.grad)  # the argument is the PARAMETER
         self.pending[b.index] -= 1
@@ -251,8 +274,15 @@ class BucketedDDP(torch.nn.Module):
         self._finish_queued = False
         mark("backward end")
         # BEGIN SOLUTION
-        # TODO: for (b, work) in self.works: wait; divide self.flat[b.index] by self.world;
-        # TODO: copy each p's slice, b.view(self.flat[b.index], p), into p.grad
+        # TODO: every p.grad holds the average over the ranks of its gradient, read from its bucket
+        # HINT: Each (b, work) in self.works is an all-reduce that may still be running: wait for it
+        #       before reading b's buffer. The buffer then holds the sum over the ranks; divide it
+        #       by self.world for the average.
+        # HINT: for b, work in self.works:
+        #           work.wait()
+        #           flat = self.flat[b.index].div_(self.world)  # (numel,) the average
+        #           for p in b.params:
+        #               p.grad.copy_(...)  # p's slot of flat
         for b, work in self.works:
             work.wait()
             flat = self.flat[b.index].div_(self.world)  # (numel,) sum over ranks -> average
@@ -378,11 +408,8 @@ for cap in CAPS:
 # the same data):
 
 # %%
-try:
+if plots.widgets_available():  # JupyterLab (and ipywidgets installed); never in a graded run
     import ipywidgets
-except ImportError:  # the static figure above shows the same timelines
-    ipywidgets = None
-if ipywidgets is not None:
 
     def show(cap):
         fig, ax = plt.subplots(figsize=(10, 3))
@@ -406,7 +433,8 @@ if ipywidgets is not None:
 def compare(progress, steps=7):
     from torch.nn.parallel import DistributedDataParallel
 
-    from minizero.ddp import DDP, NaiveDDP
+    from minizero.ddp import DDP
+    from minizero.naive_ddp import NaiveDDP
 
     dev = checks.rank_device()
     ids = [dev.index] if dev.type == "cuda" else None
@@ -464,7 +492,7 @@ for name, (sec, count, volume) in ROWS.items():
 #
 # Every rank holds the whole model state: parameters, gradients and optimizer states. The cell
 # measures, on every rank, the bytes of each after one step of DDP with AdamW in fp32 and in bf16
-# mixed precision (`minizero.memory.model_state_bytes`), next to the paper's formulas:
+# mixed precision (`minizero.analysis.memory.model_state_bytes`), next to the paper's formulas:
 # (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed precision (fp32
 # master weights, momentum and variance). On GPUs the same states also show in
 # `torch.cuda.memory_allocated()`; lesson 02 plots the allocator's figures.
@@ -472,7 +500,7 @@ for name, (sec, count, volume) in ROWS.items():
 
 # %%
 def model_states(precision):
-    from minizero.memory import model_state_bytes, paper_model_state_bytes
+    from minizero.analysis.memory import model_state_bytes, paper_model_state_bytes
 
     torch.manual_seed(0)
     model, opt = minizero.parallelize(

@@ -41,11 +41,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.bucket import make_buckets, trainable_parameters
-from minizero.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.course import checks
-from minizero.course.checks import lesson02
-from minizero.memory import (
+from minizero.analysis.memory import (
     PAPER_TABLE1,
     TABLE1_PSI,
     MemoryMeter,
@@ -54,6 +50,10 @@ from minizero.memory import (
     print_states_per_rank,
     table1_gb,
 )
+from minizero.bucket import make_buckets, trainable_parameters
+from minizero.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.course import checks, hint
+from minizero.course.checks import lesson02
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
@@ -133,8 +133,11 @@ class MyBucket:
         self.params, self.index, self.world = params, index, world
         self._slot = {id(p): i for i, p in enumerate(params)}  # id(param) -> its position
         # BEGIN SOLUTION
-        # TODO: self.offsets: params[i] lives at [offsets[i], offsets[i] + params[i].numel())
-        # TODO: self.numel: the total; self.shard: numel / world rounded UP; self.padded
+        # TODO: offsets, numel, shard and padded describe params end to end in world equal chunks
+        # HINT: offsets[i] is the number of elements of the parameters before params[i]: a running
+        #       sum from 0. numel is the total of every p.numel().
+        # HINT: shard is numel / world rounded UP (-(-numel // world) in integers), so that world
+        #       equal chunks cover every element; padded = shard * world, the buffer's length.
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
@@ -147,7 +150,9 @@ class MyBucket:
     def view(self, flat: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
         """The view of ``flat`` (padded,) that belongs to ``p``, shaped like ``p``."""
         # BEGIN SOLUTION
-        # TODO: i = self._slot[id(p)]; slice flat at p's offset, then .view(p.shape)
+        # TODO: the elements of flat that are p's, shaped like p, sharing flat's memory
+        # HINT: self._slot[id(p)] is p's position i. A slice, flat[offsets[i] : offsets[i] +
+        #       p.numel()], is a view of flat, and .view(p.shape) of it is still one.
         i = self._slot[id(p)]
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
         # END SOLUTION
@@ -155,15 +160,20 @@ class MyBucket:
     def chunk(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Chunk ``rank`` of ``flat`` (padded,): a (shard,) view."""
         # BEGIN SOLUTION
-        # TODO: the slice [rank * shard, (rank + 1) * shard) of flat
+        # TODO: rank's chunk of flat, shard elements, sharing flat's memory
+        # HINT: Rank r owns [r * shard, (r + 1) * shard) of flat; return that slice (a view).
         return flat[rank * self.shard : (rank + 1) * self.shard]
         # END SOLUTION
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None):
         """Copy one tensor per parameter into a new zero-padded flat buffer (padded,)."""
         # BEGIN SOLUTION
-        # TODO: flat = torch.zeros(padded) (dtype: given, or the tensors'; their device);
-        # TODO: copy tensors[i] into self.view(flat, params[i]); return flat
+        # TODO: a new zero-padded (padded,) buffer with each tensor in its parameter's place
+        # HINT: view() already finds each parameter's place in a flat buffer:
+        #       flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=...)
+        #       for p, t in zip(self.params, tensors):
+        #           ...  # t into p's view of flat
+        #       return flat
         flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
         for p, t in zip(self.params, tensors, strict=True):
             self.view(flat, p).copy_(t)
@@ -264,15 +274,22 @@ class MyZeRO1(ZeRO1):
         """Average every bucket's gradient over the ranks into this rank's chunk of it."""
         # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
-        if not self.reduced:  # clip_grad_norm_() and step() both ask: reduce once per step
-            # BEGIN SOLUTION
-            # TODO: per bucket: one collective (minizero.collectives) that leaves in its chunk
-            # TODO: the average over the group's ranks of that chunk of every rank's buffer
-            for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
-                reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-                chunk.div_(self.world)  # sum over ranks -> average
-            # END SOLUTION
-            self.reduced = True
+        # (called once a step: clip_grad_norm_() and step() share its result)
+        # BEGIN SOLUTION
+        # TODO: each chunk holds its elements' gradient, averaged over the group's ranks
+        # HINT: Lesson 00: a reduce-scatter leaves on rank r chunk r of the sum over the ranks,
+        #       and moves Ψ where an all-reduce moves 2Ψ. One per bucket.
+        # HINT: Its input is the bucket's whole (padded,) gradient buffer (self.grad_buffers),
+        #       its output this rank's (shard,) chunk of it, already in chunks: a view of the
+        #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
+        #       divide by self.world.
+        # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
+        #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+        #           ...  # sum -> average
+        for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
+            reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
+            chunk.div_(self.world)  # sum over ranks -> average
+        # END SOLUTION
         return chunks
 
     def after_step(self) -> None:
@@ -281,8 +298,15 @@ class MyZeRO1(ZeRO1):
             for b, master, flat in zip(self.buckets, self.masters, self.flat_params, strict=True):
                 own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
                 # BEGIN SOLUTION
-                # TODO: own must hold what the optimizer stepped (in fp32, master IS own);
-                # TODO: then one collective gives every rank every rank's chunk of flat
+                # TODO: every rank's flat holds every rank's updated chunk
+                # HINT: The optimizer stepped self.masters. In fp32 the master IS this rank's chunk
+                #       own; in mixed precision (self.precision.master) it is a separate fp32 copy,
+                #       so copy it into own (16-bit) first.
+                # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives
+                #       every rank every chunk, Ψ in all:
+                #       if self.precision.master:
+                #           own.copy_(master)
+                #       all_gather(flat, own, group=self.group, tag=f"params {b.index}")
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
@@ -342,15 +366,19 @@ print_states_per_rank(STATES, PSI, NPROCS)
 # KΨ to KΨ/N, parameters and gradients stay whole. When Ψ does not divide by N the measured
 # figure is a few bytes above the formula: the padding of section 2.
 #
-# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero
-# keeps them so (the bf16 rows above), as do FSDP2's default (`MixedPrecisionPolicy` reduces in
-# `param_dtype` unless `reduce_dtype` is set) and DeepSpeed with ZeRO (bf16 gradients by
-# default). Some systems keep them in fp32, because bf16's 8-bit mantissa loses small
-# contributions when gradients are accumulated: Megatron-LM's distributed optimizer does (its
-# documented table, `docs/source/api-guide/dist_optimizer.md`, counts 18 bytes per parameter
-# for bf16 parameters with fp32 gradients: 2 + 4 + 12), and `megatron/training/arguments.py`
-# says "bfloat16 requires gradient accumulation and all-reduce to be done in fp32". The fp32
-# rows above measure that case: the stages divide 4-byte gradients as they divide 2-byte ones.
+# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero keeps
+# them so (the bf16 rows above), as does DeepSpeed with ZeRO (bf16 gradients by default). FSDP2 does
+# not: its default `MixedPrecisionPolicy` reduce-scatters in `param_dtype`, then casts each sharded
+# gradient back to the parameter's dtype before it stores it (`_to_dtype_if_needed(reduce_output,
+# orig_dtype)` in `foreach_reduce`, pytorch/pytorch
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), so with fp32 parameters its stored
+# gradients are fp32 (lesson 04 measures it). Some systems keep them in fp32 on purpose, because
+# bf16's 8-bit mantissa loses small contributions when gradients are accumulated: Megatron-LM's
+# distributed optimizer does (its documented table, `docs/source/api-guide/dist_optimizer.md`,
+# counts 18 bytes per parameter for bf16 parameters with fp32 gradients: 2 + 4 + 12), and
+# `megatron/training/arguments.py` says "bfloat16 requires gradient accumulation and all-reduce to
+# be done in fp32". The fp32 rows above measure that case: the stages divide 4-byte gradients as
+# they divide 2-byte ones.
 #
 # minizero's precision policy uses the field names of FSDP2's `MixedPrecisionPolicy`, so the two
 # can be set side by side: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,
@@ -429,7 +457,7 @@ plt.show()
 # %% [markdown]
 # The dots (every rank of every group; they coincide) sit on the lines. The lines beyond the
 # dots are the formula alone; for large models the paper's Table 1 lists it, and
-# `minizero.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
+# `minizero.analysis.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
 
 # %%
 for stage in (1, 2, 3):
@@ -574,10 +602,23 @@ def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sca
               group=None) -> float:  # fmt: skip
     """Unscale this rank's gradient shards; step unless some rank saw an inf or a NaN."""
     # BEGIN SOLUTION
-    # TODO: found = zeros(1) on the masters' device; for each m: m.grad.div_(scale), then add the
-    # TODO: number of non-finite elements of m.grad (~torch.isfinite) to found
-    # TODO: all_reduce(found, group=group); if found is 0: optimizer.step(), return scale;
-    # TODO: else return scale / 2 (and do not step)
+    # TODO: gradients unscaled; every rank stepped and returns scale, or none did and all halve it
+    # HINT: The decision must be the same on every rank, and a rank sees only its own shards: each
+    #       rank counts what it finds, and one collective adds the counts.
+    # HINT: Unscale first, in place and in fp32: m.grad.div_(scale) for every master m. Then count
+    #       the elements that are not finite, (~torch.isfinite(m.grad)).sum(), into one (1,) tensor
+    #       on the masters' device.
+    # HINT: One all_reduce(found, group=group) sums the counts over the ranks. 0: no rank saw an inf
+    #       or a NaN, so optimizer.step() and return scale. Otherwise do not step; return scale / 2.
+    # HINT: found = torch.zeros(1, device=masters[0].device)
+    #       for m in masters:
+    #           m.grad.div_(scale)
+    #           found += ...  # how many elements of m.grad are not finite
+    #       all_reduce(found, group=group, tag="fp16 inf check")
+    #       if found.item():
+    #           return scale / 2
+    #       optimizer.step()
+    #       return scale
     found = torch.zeros(1, device=masters[0].device)  # (1,) non-finite elements on this rank
     for m in masters:
         m.grad.div_(scale)  # unscale in fp32, before anything reads the gradient

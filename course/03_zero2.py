@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.collectives import all_reduce
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson03
-from minizero.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.zero2 import ZeRO2
 
@@ -86,11 +86,11 @@ print(
 # is what the gradient hook does. Per bucket `b`:
 #
 # 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
-#    `self.filling[b.index]`;
+#    `self.grad_buffers[b.index]` (None while `b` is not filling);
 # 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
 #    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
 # 3. `self.pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
-#    is complete and `self.launch(b)` starts its reduce-scatter (asynchronous), **in place**:
+#    is complete and `self.reduce_bucket(b)` starts its reduce-scatter (asynchronous), **in place**:
 #    the output is chunk r of the bucket's own buffer, `b.chunk(buffer, self.rank)`, a (shard,)
 #    view, so no second buffer is allocated; it remembers
 #    `self.in_flight = (b, work, buffer, output)`;
@@ -99,8 +99,8 @@ print(
 #    forgets the buffer, which frees it. It **adds** so that several backwards before one
 #    step (gradient accumulation) sum up in the chunk.
 #
-# `launch` (given) first calls `finish_in_flight()`, so at most one reduce-scatter is in flight
-# and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
+# `reduce_bucket` (given) first calls `finish_in_flight()`, so at most one reduce-scatter is in
+# flight and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
 # stage 2 with `overlap_comm` also alternates two bucket buffers). The backend may add its own:
 # section 3 measures a third on gloo. At the end of backward, `backward_end()` (given) finishes
 # the last one. After that, `before_step()` hands `grad_shards` to the optimizer, and the rest is
@@ -121,26 +121,47 @@ class MyZeRO2(ZeRO2):
         b = self.bucket_of(p)  # the bucket p belongs to
         self.queue_backward_end()  # given: runs self.backward_end() once backward is over
         # BEGIN SOLUTION
-        # TODO: b's (padded,) buffer is self.filling[b.index]; the first gradient of b to arrive
-        # TODO: allocates it (zeros, with p.grad's dtype and device)
-        # TODO: copy p.grad into p's slot, b.view(buf, p); drop p.grad
-        # TODO: one gradient fewer pending in b (self.pending); none left: self.launch(b)
-        buf = self.filling.get(b.index)
+        # TODO: p's gradient lives only in its bucket's buffer; a complete bucket is reduced
+        # HINT: self.grad_buffers[b.index] is the (padded,) buffer b fills in this backward; it is
+        #       None until b's first gradient arrives. That one allocates it: zeros (padding must
+        #       add nothing), with p.grad's dtype and device, stored in self.grad_buffers[b.index].
+        # HINT: Copy p.grad into p's slot, b.view(buf, p), then drop it: p.grad = None. Stage 2
+        #       keeps no full gradient outside its bucket (the check looks for a p.grad after
+        #       backward).
+        # HINT: self.pending[b.index] counts b's gradients still to come: one fewer. At 0,
+        #       self.reduce_bucket(b) starts b's reduce-scatter (it first finishes the one in
+        #       flight).
+        # HINT: buf = self.grad_buffers[b.index]
+        #       if buf is None:
+        #           buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+        #           self.grad_buffers[b.index] = buf
+        #       b.view(buf, p).copy_(p.grad)
+        #       p.grad = None
+        #       ...  # one fewer pending; at 0, reduce b
+        buf = self.grad_buffers[b.index]
         if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
             buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
-            self.filling[b.index] = buf
+            self.grad_buffers[b.index] = buf
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient of p now lives only in the bucket
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:  # b is complete: reduce-scatter it while backward goes on
-            self.launch(b)
+            self.reduce_bucket(b)
         # END SOLUTION
 
     def finish_in_flight(self) -> None:
         """Wait for the reduce-scatter in flight (if any); add its averaged chunk to the shard."""
         # BEGIN SOLUTION
-        # TODO: if a reduce-scatter is in flight, self.in_flight = (b, work, buf, out): wait for
-        # TODO: it, add the average (out / self.world) into self.grad_shards[b.index], forget it
+        # TODO: nothing in flight; its chunk, averaged, is added into the bucket's gradient shard
+        # HINT: self.in_flight is None or (b, work, buf, out): out, a (shard,) view of buf, holds
+        #       this rank's chunk of the sum once work.wait() returns.
+        # HINT: Add, do not copy (micro-batches accumulate); forgetting the tuple drops the last
+        #       reference to buf, which frees it:
+        #       if self.in_flight is not None:
+        #           b, work, _buf, out = self.in_flight
+        #           work.wait()
+        #           self.grad_shards[b.index].add_(...)  # the average: out / self.world
+        #           self.in_flight = None
         if self.in_flight is not None:
             b, work, _buf, out = self.in_flight
             work.wait()
@@ -458,9 +479,24 @@ def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: floa
                     group=None) -> torch.Tensor:  # fmt: skip
     """Scale this rank's gradient shards so the global L2 norm is at most ``max_norm``."""
     # BEGIN SOLUTION
-    # TODO: sq = fp32 zero; for each shard s and its count n: add s[:n]'s sum of squares to sq
-    # TODO: all_reduce(sq, group=group) once; norm = sq.sqrt()
-    # TODO: coef = clamp(max_norm / (norm + 1e-6), max=1.0); every shard *= coef (in place)
+    # TODO: shards scaled in place to a global norm of at most max_norm; returns that global norm
+    # HINT: ‖g‖² is a sum of squares, and sums add across ranks: each rank sums the squares of its
+    #       own elements, one all-reduce adds the ranks' sums, and the square root is the norm, the
+    #       same on every rank.
+    # HINT: Only the first n = valid[i] elements of shard i are gradient (s[:n]); the rest is
+    #       padding of any value. Sum their squares in fp32 into one 0-d fp32 tensor on the shards'
+    #       device, then all_reduce it over group, once.
+    # HINT: The coefficient is min(1, max_norm / (norm + 1e-6)): torch.clamp(max_norm / (norm +
+    #       1e-6), max=1.0), a tensor. Multiply every shard by it in place (mul_, in the shard's
+    #       dtype) and return norm.
+    # HINT: sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)
+    #       for s, n in zip(shards, valid):
+    #           sq += s[:n].float().pow(2).sum()
+    #       all_reduce(sq, group=group, tag="grad norm")
+    #       norm = sq.sqrt()
+    #       coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    #       ...  # every shard times coef, in place, in its dtype
+    #       return norm
     sq = torch.zeros((), dtype=torch.float32, device=shards[0].device)  # () this rank's part
     for s, n in zip(shards, valid, strict=True):
         sq += s[:n].float().pow(2).sum()  # the padding s[n:] is no parameter's: left out
@@ -482,10 +518,10 @@ lesson03.check_clip_grad_norm(clip_grad_norm_, NPROCS)
 
 # %% [markdown]
 # minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`
-# (`minizero/sharded_grad.py`, `GradNorms`). Only DDP holds the whole averaged gradient and needs
-# no collective for the norm; stage 1 holds the whole *local* gradient, but after its
+# (`minizero/habits/sharded_grad.py`, `GradNorms`). Only DDP holds the whole averaged gradient
+# and needs no collective for the norm; stage 1 holds the whole *local* gradient, but after its
 # reduce-scatter a rank has only its own chunk averaged, so it needs the same one all-reduce of
-# partial sums as stage 2 (`ZeRO1.reduce_norm_parts`). In fp16 the gradients must be unscaled
+# partial sums as stage 2 (`GradNorms.grad_norm`). In fp16 the gradients must be unscaled
 # first (lesson 02's exercise), or the norm is the scale times too large.
 #
 # **Summary.** Stage 2 keeps each bucket's full gradient only from its first gradient to the

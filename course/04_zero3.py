@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 import minizero
+from minizero.analysis.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.collectives import all_gather, mark
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson04
-from minizero.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.units import assign_params, select_units
 from minizero.zero3 import ZeRO3
@@ -130,7 +130,8 @@ print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.g
 # * `self.flat_params[i]`: the unit's flat buffer, (padded,); every parameter of the unit is a
 #   view into it; its storage has 0 bytes while freed;
 # * `self.buckets[i].padded`: the buffer's length; `self.gathered[i]`: whether the storage is
-#   full (or being filled); `self.gathers[i]`: the asynchronous all-gather in flight, or None.
+#   full (or being filled); `self.gather_works[i]`: the asynchronous all-gather in flight, or
+#   None.
 #
 # Write `gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
 # and start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait
@@ -148,30 +149,49 @@ class MyZeRO3(ZeRO3):
     def gather(self, i: int, wait: bool = True) -> None:
         """Make unit i's full parameters available (asynchronously unless ``wait``)."""
         # BEGIN SOLUTION
-        # TODO: if unit i is not gathered: give the storage of self.flat_params[i] its bytes back
-        # TODO: (padded elements * element_size()), start an asynchronous all_gather of
-        # TODO: self.param_shards[i] into it, keep the work in self.gathers[i], mark it gathered
-        # TODO: then, if wait and an all-gather of unit i is in flight: wait for it, forget it
+        # TODO: unit i is gathered or on its way; with wait, its full parameters are in place
+        # HINT: A freed unit keeps its views, but the storage under its flat buffer,
+        #       self.flat_params[i], has 0 bytes. Give the storage back its bytes first
+        #       (untyped_storage().resize_(...) of self.buckets[i].padded * element_size()), then
+        #       all-gather into it.
+        # HINT: Start the all-gather (async_op=True) only if the unit is not gathered yet, keep
+        #       its work in self.gather_works[i] and mark the unit gathered. Wait, when asked,
+        #       whether this call or an earlier prefetch started the gather in flight.
+        # HINT: if not self.gathered[i]:
+        #           flat = self.flat_params[i]
+        #           flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
+        #           work = all_gather(flat, self.param_shards[i], ..., async_op=True)
+        #           self.gather_works[i] = work
+        #           self.gathered[i] = True
+        #       if wait and self.gather_works[i] is not None:
+        #           ...  # wait for it, then forget it
         if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) 0 bytes until now
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self.gathers[i] = all_gather(flat, self.param_shards[i], group=self.group,
+            self.gather_works[i] = all_gather(flat, self.param_shards[i], group=self.group,
                                           async_op=True, tag=f"zero3 params {i}")  # fmt: skip
             self.gathered[i] = True
-        if wait and self.gathers[i] is not None:
-            self.gathers[i].wait()
-            self.gathers[i] = None
+        if wait and self.gather_works[i] is not None:
+            self.gather_works[i].wait()
+            self.gather_works[i] = None
         # END SOLUTION
         self.max_gathered = max(self.max_gathered, sum(self.gathered))  # given: for the check
 
     def free(self, i: int) -> None:
         """Drop unit i's full parameters; only this rank's shard stays."""
         # BEGIN SOLUTION
-        # TODO: if an all-gather of unit i is in flight: wait for it, forget it
-        # TODO: resize the storage of self.flat_params[i] to 0 bytes; mark the unit not gathered
-        if self.gathers[i] is not None:  # never free memory a collective is writing into
-            self.gathers[i].wait()
-            self.gathers[i] = None
+        # TODO: unit i holds 0 bytes and is not gathered; no collective writes into it
+        # HINT: Never free memory a collective is writing into: an all-gather still in flight
+        #       (self.gather_works[i]) must finish first. Then the storage goes to 0 bytes; the
+        #       views stay.
+        # HINT: if self.gather_works[i] is not None:
+        #           self.gather_works[i].wait()
+        #           self.gather_works[i] = None
+        #       self.flat_params[i].untyped_storage().resize_(0)
+        #       self.gathered[i] = False
+        if self.gather_works[i] is not None:  # never free memory a collective is writing into
+            self.gather_works[i].wait()
+            self.gather_works[i] = None
         self.flat_params[i].untyped_storage().resize_(0)  # the views stay, with 0 bytes
         self.gathered[i] = False
         # END SOLUTION
@@ -201,7 +221,7 @@ lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 #   hook on the module's output tensor that fires when backward reaches it, i.e. just before the
 #   module's own backward (`pre_backward`): gather the units again;
 # * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
-#   the unit (`launch`, given).
+#   the unit (`reduce_bucket`, given).
 #
 # Gathering on demand makes every module wait for its all-gather. **Prefetch** hides it: the
 # first forward records the order in which the modules ran (`self.order`); from then on,
@@ -213,9 +233,9 @@ lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 # Backward runs the modules in the reverse of the order in which they *finished* forward
 # (`self.ends`), not the order they started: the root starts first and finishes last, so in
 # backward its hook fires first. One rule remains: a unit whose gradients are all in has been
-# reduce-scattered and freed (`self.pending[i] == -1`); nothing in this backward needs it again,
-# so backward never prefetches such a unit (it would gather Ψ/N for nothing; a model that calls
-# one module twice can reach that case).
+# reduce-scattered and freed (`self.pending[i] == self.STARTED`, -1); nothing in this backward
+# needs it again, so backward never prefetches such a unit (it would gather Ψ/N for nothing; a
+# model that calls one module twice can reach that case).
 #
 # ## Exercise 2 — prefetch
 #
@@ -235,9 +255,17 @@ class PrefetchZeRO3(ZeRO3):
         if self.recording and m not in self.order:  # given: the first forward records
             self.order.append(m)
         # BEGIN SOLUTION
-        # TODO: gather (and wait for) every unit of m: they are needed now
-        # TODO: then start, without waiting, the gathers of the units that self.neighbour(...)
-        # TODO: gives for the module self.prefetch places later
+        # TODO: m's units are gathered; those of the module self.prefetch places on, on their way
+        # HINT: Two kinds of gather: the units m needs now, self.units_of[m], gathered and waited
+        #       for; the units of the next module, only started (wait=False), so that their
+        #       all-gather runs while m computes.
+        # HINT: self.neighbour(m, k) gives the units of the module k places after m in the recorded
+        #       order (k < 0: before; [] while recording). In forward the next module is
+        #       self.prefetch places after m.
+        # HINT: for i in self.units_of[m]:
+        #           self.gather(i)  # needed now
+        #       for i in self.neighbour(m, +self.prefetch):
+        #           ...  # needed next: start it, do not wait
         for i in self.units_of[m]:
             self.gather(i)  # needed now: wait for it
         for i in self.neighbour(m, +self.prefetch):
@@ -248,13 +276,19 @@ class PrefetchZeRO3(ZeRO3):
         """Runs when the gradient of m's output arrives: just before m's backward."""
         self.queue_backward_end()  # given: frees everything and finishes up after backward
         # BEGIN SOLUTION
-        # TODO: as pre_forward; backward visits the modules in the reverse order, and must not
-        # TODO: prefetch a unit whose gradients are already reduce-scattered:
-        # TODO: self.pending[i] == -1
+        # TODO: as in pre_forward, backward's way; no unit already reduce-scattered is prefetched
+        # HINT: Backward runs the modules in reverse: the module to prefetch is self.prefetch places
+        #       BEFORE m. A unit whose gradients are all in was reduce-scattered and freed
+        #       (self.pending[i] == self.STARTED): gathering it again would move Ψ/N for nothing.
+        # HINT: for i in self.units_of[m]:
+        #           self.gather(i)
+        #       for i in self.neighbour(m, -self.prefetch):
+        #           if self.pending[i] != self.STARTED:
+        #               self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):  # backward runs the modules in reverse order
-            if self.pending[i] != -1:  # its backward is over: gathering it would be wasted
+            if self.pending[i] != self.STARTED:  # its backward is over: gathering it is wasted
                 self.gather(i, wait=False)
         # END SOLUTION
 

@@ -44,10 +44,10 @@ import torch._dynamo  # noqa: F401
 
 import minizero
 from minizero.analysis import budget
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
-from minizero.course import checks, compare, plots, plots_budget
+from minizero.course import checks, compare, hint, plots, plots_budget
 from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
-from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig
 
 NPROCS = checks.default_nprocs()
@@ -295,7 +295,8 @@ print(f"\n6.7B: {BIG.n_layer} x 2sbh kept + one layer rebuilt = {ck_big / GB:.1f
 # Beyond model states and activations a rank holds, at moments:
 #
 # * **gradient buckets** (stages 0–2): the bucket being filled and the one being reduced. minizero
-#   and PyTorch's DDP default to 25 MB (`bucket_cap_mb`); §1 used small buckets on purpose.
+#   and PyTorch's DDP default to 25 MiB (`bucket_cap_mb`, first bucket 1 MiB); §1 used small
+#   buckets on purpose.
 #   On gloo a reduce-scatter also clones its input (lesson 03 measured it), one bucket more;
 # * **stage 3's gathered units**: the root's unit (gathered through forward and backward), the
 #   block computing, the prefetched one, and the full gradient of a unit before its
@@ -362,10 +363,22 @@ def predict_peak(case: PeakCase) -> dict[str, float]:
     cfg, s, b = case.cfg, case.seq_len, case.micro_batch
     sbh = s * b * cfg.n_embd
     # BEGIN SOLUTION
-    # TODO: Ψ(L, h, V): count TinyGPT's parameters from its definition (minizero/models.py)
-    # TODO: model_states: paper_model_state_bytes(Ψ, N, stage, "bf16")
-    # TODO: activations: what each layer keeps, with and without checkpointing; the output layer;
-    # TODO: the rest (sections 3 and 4 measured each per sbh, or per logit)
+    # TODO: the bytes one rank holds at the peak of a step: its model states and its activations
+    # HINT: Model states depend on Ψ, N and the stage only: count Ψ from TinyGPT's definition
+    #       (minizero/models.py); paper_model_state_bytes(Ψ, case.world, case.stage, "bf16") gives
+    #       their parts, a dict: sum its values.
+    # HINT: Ψ(L, h, V): the token embedding V·h (tied to the output layer: count it once), the
+    #       positions block_size·h, per block attention 4h² and MLP 8h² of weights, 9h of biases and
+    #       two LayerNorms 4h (12h² + 13h), and the final LayerNorm 2h.
+    # HINT: Activations do not shrink with N. Without checkpointing every layer keeps LAYER·sbh
+    #       bytes. With it each layer keeps its input only (2·sbh bytes, bf16), and one layer at a
+    #       time is recomputed in full: LAYER·sbh more.
+    # HINT: The rest: the output layer keeps LOGIT_BYTES per logit, s·b·V of them, whatever N; and
+    #       OTHER·sbh (the embeddings' output, the final LayerNorm):
+    #       states = sum(paper_model_state_bytes(psi, case.world, case.stage, "bf16").values())
+    #       layers = ...  # L * LAYER * sbh, or with checkpointing L * 2 * sbh + LAYER * sbh
+    #       rest = LOGIT_BYTES * s * b * V + OTHER * sbh
+    #       return {"model_states": states, "activations": layers + rest}
     L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
     block = 12 * h * h + 13 * h  # attention 4h², MLP 8h² of weights; biases 9h, 2 LayerNorms 4h
     psi = V * h + cfg.block_size * h + L * block + 2 * h  # tied V·h, positions, final LayerNorm
@@ -440,9 +453,12 @@ plt.show()
 #
 # What this budget leaves out, so keep a margin: the CUDA allocator's caching and fragmentation
 # (`torch.cuda.memory_reserved` exceeds `max_memory_allocated`), the CUDA context and NCCL's own
-# buffers, and the gradients' precision: minizero, FSDP2's default and DeepSpeed's ZeRO keep
-# bf16 gradients (the paper's 16Ψ), but Megatron-LM's distributed optimizer keeps them in fp32
-# (its table in `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
+# buffers, and the gradients' precision: minizero and DeepSpeed's ZeRO keep bf16 gradients (the
+# paper's 16Ψ), but FSDP2's default stores them in the parameters' fp32 (it casts each
+# reduce-scattered shard back, `_to_dtype_if_needed(reduce_output, orig_dtype)` in pytorch/pytorch
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; lesson 04 measures it) and
+# Megatron-LM's distributed optimizer keeps them in fp32 (its table in
+# `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
 #
 # ## 8. A calculator
 #
@@ -453,7 +469,7 @@ plt.show()
 # cell.
 
 # %%
-if plots_budget.widgets_available():  # a widget front end is there; never in a graded run
+if plots.widgets_available():  # a widget front end is there; never in a graded run
     from IPython.display import display
 
     display(plots_budget.calculator(BIG, BIG_N, BIG_B, GPU_GB))
@@ -586,6 +602,13 @@ for st in (1, 2, 3):
 # for with about k/2 times the communication, and stage 3's with about 3k/2 times: which is why
 # such runs pick stage 1 (or stage 2/3 with full gradients kept across micro-batches) when the
 # model states fit, and why stage 3 needs its communication overlapped with computation.
+#
+# These volumes are minizero's. DeepSpeed's differ: its stages 1-2 all-reduce each gradient
+# bucket that spans several ranks' partitions (`use_multi_rank_bucket_allreduce`, on by default
+# in `deepspeed/runtime/zero/config.py`), stage 2 every micro-batch, so about 3Ψ (stage 1) and 9Ψ
+# (stage 2) per step at 4 micro-batches; its stage 3 re-gathers less, keeping recently used
+# parameters gathered (`stage3_max_reuse_distance`) and small ones always
+# (`stage3_param_persistence_threshold`).
 #
 # ## Summary
 #

@@ -37,9 +37,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero import collectives as C
-from minizero.course import checks, compare, plots
+from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
+from minizero.course import checks, compare, hint, plots
 from minizero.course.checks.lesson06 import check_owned_tensors
-from minizero.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import full_state_dict, parallelize
 from minizero.units import assign_params, select_units
@@ -135,9 +135,10 @@ for rank, r in enumerate(runs):
 # Partitioned updates sound like ranks updating their shards on their own schedules, with stale
 # gradients. They do not. Two measurements, at every stage:
 #
-# 1. **Ranks wait for each other.** The last rank sleeps 0.3 s before the forward of step 2;
-#    rank 0 times its steps. In a synchronous step rank 0 cannot finish until the last rank's
-#    gradients have arrived, so its step 2 takes about 0.3 s longer.
+# 1. **Ranks wait for each other.** The last rank sleeps 0.3 s before the forward of its third
+#    step (`step == 2`, counting from 0); rank 0 times its steps. In a synchronous step rank 0
+#    cannot finish until the last rank's gradients have arrived, so its third step takes about
+#    0.3 s longer.
 # 2. **Same result as one process.** After every step each rank collects the full parameters
 #    (`minizero.full_state_dict`, an all-gather for ZeRO); they must be bit-identical on every rank
 #    and equal, up to float rounding, to one process trained on the whole global batch. A stale
@@ -586,8 +587,16 @@ for key in zro[0]:
 def assign_owners(numels: list[int], world: int) -> list[int]:
     """The rank that owns each tensor: whole tensors, the elements balanced over the ranks."""
     # BEGIN SOLUTION
-    # TODO: load = [0] * world; visit the tensors largest first (sorted indices)
-    # TODO: give each to the rank with the smallest load so far; return the owner of each tensor
+    # TODO: each tensor's owner, whole tensors, no rank above total / world + the largest tensor
+    # HINT: Greedy is enough: give each tensor, largest first, to the rank that owns the fewest
+    #       elements so far. Keep what each rank owns in a list of world counts.
+    # HINT: Visit the tensors' indices sorted by decreasing size, but return one owner per tensor in
+    #       the tensors' own order (owners[i] for numels[i]).
+    # HINT: load, owners = [0] * world, [0] * len(numels)
+    #       for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+    #           rank = min(range(world), key=load.__getitem__)  # the least loaded so far
+    #           ...  # rank owns tensor i; its load grows by numels[i]
+    #       return owners
     load, owners = [0] * world, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         rank = min(range(world), key=load.__getitem__)
@@ -599,8 +608,14 @@ def assign_owners(numels: list[int], world: int) -> list[int]:
 def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=None) -> None:
     """After DDP's all-reduce: update this rank's tensors, then every rank gets every tensor."""
     # BEGIN SOLUTION
-    # TODO: step the optimizer (it holds this rank's tensors only)
-    # TODO: then broadcast each parameter's data from its owner: minizero.broadcast(t, src=owner)
+    # TODO: every rank holds every parameter as its owner updated it
+    # HINT: The optimizer holds this rank's tensors only: optimizer.step() updates those. Every
+    #       other parameter is stale here, and fresh on its owner.
+    # HINT: Then, for every parameter, in the same order on every rank (a collective: every rank
+    #       calls it for every parameter):
+    #       optimizer.step()
+    #       for p, owner in zip(params, owners):
+    #           minizero.broadcast(p.data, src=owner, group=group)
     optimizer.step()
     for p, owner in zip(params, owners):
         minizero.broadcast(p.data, src=owner, group=group)

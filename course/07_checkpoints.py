@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import minizero
 from minizero.checkpoint import CheckpointError, checkpoint_bytes
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson07
 from minizero.launcher import LaunchError
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
@@ -120,10 +120,22 @@ def owned_ranges(model) -> dict[str, tuple[int, int]]:
     names = {id(p): n for n, p in model.module.named_parameters()}
     owned = {}
     # BEGIN SOLUTION
-    # TODO: for each bucket b of model.buckets: the range [lo, hi) of the bucket this rank owns
-    # TODO: (stage 0: all b.numel elements; else chunk model.rank of b.shard elements); for each
-    # TODO: parameter p at offset o, keep [max(o, lo), min(o + numel, hi)) if it is not empty,
-    # TODO: counted from o, under names[id(p)]
+    # TODO: each parameter this rank owns part of, by name: that part's range within the parameter
+    # HINT: Work in the bucket's coordinates first: this rank owns [lo, hi) of each bucket b in
+    #       model.buckets; at stage 0 all of it, [0, b.numel); at stages 1-3 chunk model.rank, [rank
+    #       * b.shard, (rank + 1) * b.shard).
+    # HINT: Parameter p sits at [o, o + p.numel()) of its bucket (zip b.params with b.offsets). Its
+    #       overlap with [lo, hi) is [max(o, lo), min(o + p.numel(), hi)), empty when its start is
+    #       not below its end.
+    # HINT: for b in model.buckets:
+    #           if model.stage == 0:
+    #               lo, hi = 0, b.numel
+    #           else:
+    #               lo, hi = ...  # chunk model.rank
+    #           for p, o in zip(b.params, b.offsets):
+    #               s, e = max(o, lo), min(o + p.numel(), hi)
+    #               if s < e:
+    #                   owned[names[id(p)]] = ...  # counted from o
     for b in model.buckets:
         if model.stage == 0:
             lo, hi = 0, b.numel
@@ -216,8 +228,16 @@ def read_plan(saved, want):
     """[(k, src, dst, n)]: the elements of saved piece k that fill the range ``want``."""
     plan = []
     # BEGIN SOLUTION
-    # TODO: for each saved piece (s, e), number k: the overlap [a, b) of [s, e) and
-    # TODO: [want[0], want[1]); if it is not empty, append (k, a - s, a - want[0], b - a)
+    # TODO: for every saved piece that overlaps want: which of its elements fill which of want's
+    # HINT: The overlap of [s, e) and [lo, hi) is [max(s, lo), min(e, hi)); it is empty when its
+    #       start is not below its end.
+    # HINT: An overlap [a, b) of piece k starts a - s elements into the piece and a - want[0]
+    #       elements into the wanted range, and is b - a elements long.
+    # HINT: lo, hi = want
+    #       for k, (s, e) in enumerate(saved):
+    #           a, b = max(s, lo), min(e, hi)
+    #           if a < b:
+    #               plan.append(...)  # (k, src, dst, n)
     lo, hi = want
     for k, (s, e) in enumerate(saved):
         a, b = max(s, lo), min(e, hi)

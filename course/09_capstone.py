@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 import minizero
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.collectives import all_reduce
-from minizero.course import checks
+from minizero.course import checks, hint
 from minizero.course.checks import lesson09
-from minizero.memory import format_bytes, paper_model_state_bytes
 from minizero.models import TinyGPT, count_params
 from minizero.tools import shakespeare
 from minizero.tools.train import TrainConfig, single_process
@@ -82,8 +82,18 @@ print(DATA.decode(DATA.train[:120]))
 def estimate_loss(model, batches, group=None) -> float:
     """The mean loss over every rank's ``batches``; the same value on every rank of ``group``."""
     # BEGIN SOLUTION
-    # TODO: model.eval(); this rank's mean of model(x, y) over its batches, as a tensor
-    # TODO: all_reduce it over group (a sum), divide by dist.get_world_size(group); model.train()
+    # TODO: the mean loss over every rank's rows, as a float, the same on every rank of group
+    # HINT: Every rank holds the same number of rows, so the mean over every row is the mean over
+    #       the ranks of each rank's own mean. Evaluate as nanoGPT does: model.eval() first
+    #       (dropout off), model.train() before returning; @torch.no_grad() is given.
+    # HINT: This rank's mean: torch.stack([model(x, y) for x, y in batches]).mean(), a 0-d
+    #       tensor. all_reduce(t, group=group) sums it over the group's ranks, in place: divide
+    #       by the group's size, dist.get_world_size(group), not the world's.
+    # HINT: model.eval()
+    #       mean = torch.stack([model(x, y) for x, y in batches]).mean()
+    #       all_reduce(mean, group=group)
+    #       model.train()
+    #       return ...  # a float: the sum over the ranks / their number
     model.eval()
     mean = torch.stack([model(x, y) for x, y in batches]).mean()  # 0-d: this rank's mean
     all_reduce(mean, group=group)  # the sum of the ranks' means
@@ -153,7 +163,7 @@ assert max(diffs.values()) <= TOLERANCE, diffs
 #
 # ## 3. Memory per rank and step time, on this run
 #
-# Each rank measured its model states at the end of a backward (`minizero.memory.
+# Each rank measured its model states at the end of a backward (`minizero.analysis.memory.
 # model_state_bytes`: parameters, gradients, Adam's two moments; fp32, so (4 + 4 + 8)Ψ for DDP)
 # and timed each step; the paper's formula is beside the measurement. A step ends when its
 # slowest rank's does, so the step time is the median over iterations of the slowest rank's.

@@ -1,17 +1,20 @@
 """minizero: data parallelism and ZeRO stages 1-3, built from scratch and measured.
 
 Three layers, and dependencies point one way (library <- analysis, checkpoint, launcher <- tools
-<- course; ``tests/test_layout.py`` keeps it so):
+<- course; ``tests/library/test_layout.py`` keeps it so):
 
 * the library a student reads: the files at the top of ``minizero/`` (the table below) and the
   launcher. The stages form the paper's chain, each class extending the one before:
   ``DataParallel`` (what every stage shares) <- ``DDP`` <- ``ZeRO1`` (P_os) <- ``ZeRO2`` (+g)
-  <- ``ZeRO3`` (+p), so ``git diff --no-index minizero/zero1.py minizero/zero2.py`` shows what
-  stage 2 adds.
+  <- ``ZeRO3`` (+p); each stage's file is the delta: it holds what that stage adds and nothing
+  else. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages, not inside them.
+* ``habits/``: the habits of a PyTorch loop a wrapper must notice (a parameter without gradient,
+  ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's attributes, ...),
+  composed around the core through ``data_parallel.Extension``; the core never imports it.
 * subpackages named for what they are: ``launcher/`` (run a function on N ranks; torchrun),
-  ``checkpoint/`` (save, load, reshard, consolidate), ``analysis/`` (a step's memory budget, the
-  timeline of collectives, ZeRO's Table 1 simulated), ``tools/`` (``bench``, ``demo``,
-  ``doctor``, the command line's shared parser).
+  ``checkpoint/`` (save, load, reshard, consolidate), ``analysis/`` (memory meters, a step's
+  memory budget, the timeline of collectives, ZeRO's Table 1 simulated), ``tools/``
+  (``bench``, ``demo``, ``doctor``, the command line's shared parser).
 * the course machinery, ``minizero/course/``: notebooks built from ``course/*.py``, students'
   copies, grading, the check cells (``checks/lessonNN.py``), the lessons' figures.
 
@@ -23,21 +26,24 @@ name                    file                            lesson
 launch, plan            minizero/launcher/__init__.py   00_collectives
 (the ranks' processes)  minizero/launcher/ranks.py      00_collectives
 all_reduce, CommLedger  minizero/collectives.py         00_collectives
-ring_bytes              minizero/topology.py            (issue 17: nodes; no lesson yet)
+ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
-NaiveDDP, DDP           minizero/ddp.py                 01_ddp
+DDP                     minizero/ddp.py                 01_ddp
+NaiveDDP                minizero/naive_ddp.py           01_ddp
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1
 attach                  minizero/optimizer.py           the optimizer around a stage (02 ..)
 ZeRO2                   minizero/zero2.py               03_zero2
-ShardedGrad             minizero/sharded_grad.py        03_zero2
+ShardedGrad             minizero/habits/sharded_grad.py 03_zero2
 ZeRO3                   minizero/zero3.py               04_zero3
 select_units            minizero/units.py               04_zero3
-model_state_bytes       minizero/memory.py              02_zero1 .. 05_all_stages
+model_state_bytes       minizero/analysis/memory.py     02_zero1 .. 05_all_stages
 step_budget             minizero/analysis/budget.py     05_all_stages
 simulate                minizero/analysis/simulate.py   05_all_stages
+fit, sweep (α-β)        minizero/analysis/link.py       00_collectives, 01_ddp
+Links, predict          minizero/analysis/cost.py       08_beyond_one_node
 parallelize             minizero/parallelize.py         every lesson
 MLP, TinyGPT, data      minizero/models.py              every lesson
 save/load_checkpoint    minizero/checkpoint/            07_checkpoints
@@ -46,6 +52,14 @@ save/load_checkpoint    minizero/checkpoint/            07_checkpoints
 
 __version__ = "0.1.0"
 
+from minizero.analysis.memory import (  # noqa: E402
+    PAPER_TABLE1,
+    MemoryMeter,
+    format_bytes,
+    model_state_bytes,
+    model_state_report,
+    paper_model_state_bytes,
+)
 from minizero.analysis.simulate import FlatModel, simulate, table1  # noqa: E402
 from minizero.bucket import Bucket  # noqa: E402
 from minizero.checkpoint import (  # noqa: E402
@@ -62,16 +76,9 @@ from minizero.collectives import (  # noqa: E402
     broadcast,
     reduce_scatter,
 )
-from minizero.ddp import DDP, NaiveDDP  # noqa: E402
+from minizero.ddp import DDP  # noqa: E402
+from minizero.habits import Habits  # noqa: E402, F401  (every wrapper composes the habits)
 from minizero.launcher import LaunchError, LaunchTimeout, launch  # noqa: E402
-from minizero.memory import (  # noqa: E402
-    PAPER_TABLE1,
-    MemoryMeter,
-    format_bytes,
-    model_state_bytes,
-    model_state_report,
-    paper_model_state_bytes,
-)
 from minizero.models import (  # noqa: E402
     MLP,
     GPTConfig,
@@ -79,6 +86,7 @@ from minizero.models import (  # noqa: E402
     count_params,
     synthetic_batch,  # noqa: E402
 )
+from minizero.naive_ddp import NaiveDDP
 from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
 from minizero.precision import Precision  # noqa: E402
 from minizero.units import ShardedParameterError  # noqa: E402

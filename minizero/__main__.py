@@ -45,6 +45,8 @@ PASS_THROUGH = {
     "gradebook": ("course.gradebook:main", "grade a class: one folder per student, a CSV of "
                   "every exercise"),
     "lessons": ("course.build:lessons_main", "regenerate lessons/ and solutions/ from course/"),
+    "margins": ("course.margins:main", "every check's margin: solutions under other CPU kernels, "
+                "ranks, seeds and threads; the plausible wrong answers (in the kit's clone)"),
     "consolidate": ("checkpoint:consolidate_main", "a checkpoint -> one full fp32 state dict file"),
 }  # fmt: skip
 

@@ -1,8 +1,9 @@
 """The bucket: a flat buffer with one view per parameter. Taught in lesson 01 (01_ddp).
 
 Every stage of minizero moves data in buckets. A bucket holds a few parameters, in the order their
-gradients become ready in backward (the reverse of registration order, as torch DDP does), laid end
-to end in one flat buffer. One collective per bucket replaces one collective per parameter.
+gradients become ready in backward (predicted: the reverse of registration order, see
+make_buckets), laid end to end in one flat buffer. One collective per bucket replaces one
+collective per parameter.
 
 For ZeRO the flat buffer is padded to a multiple of the world size ``n`` and cut into ``n`` equal
 chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter of a bucket leaves each rank
@@ -69,24 +70,53 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, world: int = 1) -> list[Bucket]:
-    """Group ``params`` into buckets of at most ``bucket_cap_mb`` MiB, last parameter first.
+DEFAULT_CAP_MB = 25  # torch DDP's default bucket_cap_mb (MiB)
+FIRST_CAP_MB = 1  # its first bucket at that default (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
-    Backward produces gradients roughly in reverse registration order, so bucket 0 (the model's
-    last layers) fills first and its collective starts while the rest of backward still runs.
-    A parameter larger than the cap gets a bucket of its own. ``bucket_cap_mb=0`` puts every
-    parameter in its own bucket.
+
+def assign_by_size(nbytes: list[int], bucket_cap_mb: float | None = None) -> list[list[int]]:
+    """torch DDP's bucket rule over sizes in bytes, taken in the order given: indices per bucket.
+
+    A bucket closes once it holds ``bucket_cap_mb`` MiB *or more*: the tensor that reaches or
+    passes the cap is its last (so a tensor larger than the cap is alone, and ``0`` gives one
+    bucket per tensor). At the default cap (``None``: 25 MiB) the first bucket closes at 1 MiB
+    instead; a cap the user sets applies to the first bucket too. This is what torch 2.13's DDP
+    does (``torch/nn/parallel/distributed.py``: ``_BucketCapacityConfig``, first bucket 1 MiB only
+    when ``bucket_cap_mb`` is None; ``torch/csrc/distributed/c10d/reducer.cpp``:
+    ``compute_bucket_assignment_by_size``), when it rebuilds its buckets after the first iteration.
     """
-    if bucket_cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
-    cap = bucket_cap_mb * 2**20
-    groups: list[list[nn.Parameter]] = []
-    size = 0.0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not groups or size + nbytes > cap:
-            groups.append([])
-            size = 0.0
-        groups[-1].append(p)
-        size += nbytes
+    if bucket_cap_mb is not None and bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0 (MiB), got {bucket_cap_mb}")
+    cap = (DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20
+    first = FIRST_CAP_MB * 2**20 if bucket_cap_mb is None else cap
+    buckets: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(nbytes):
+        if not buckets or size >= (first if len(buckets) == 1 else cap):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += n
+    return buckets
+
+
+def make_buckets(
+    params: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
+) -> list[Bucket]:
+    """Group ``params`` into buckets by torch DDP's rule (:func:`assign_by_size`; the cap is in
+    MiB), last parameter first: bucket 0 holds the first gradients backward makes ready.
+
+    The ready order is predicted here, when the buckets are built, as the reverse of registration
+    order: torch DDP starts with one bucket and rebuilds them in the order the gradients really
+    arrived in its first backward. The two orders differ where a module's backward makes its
+    parameters ready in registration order (``nn.LayerNorm``: weight, then bias) or where forward
+    calls modules in another order than they were registered (minizero's MLP calls its tied
+    layers before layers 1 and 2): there the same rule cuts other buckets, or orders a bucket's
+    parameters otherwise (tests/library/test_ddp_buckets.py shows both). ZeRO (stages 1-2) keeps
+    these buckets and pads each to a multiple of ``world`` (``Bucket.padded``) to cut it into equal
+    chunks; the padding is not counted against the cap.
+    """
+    nbytes = [p.numel() * p.element_size() for p in reversed(params)]
+    ready = list(reversed(params))
+    groups = [[ready[i] for i in idx] for idx in assign_by_size(nbytes, bucket_cap_mb)]
     return [Bucket(g, i, world) for i, g in enumerate(groups)]

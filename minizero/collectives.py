@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minizero.topology import ring_bytes
+from minizero.analysis.topology import ring_bytes
 
 ReduceOp = dist.ReduceOp
 
@@ -159,7 +159,7 @@ class CommLedger:
         """Bytes this rank sent that stay inside its node and that cross a node boundary, per group
         and in all (``"total"``): ``{group: {"inside": b, "across": b}}``. Needs ``node_size``;
         nodes are blocks of ``node_size`` consecutive global ranks. The ring model and its
-        formulas: :func:`minizero.topology.ring_bytes`."""
+        formulas: :func:`minizero.analysis.topology.ring_bytes`."""
         if self.node_size is None:
             raise ValueError("node_bytes needs the node size: CommLedger(node_size=k)")
         out: dict[str, dict[str, float]] = {"total": {"inside": 0.0, "across": 0.0}}

@@ -1,4 +1,4 @@
-"""DDP from scratch: naive, then bucketed and overlapped with backward. Taught in lesson 01.
+"""DDP from scratch, bucketed and overlapped with backward (naive_ddp.py: the naive one). Lesson 01.
 
 The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): every rank holds all
 model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
@@ -17,46 +17,6 @@ from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
-from minizero.units import Hook
-
-
-class NaiveDDP(DataParallel):
-    """After backward, all-reduce every gradient, one collective per parameter, then average.
-
-    Correct and slow: Ψ elements cross the network only after backward has finished, in as many
-    small messages as there are parameters. fp32 only; use :class:`DDP` for mixed precision.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        find_unused_parameters: bool = False,
-    ):
-        super().__init__(
-            module, process_group=process_group, find_unused_parameters=find_unused_parameters
-        )
-        self.params = trainable_parameters(module)
-        for p in self.params:
-            # The hook's argument is the *parameter*; its gradient is p.grad, already accumulated.
-            p.register_post_accumulate_grad_hook(lambda p: self.queue_backward_end())
-
-    def backward_end(self) -> None:
-        if not self.require_sync:
-            return
-        for p in self.params:
-            if p.grad is None:  # unused on this rank: it still takes part in the average
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, group=self.group, tag="naive")
-            p.grad.div_(self.world)
-
-    def reset_grads(self, set_to_none: bool) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
 
 
 class DDP(DataParallel):
@@ -76,15 +36,19 @@ class DDP(DataParallel):
 
     Public hooks (what a stage overrides; lesson 01's ``BucketedDDP`` has the first):
     ``on_grad_ready(p)``, the post-accumulate-grad hook of every parameter (its argument is the
-    parameter: the gradient is ``p.grad``); ``launch(b)``, called once every gradient of bucket
-    ``b`` is in: start its collective without waiting. ``backward_end()`` waits for them.
+    parameter: the gradient is ``p.grad``); ``reduce_bucket(b)``, called once every gradient of
+    bucket ``b`` is in: start its collective without waiting (``pending[b.index]`` becomes
+    ``STARTED``); ``finish_in_flight()``: wait for the collectives started, and take their
+    results. ``backward_end()`` reduces the buckets still pending, then finishes.
     """
+
+    STARTED = -1  # pending[b.index] once bucket b's collective has started
 
     def __init__(
         self,
         module: nn.Module,
         *,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
@@ -92,7 +56,7 @@ class DDP(DataParallel):
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
         self.buckets = self.make_buckets(bucket_cap_mb)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.bucket_index = {id(p): b for b in self.buckets for p in b.params}
         # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
         # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
         self.masters = [self.take_master(b) for b in self.buckets]
@@ -100,19 +64,16 @@ class DDP(DataParallel):
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
-        self.next_bucket = 0  # buckets below it are launched (launch_in_order)
+        self.next_bucket = 0  # buckets below it are started (reduce_in_order)
         for p in self.params:
-            # before autograd accumulates into p.grad (Hook: a deepcopy of p drops it)
-            p.register_hook(Hook(self.grad_arriving))
-            p.register_post_accumulate_grad_hook(self.densify)  # hooks run in this order
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     # -- layout ------------------------------------------------------------------------------
-    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
         return make_buckets(self.params, bucket_cap_mb)
 
     def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self._bucket_of[id(p)]
+        return self.bucket_index[id(p)]
 
     def owned(self, b: Bucket) -> tuple[int, int]:
         """The range [lo, hi) of bucket ``b`` this rank owns: all of it (DDP)."""
@@ -131,22 +92,7 @@ class DDP(DataParallel):
         ]
         self.works: list = []  # all-reduces in flight
 
-    # -- backward: fill the bucket, launch its all-reduce once full ----------------------------
-    def grad_arriving(self, grad: torch.Tensor) -> None:
-        """A gradient reaches a parameter, before autograd adds it into ``p.grad``. After a
-        backward, stages 1-3 (and fp16) leave a ``ShardedGrad`` in ``p.grad`` until the next
-        forward; a second backward before it (``retain_graph=True``, as FSDP2 allows)
-        accumulates into what backward sees instead."""
-        self._show_grads()
-
-    @staticmethod
-    def densify(p: nn.Parameter) -> None:
-        """``nn.Embedding(sparse=True)``: its sparse gradient is made dense before the stage's
-        hook sees it. The buckets are dense, and SGD or Adagrad step a dense gradient exactly
-        as its sparse form (SparseAdam, which needs the sparse one, is refused)."""
-        if p.grad is not None and p.grad.layout != torch.strided:
-            p.grad = p.grad.to_dense()
-
+    # -- backward: fill the bucket, start its all-reduce once full ----------------------------
     def accumulate(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
         b = self.bucket_of(p)
@@ -168,41 +114,44 @@ class DDP(DataParallel):
         b = self.bucket_of(p)
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
-            self.launch_in_order(b)
+            self.reduce_in_order(b)
 
-    def launch_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: launch it. With ``find_unused_parameters`` ranks may run
+    def reduce_in_order(self, b: Bucket) -> None:
+        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may run
         other graphs and complete buckets in other orders (a parameter used on some ranks only):
-        then launch the complete buckets in index order, as torch DDP does, so that every rank
+        then start the complete buckets in index order, as torch DDP does, so that every rank
         issues the same collectives in the same order. Otherwise every rank completes them in
         the same order, and each goes as soon as it is complete (the most overlap)."""
         if not self.find_unused_parameters:
-            return self.launch(b)
+            return self.reduce_bucket(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
-            self.launch(self.buckets[self.next_bucket])
+            self.reduce_bucket(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    def launch(self, b: Bucket) -> None:
+    def reduce_bucket(self, b: Bucket) -> None:
         buf = self.grad_buffers[b.index]  # (numel,) flat, this rank's local gradient
-        buf.div_(self.world)
+        buf.div_(self.world)  # the sum of averages: fp16 cannot overflow
         self.works.append(
             C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
         )
-        self.pending[b.index] = -1  # launched
+        self.pending[b.index] = self.STARTED
+
+    def finish_in_flight(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+        hsdp.average_replicas(self.grad_buffers, self.replicate_group, "ddp replicas")
 
     def backward_end(self) -> None:
         if not self.require_sync:
             return
         for b in self.buckets:  # buckets with parameters unused in this backward
-            if self.pending[b.index] >= 0:
+            if self.pending[b.index] != self.STARTED:
                 for p in b.params:
                     if p.grad is None:  # unused here: its slot is 0 and still averaged
                         p.grad = self.visible_grad(p)
-                self.launch(b)
-        for w in self.works:
-            w.wait()
-        self.works.clear()
-        hsdp.average_replicas(self.grad_buffers, self.replicate_group, "ddp replicas")
+                self.reduce_bucket(b)
+        self.finish_in_flight()
         self.pending = [len(b.params) for b in self.buckets]
         self.next_bucket = 0
 
@@ -211,8 +160,8 @@ class DDP(DataParallel):
         return view if view.dtype == p.dtype else None
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        return self.grad_buffers  # (numel,) per bucket, averaged, all of it this rank's
+    def reduce_gradients(self) -> list[torch.Tensor]:
+        return self.grad_buffers  # (numel,) per bucket, averaged in backward, all of it this rank's
 
     def after_step(self) -> None:
         if not self.precision.master:
@@ -239,6 +188,3 @@ class DDP(DataParallel):
             for b, m in zip(self.buckets, self.masters, strict=True)
             for p in b.params
         }
-
-    def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.module.parameters()), "grads": self.grad_buffers}

@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP): shard inside a node, replicate across nodes. Issue 17, lesson 08.
+"""Hybrid sharding (HSDP): shard inside a node, replicate across nodes. Taught in lesson 08.
 
 The reference is FSDP2's HSDP, ``fully_shard(model, mesh=mesh)`` with a 2-D ``DeviceMesh`` whose
 dims are (replicate, shard) (torch/distributed/fsdp/_fully_shard/_fully_shard.py; the reduction:
@@ -20,8 +20,8 @@ DDP over every rank (the world group). Per rank and step (paper volumes, Ψ elem
     "replicate"  2 x Ψ/N_s (an all-reduce of this rank's shard, Ψ/N_s elements)
 
 so only the replicate all-reduce crosses a node boundary: in the ring model of
-minizero/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over the
-same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
+minizero/analysis/topology.py every rank sends 2(R-1)/R x Ψ/N_s elements across. Flat ZeRO-3 over
+the same N = R * N_s ranks sends 3Ψ(N-1)/N per rank along one ring, and the last rank of each node
 sends all of it across (on 2 nodes x 2 ranks, fp32: 9Ψ bytes from each of 2 ranks, against 2Ψ
 from each of 4 with HSDP; tests/library/test_hsdp.py). The price: model states per rank are those
 of a world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.precision import divides_before_sum
 
 MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, dim 1 inside one
 
@@ -82,16 +83,55 @@ def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: 
         C.all_reduce(t, op=op, group=replicate_group, tag=tag)
 
 
+class Replicas:
+    """HSDP's second step at stages 2-3, where every backward reduce-scatters its buckets. By
+    default each backward's shard is all-reduced over "replicate" at once (FSDP2's default): Ψ/N_s
+    crosses the nodes once per micro-batch. ``model.set_requires_all_reduce(False)`` (FSDP2's
+    switch, ``FSDPModule.set_requires_all_reduce``) keeps the shards apart instead, summed over
+    the micro-batches, and averages them over the replicas once: at the next backward run with
+    the switch back on (FSDP2's way), or at the step if it never is (DeepSpeed MiCS's once per
+    accumulation boundary). The step sees the same average either way (up to the order of the
+    sums); what changes is how many times the shard crosses the nodes, and Ψ/N_s more memory
+    held for the sum meanwhile."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.requires_all_reduce = True
+        self.partial: dict[int, torch.Tensor] = {}  # bucket -> (shard,) sum not yet averaged
+
+    def add(self, shards: list, i: int, out: torch.Tensor, tag: str) -> None:
+        """``out`` (shard,): bucket ``i``'s chunk averaged over this node; into ``shards[i]``
+        averaged over every node, now or later."""
+        if self.group is not None and not self.requires_all_reduce:
+            held = self.partial.get(i)
+            self.partial[i] = out.clone() if held is None else held.add_(out)
+            return
+        if i in self.partial:
+            out.add_(self.partial.pop(i))
+        average_replicas([out], self.group, tag)
+        shards[i].add_(out)
+
+    def flush(self, shards: list, tag: str) -> None:
+        """At the step: average what is still held over the replicas (one all-reduce each)."""
+        for i in sorted(self.partial):
+            held = self.partial.pop(i)
+            average_replicas([held], self.group, f"{tag} {i}")
+            shards[i].add_(held)
+
+    def clear(self) -> None:
+        self.partial.clear()
+
+
 def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: str) -> None:
     """HSDP's second step: each gradient shard (shard,), already averaged over its node, is
-    averaged over the R nodes holding the same shard (all-reduce, then / R; fp16: / R before,
-    so that the sum cannot overflow). Nothing without a replicate group."""
+    averaged over the R nodes holding the same shard (all-reduce and / R; fp16 divides first:
+    ``divides_before_sum``). Nothing without a replicate group."""
     if replicate_group is None:
         return
     r = dist.get_world_size(replicate_group)
     live = {i: s for i, s in enumerate(shards) if s is not None}  # index: the bucket's
     for s in live.values():
-        if s.dtype == torch.float16:
+        if divides_before_sum(s):
             s.div_(r)
     name = lambda i: tag if len(shards) == 1 else f"{tag} {i}"
     works = [
@@ -99,5 +139,5 @@ def average_replicas(shards: list[torch.Tensor | None], replicate_group, tag: st
     ]
     for w, s in zip(works, live.values(), strict=True):
         w.wait()
-        if s.dtype != torch.float16:
+        if not divides_before_sum(s):
             s.div_(r)

@@ -12,6 +12,9 @@ the stage's part:
     before_step()  reduce / unscale / hand gradients to the fragments  (False: skip, fp16 inf)
     <the user's optimizer step on this rank's fragments; a fragment without gradient is skipped>
     after_step()   copy masters back to the working parameters, all-gather them (ZeRO)
+
+An optimizer built *after* wrapping (FSDP2's order) is adopted at its first ``step()`` by the
+habit machinery (minizero/habits/optimizer.py's ``adopt``), through the same ``attach``.
 """
 
 from __future__ import annotations
@@ -23,21 +26,23 @@ import torch
 from torch import nn
 
 
-class Stage(Protocol):
+class Wrapper(Protocol):
+    """What the optimizer needs of the wrapper (data_parallel.DataParallel)."""
+
     fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
+    habits: object  # minizero.habits.Habits: .norms.clip_grad_norm_, .grads.zero_grad_of
 
     def before_step(self) -> bool: ...
     def after_step(self) -> None: ...
     def end_step(self) -> None: ...
     def zero_grad(self, set_to_none: bool = True) -> None: ...
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
 
 
 class StageStep:
-    """Mixin placed before the user's optimizer class; ``self._stage`` is the wrapper."""
+    """Mixin placed before the user's optimizer class; ``self._wrapper`` is the wrapper."""
 
-    _stage: Stage
-    minizero_wraps_step = True  # runs the user's class's own step (habits.check_step_...)
+    _wrapper: Wrapper
+    minizero_wraps_step = True  # runs the user's class's own step (habits/optimizer.py)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -63,32 +68,32 @@ class StageStep:
         if closure is not None:  # elementwise optimizers call the closure once, first
             with torch.enable_grad():
                 loss = closure()
-        if self._stage.before_step():
+        if self._wrapper.before_step():
             super().step()
-        self._stage.after_step()
-        self._stage.end_step()
+        self._wrapper.after_step()
+        self._wrapper.end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: the gradients of this optimizer's parameters (all of them: the stage's
         ``zero_grad``; some: those only, the others keep accumulating, as in torch)."""
         trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
-        if trains is None or all(id(p) in trains for p in self._stage.params):
-            self._stage.zero_grad(set_to_none)
+        if trains is None or all(id(p) in trains for p in self._wrapper.params):
+            self._wrapper.zero_grad(set_to_none)
         else:
-            self._stage.zero_grad_of(trains, set_to_none)
+            self._wrapper.habits.grads.zero_grad_of(trains, set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group`` (a parameter that starts training later, with its own
         settings): its parameters are swapped for this rank's fragments of them, as ``regroup``
         does for the groups the optimizer was built with."""
-        stage = getattr(self, "_stage", None)
-        if stage is not None:
+        wrapper = getattr(self, "_wrapper", None)
+        if wrapper is not None:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             self._minizero_trains |= {id(p) for p in params}
-            if any(f.is_master for f in stage.fragments):
-                frags = stage._frags_of  # id(param) -> its fragments on this rank
+            if any(f.is_master for f in wrapper.fragments):
+                frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
                 frozen = [p for p in params if not p.requires_grad]  # no fragments: as they are
                 param_group = {**param_group, "params": mine + frozen}
@@ -96,21 +101,21 @@ class StageStep:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        return self._stage.clip_grad_norm_(max_norm, norm_type)
+        return self._wrapper.habits.norms.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
         """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
         (and in mixed precision) it holds only this rank's fragments, so only the same rank of the
         same layout may load it back (see ``load_state_dict``)."""
         sd = super().state_dict()
-        sd["minizero_shard"] = shard_record(self._stage)
+        sd["minizero_shard"] = shard_record(self._wrapper)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse an optimizer state dict saved by another rank or another layout: its states
         belong to other elements (torch would load it without a word when the counts match)."""
         saved = state_dict.get("minizero_shard")
-        here = shard_record(self._stage)
+        here = shard_record(self._wrapper)
         if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
             other = "" if saved["layout"] == here["layout"] else " with another layout"
             raise RuntimeError(
@@ -131,7 +136,7 @@ class StageStep:
         return {"optimizer": tensors}
 
 
-def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -> None:
+def regroup(optimizer: torch.optim.Optimizer, wrapper: Wrapper, module: nn.Module) -> None:
     """Swap each param group's parameters of ``module`` for this rank's fragments of them."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -159,10 +164,10 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
             f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
             f"param groups of them, before parallelize"
         )
-    if not any(f.is_master for f in stage.fragments):
+    if not any(f.is_master for f in wrapper.fragments):
         return  # fp32 DDP: the optimizer steps the parameters themselves, as the user built it
     new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-    for f in stage.fragments:
+    for f in wrapper.fragments:
         if id(f.param) in group_of:  # a parameter outside every group is not trained
             new[group_of[id(f.param)]].append(f.tensor)
     for group, params in zip(optimizer.param_groups, new, strict=True):
@@ -170,7 +175,7 @@ def regroup(optimizer: torch.optim.Optimizer, stage: Stage, module: nn.Module) -
     if optimizer.state:  # built with its state (Adagrad's sum): each fragment gets its range
         old = dict(optimizer.state)
         optimizer.state.clear()
-        for f in stage.fragments:
+        for f in wrapper.fragments:
             if f.param in old:
                 optimizer.state[f.tensor] = {k: _fragment_of(v, f) for k, v in old[f.param].items()}
 
@@ -188,14 +193,14 @@ def _fragment_of(value, f) -> object:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimizer:
-    """Make ``optimizer.step()`` and ``zero_grad()`` run ``stage``'s part too; return it."""
+def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` and ``zero_grad()`` run ``wrapper``'s part too; return it."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(optimizer)
     if not issubclass(cls, StageStep):
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
-    optimizer._stage = stage
+    optimizer._wrapper = wrapper
     if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
         # an LR scheduler built before parallelize wrapped the *old* class's step on the instance;
         # wrap the new one the same way, so that step() runs the stage and the scheduler sees it
@@ -205,29 +210,16 @@ def attach(optimizer: torch.optim.Optimizer, stage: Stage) -> torch.optim.Optimi
 
         step._wrapped_by_lr_sched = True
         optimizer.step = step
-    optimizer._minizero_closure_through = not any(f.is_master for f in stage.fragments)
+    optimizer._minizero_closure_through = not any(f.is_master for f in wrapper.fragments)
     return optimizer
 
 
-def shard_record(stage) -> dict:
+def shard_record(wrapper) -> dict:
     """What an optimizer state dict needs to say to be loaded only where it belongs: the rank, the
     world, the stage, and a fingerprint of the fragments (name, start, end) it steps."""
-    frags = [(f.name, f.start, f.end) for f in stage.fragments]
+    frags = [(f.name, f.start, f.end) for f in wrapper.fragments]
     return {
-        "rank": stage.rank, "world": stage.world, "stage": stage.stage,
-        "sharded": stage.stage > 0,  # stage 0: every rank holds the same, whole states
+        "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
+        "sharded": wrapper.stage > 0,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip
-
-
-def refuse_sparse_adam(optimizer: torch.optim.Optimizer) -> None:
-    """SparseAdam updates only the rows present in a sparse gradient; minizero's gradients are
-    dense (a bucket holds every element), so it would see none of its kind."""
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        raise TypeError(
-            "SparseAdam needs sparse gradients, and minizero makes every gradient dense (its "
-            "buckets are flat dense buffers; nn.Embedding(sparse=True) works, with a dense "
-            "gradient). Use an optimizer that takes dense gradients: SGD or Adagrad step a dense "
-            "gradient exactly as its sparse form; Adam or AdamW also update the moments of rows "
-            "not in the batch, which SparseAdam skips."
-        )

@@ -24,11 +24,13 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.optimizer import attach, refuse_sparse_adam, regroup
-from minizero.precision import Precision, check_elementwise, resolve
+from minizero.habits.optimizer import adopt_on_first_step, check_elementwise, refuse_sparse_adam
+from minizero.optimizer import attach, regroup
+from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
+from minizero.zeropp import ZeROPlusPlus
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,10 +39,8 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
-STAGE3_OPTIONS = {
-    "units", "prefetch", "reshard_root", "check_modules",
-    "reshard_after_forward", "quantize_weights", "quantize_gradients",  # ZeRO++ (zeropp.py)
-}  # fmt: skip
+ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
+STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",
@@ -52,7 +52,7 @@ TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizer
 def parallelize(
     model: nn.Module,
     stage: int,
-    optimizer: torch.optim.Optimizer | OptimizerFn,
+    optimizer: torch.optim.Optimizer | OptimizerFn | None = None,
     *,
     precision: str | Precision = "fp32",
     bucket_cap_mb: float | None = None,
@@ -61,16 +61,20 @@ def parallelize(
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
     **stage_options,
-) -> tuple[nn.Module, torch.optim.Optimizer]:
+) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
 
     ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
     per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are kept;
     at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
-    must be elementwise (SGD, Adam, AdamW, ... or subclasses). ``precision``: "fp32", "bf16", "fp16"
+    must be elementwise (SGD, Adam, AdamW, ... or subclasses). Without ``optimizer`` only the model
+    is returned (FSDP2's order: ``model = parallelize(model, 3); opt = AdamW(model.parameters())``):
+    a torch optimizer over its parameters is adopted at its first ``step()`` (optimizer.py's
+    ``adopt``), as if it had been passed here. ``precision``: "fp32", "bf16", "fp16"
     (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
     ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
-    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2; default 25, as torch DDP).
+    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2), torch DDP's rule: a bucket closes
+    once it reaches the cap; default 25, with a first bucket of 1 MiB (minizero/bucket.py).
     ``process_group``: the ranks to train on (default: the world). ``mesh``: hybrid sharding
     (HSDP, as FSDP2's ``fully_shard(mesh=2-D mesh)``): a 2-D ``DeviceMesh`` with dims
     ("replicate", "shard"); stages 1-3 shard over "shard" and average each gradient shard over
@@ -78,7 +82,8 @@ def parallelize(
     ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
     also takes ``units`` (module classes or a predicate; default: the repeated blocks),
     ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
-    as FSDP2 defines it) and ``quantize_weights`` (qwZ: int8 all-gathers); see minizero/zero3.py.
+    as FSDP2 defines it), ``quantize_weights`` (qwZ: int8 all-gathers) and
+    ``quantize_gradients`` (qgZ), which build minizero/zeropp.py's ZeROPlusPlus.
     Under NCCL the model is moved to this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
@@ -111,7 +116,9 @@ def parallelize(
         if stage > 0:  # (stage 0 with a mesh: DDP over every rank, the world group)
             process_group, stage_options["replicate_group"] = shard, replicate
     policy = resolve(precision)
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is None:
+        built = None
+    elif isinstance(optimizer, torch.optim.Optimizer):
         built = optimizer
     elif callable(optimizer):
         built = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -125,12 +132,14 @@ def parallelize(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
             f"params -> optimizer, got {type(optimizer).__name__}"
         )
-    refuse_sparse_adam(built)
-    if stage > 0 or policy.master:
-        check_elementwise(built)
+    if built is not None:
+        refuse_sparse_adam(built)
+        if stage > 0 or policy.master:
+            check_elementwise(built)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    wrapped = STAGES[stage](
+    cls = ZeROPlusPlus if set(stage_options) & ZEROPP_OPTIONS else STAGES[stage]
+    wrapped = cls(
         model,
         precision=policy,
         process_group=process_group,
@@ -138,9 +147,12 @@ def parallelize(
         find_unused_parameters=find_unused_parameters,
         **stage_options,
     )
-    regroup(built, wrapped, model)
+    adopt_on_first_step(wrapped)  # an optimizer built after wrapping, over its parameters
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
+    if built is None:
+        return wrapped
+    regroup(built, wrapped, model)
     return wrapped, attach(built, wrapped)
 
 

@@ -18,10 +18,6 @@ would crash the process, so its class is switched to a guarded subclass whose
 ``__torch_function__`` lets metadata through (shape, dtype, ``.grad``, hooks, ``detach()``) and
 raises :class:`ShardedParameterError` on anything that reads values. The switch costs a class
 assignment per parameter when a unit is gathered or freed, and nothing on the ops of forward.
-
-At the end, how a unit can be gathered otherwise (ZeRO++, opt-in in ZeRO3): from secondary shards
-within a block of ranks (hpZ, :class:`SecondaryShards`) or as int8 blocks (qwZ,
-:class:`QuantizedGather`).
 """
 
 from __future__ import annotations
@@ -168,7 +164,7 @@ class Accumulators:
             return False
 
 
-class Hook:
+class UncopiedHook:
     """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
     the whole wrapper, process group included): the copy is a plain, unsharded model."""
 
@@ -272,8 +268,8 @@ def _raise(op: str, args, kwargs) -> None:
         "forward or backward. To read or change it, wrap the code in `with "
         "model.summon_full_params():` on every rank (minizero.full_state_dict(model) gives a "
         "full copy); if a module reads it without calling its unit, pass units=... so that one "
-        "unit contains both; an optimizer built over model.parameters() after parallelize cannot "
-        "step shards: pass it to minizero.parallelize, which returns the optimizer that does."
+        "unit contains both; an update written by hand cannot step shards: use a torch.optim "
+        "optimizer (minizero adopts one built over model.parameters() at its first step)."
     )
 
 
@@ -293,6 +289,11 @@ def guarded_class(cls: type) -> type:
     return _guarded_classes[cls]
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a stage-3 parameter between uses (guarded: only its shard is here)."""
+    return isinstance(t, _Guarded)
+
+
 def set_guard(params: list[nn.Parameter], on: bool) -> None:
     """Switch ``params`` to their guarded class (``on``) or back to their own class."""
     for p in params:
@@ -305,8 +306,8 @@ def set_guard(params: list[nn.Parameter], on: bool) -> None:
 
 # -- full parameters outside forward -----------------------------------------------------------
 @contextmanager
-def summon_full_params(stage, writeback: bool = True):
-    """``with model.summon_full_params(): ...`` (a ZeRO3 ``stage``): every parameter full on this
+def summon_full_params(wrapper, writeback: bool = True):
+    """``with model.summon_full_params(): ...`` (a ZeRO3 ``wrapper``): every parameter full on this
     rank, to read or change in place (``p.copy_``, ``load_state_dict`` on ``model.module``,
     ``print``).
 
@@ -315,12 +316,12 @@ def summon_full_params(stage, writeback: bool = True):
     rank's chunk of each parameter is copied back into its shard (so the edits must be the
     same on every rank to stay consistent) and the optimizer's masters are refreshed.
     """
-    if any(stage._active) or stage._callback_queued:
+    if any(wrapper._active) or wrapper.backward_end_queued:
         raise RuntimeError("summon_full_params() inside forward or backward: call it between steps")
     bufs, views = [], {}  # views: id(param) -> its view of flat_params, to put back
-    for b, shard in zip(stage.buckets, stage.param_shards, strict=True):
+    for b, shard in zip(wrapper.buckets, wrapper.param_shards, strict=True):
         buf = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)  # (padded,)
-        C.all_gather(buf, shard, group=stage.group, tag=f"summon params {b.index}")
+        C.all_gather(buf, shard, group=wrapper.group, tag=f"summon params {b.index}")
         set_guard(b.params, False)
         for p in b.params:
             views[id(p)] = p.data
@@ -333,12 +334,12 @@ def summon_full_params(stage, writeback: bool = True):
         writeback = False
         raise
     finally:
-        for b, buf in zip(stage.buckets, bufs, strict=True):
+        for b, buf in zip(wrapper.buckets, bufs, strict=True):
             for p in b.params:
                 if p.data_ptr() != b.view(buf, p).data_ptr():
-                    moved.append(stage.param_names[id(p)])
+                    moved.append(wrapper.param_names[id(p)])
                 p.data = views[id(p)]
-            set_guard(b.params, not stage.gathered[b.index])
+            set_guard(b.params, not wrapper.gathered[b.index])
     if moved:
         raise RuntimeError(
             f"inside summon_full_params() {moved[0]} was given a new tensor (p.data = ...), "
@@ -346,6 +347,6 @@ def summon_full_params(stage, writeback: bool = True):
         )
     if writeback:
         with torch.no_grad():
-            for b, buf, shard in zip(stage.buckets, bufs, stage.param_shards, strict=True):
-                shard.copy_(b.chunk(buf, stage.rank))
-        stage.params_written()
+            for b, buf, shard in zip(wrapper.buckets, bufs, wrapper.param_shards, strict=True):
+                shard.copy_(b.chunk(buf, wrapper.rank))
+        wrapper.params_written()

@@ -11,13 +11,13 @@ step, and the updated chunks are all-gathered back.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
 from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets
 from minizero.ddp import DDP
+from minizero.precision import divides_before_sum
 
 
 class ZeRO1(DDP):
@@ -37,8 +37,8 @@ class ZeRO1(DDP):
     rank r receives the averaged gradient of its chunk, steps its chunk, and all-gathers the
     updated chunks back into every rank's full parameters.
 
-    What lesson 02 asks you to write: ``reduce_gradients()``. Called by the step (and by
-    ``clip_grad_norm_``: when ``self.reduced`` it must not reduce again, and it sets it); may
+    What lesson 02 asks you to write: ``reduce_gradients()``. Called once a step, by the first
+    of ``clip_grad_norm_`` and ``step()`` (``step_grads()`` keeps its result for both); may
     assume every backward since ``zero_grad()`` has accumulated into ``grad_buffers``; must
     return, per bucket, this rank's ``(shard,)`` chunk of the gradient averaged over the ranks of
     ``self.group`` (N = ``self.world``), and leave no collective in flight. And ``after_step()``:
@@ -49,7 +49,7 @@ class ZeRO1(DDP):
     stage = 1
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
-    def make_buckets(self, bucket_cap_mb: float) -> list[Bucket]:
+    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
         return self.flatten(make_buckets(self.params, bucket_cap_mb, self.world))
 
     def flatten(self, buckets: list[Bucket]) -> list[Bucket]:
@@ -74,7 +74,7 @@ class ZeRO1(DDP):
 
     def cast_working(self) -> None:
         dtype = self.precision.param_dtype
-        if dtype == torch.float32:
+        if not self.precision.master:  # fp32 (or fp64): the parameters are the masters
             return
         super().cast_working()  # frozen parameters and buffers
         for b in self.buckets:
@@ -83,18 +83,12 @@ class ZeRO1(DDP):
                 p.data = b.view(flat, p)
 
     # -- gradients: full buffers, reduced at the step ------------------------------------------
-    def init_grads(self) -> None:
-        super().init_grads()  # (padded,) per bucket, like flat_params; p.grad views into it
-        self.reduced = False
-        self.reduced_shards: list[torch.Tensor] = []  # (shard,) per bucket, between reduce and step
-
-    @property
-    def shards_grads(self) -> bool:
-        return True
-
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         if self.require_sync:
-            self.queue_backward_end()  # nothing to do there but mark the ledger's timeline
+            # backward's end: no collective here, but the habits' after_backward() then puts a
+            # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
+            # unaveraged gradients without a word) and checks that every parameter got one
+            self.queue_backward_end()
         self.accumulate(p)
 
     def backward_end(self) -> None:
@@ -102,44 +96,35 @@ class ZeRO1(DDP):
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         # local, until the step reduces it
-        return None if self.reduced else super().visible_grad(p)
+        return None if self.averaged is not None else super().visible_grad(p)
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
-        tensor, kept until the step ends. The local buffers keep this rank's own sums, so a
-        second ``step()``, or more backwards without ``zero_grad()``, reduce them again rightly.
-        With a mesh (HSDP, as FSDP2's: minizero/hsdp.py) each chunk is then averaged over the
-        replicas, the ranks of the other nodes that hold the same chunk."""
-        if not self.reduced:
-            fp16 = self.precision.reduce_dtype == torch.float16
-            if fp16:  # divide before the sum, so that the sum cannot overflow fp16
-                for g in self.grad_buffers:
-                    g.div_(self.world)
-            # (shard,) per bucket: rank r's chunk of the sum over ranks
-            pairs = zip(self.buckets, self.grad_buffers)
-            self.reduced_shards = [g.new_empty(b.shard) for b, g in pairs]
-            works = [
-                C.reduce_scatter(s, g, group=self.group, async_op=True, tag=f"zero1 grads {i}")
-                for i, (s, g) in enumerate(zip(self.reduced_shards, self.grad_buffers))
-            ]
-            for w, s in zip(works, self.reduced_shards):
-                w.wait()
-                if not fp16:
-                    s.div_(self.world)
-            if fp16:  # the local sums back (exact when N is a power of 2)
-                for g in self.grad_buffers:
-                    g.mul_(self.world)
-            hsdp.average_replicas(self.reduced_shards, self.replicate_group, "zero1 replicas")
-            self.reduced = True
-        return self.reduced_shards  # (shard,) per bucket, averaged over ranks
+        tensor. The local buffers keep this rank's own sums, so a second ``step()``, or more
+        backwards without ``zero_grad()``, reduce them again rightly. With a mesh (HSDP, as
+        FSDP2's: minizero/hsdp.py) each chunk is then averaged over the replicas, the ranks of
+        the other nodes that hold the same chunk."""
+        before = divides_before_sum(self.grad_buffers[0]) if self.grad_buffers else False
+        if before:
+            for g in self.grad_buffers:
+                g.div_(self.world)
+        # (shard,) per bucket: rank r's chunk of the sum over ranks
+        shards = [g.new_empty(b.shard) for b, g in zip(self.buckets, self.grad_buffers)]
+        works = [
+            C.reduce_scatter(s, g, group=self.group, async_op=True, tag=f"zero1 grads {i}")
+            for i, (s, g) in enumerate(zip(shards, self.grad_buffers))
+        ]
+        for w, s in zip(works, shards):
+            w.wait()
+            if not before:
+                s.div_(self.world)
+        if before:  # the local sums back (exact when N is a power of 2)
+            for g in self.grad_buffers:
+                g.mul_(self.world)
+        hsdp.average_replicas(shards, self.replicate_group, "zero1 replicas")
+        return shards  # (shard,) per bucket, averaged over ranks
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor | None]:
-        return self.reduce_gradients()
-
-    def reduce_norm_parts(self, part: torch.Tensor, op: dist.ReduceOp) -> None:
-        C.all_reduce(part, op=op, group=self.group, tag="grad norm")  # disjoint ranges
-
     def after_step(self) -> None:
         works = []
         with torch.no_grad():
@@ -154,22 +139,11 @@ class ZeRO1(DDP):
                 )
         for w in works:
             w.wait()
-        self.reduced, self.reduced_shards = False, []  # the next step reduces the buffers again
-
-    def reset_grads(self, set_to_none: bool) -> None:
-        self.reduced, self.reduced_shards = False, []
-        super().reset_grads(set_to_none)
 
     def full_params(self) -> dict[int, torch.Tensor]:
         full = {}
         for b, m in zip(self.buckets, self.masters):
-            flat = torch.empty(b.padded, dtype=torch.float32, device=m.device)  # (padded,) fp32
-            C.all_gather(flat, m.float(), group=self.group, tag="full_state_dict")
+            flat = torch.empty(b.padded, dtype=m.dtype, device=m.device)  # (padded,) masters'
+            C.all_gather(flat, m, group=self.group, tag="full_state_dict")
             full.update({id(p): b.view(flat, p).clone() for p in b.params})
         return full
-
-    def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            "params": self.flat_params + list(self.module.parameters()),
-            "grads": self.grad_buffers,
-        }

@@ -11,19 +11,79 @@ all-gathers within its block of k consecutive ranks ("hpZ" in the ledger). qwZ (
 scale each (about Ψ(1 + 4/256) bytes instead of 2Ψ or 4Ψ); the shards and the optimizer's
 masters stay full precision. qgZ (§3.3), ``quantize_gradients=True``: each unit's gradient
 goes as int8 blocks by one all-to-all, dequantised and summed in fp32 by its owner (one
-quantisation per contribution; minizero.tools.zeropp simulates the alternatives).
+quantisation per contribution; minizero.tools.bench_zeropp simulates the alternatives).
 
-``SecondaryShards`` (hpZ), ``QuantizedGather`` (qwZ) and ``QuantizedReduceScatter`` (qgZ) are what
-zero3.py and zero2.py call; the block quantiser itself is ``precision.quantize_blockwise``.
+:class:`ZeROPlusPlus` is ZeRO3 with these three options: it overrides how a unit is gathered
+(``start_gather``), released after forward (``release``) and its gradient reduce-scattered
+(``reduce_scatter``). ``parallelize(model, 3, opt, reshard_after_forward=..., ...)`` builds it.
+Its parts: ``SecondaryShards`` (hpZ), ``QuantizedGather`` (qwZ), ``QuantizedReduceScatter``
+(qgZ), and the block quantiser, ``quantize_blockwise``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minizero import collectives as C
-from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
+from minizero.zero3 import ZeRO3
+
+# -- block-wise int8 quantisation: qwZ and qgZ (ZeRO++ §3.1, §3.3) -------------------------------
+QUANT_BLOCK = 256  # elements per block, each with its own scale
+
+
+def quantize_blockwise(
+    x: torch.Tensor, block: int = QUANT_BLOCK, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantisation of the 1-D ``x`` in blocks of ``block`` elements (the last
+    one may be shorter). Returns ``q`` (n,) int8 in [-L, L], L = 2^(bits-1) - 1 (127 for int8;
+    7 for ``bits=4``, still one int8 per element: not packed), and ``scales`` (ceil(n / block),)
+    fp32, with x ≈ q * scale of its block; scale = absmax(block) / L."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be 2..8, got {bits}")
+    levels = 2 ** (bits - 1) - 1
+    n = x.numel()
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    rows = padded.view(blocks, block)  # (blocks, block)
+    scales = rows.abs().amax(dim=1) / levels  # (blocks,) fp32
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: q = 0
+    q = torch.round(rows / safe[:, None]).clamp_(-levels, levels).to(torch.int8)
+    return q.view(-1)[:n], scales
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scales: torch.Tensor, block: int = QUANT_BLOCK, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`, row by row: ``q`` (rows, n) int8 and ``scales``
+    (rows, ceil(n / block)), e.g. every rank's quantised shard after an all-gather. Writes into
+    ``out`` (rows, n) (any float dtype) when given; returns (rows, n)."""
+    q2 = q if q.dim() == 2 else q.view(1, -1)  # (rows, n) int8
+    s2 = scales if scales.dim() == 2 else scales.view(1, -1)  # (rows, blocks) fp32
+    rows, n = q2.shape
+    blocks = s2.shape[1]
+    full = torch.zeros(rows, blocks * block, dtype=torch.float32, device=q.device)
+    full[:, :n] = q2
+    deq = (full.view(rows, blocks, block) * s2[:, :, None]).view(rows, -1)[:, :n]
+    if out is None:
+        return deq
+    out.view(rows, n).copy_(deq)
+    return out
+
+
+def quantization_error(x: torch.Tensor, block: int = QUANT_BLOCK) -> dict[str, float]:
+    """How far int8 block quantisation moves ``x``: ``max_rel`` = max|x - x̂| / max|x| and
+    ``rms_rel`` = ||x - x̂|| / ||x|| (0 for an all-zero x)."""
+    x = x.detach().reshape(-1).float()
+    q, s = quantize_blockwise(x, block)
+    err = dequantize_blockwise(q, s, block).view(-1) - x
+    big, norm = float(x.abs().max()) if x.numel() else 0.0, float(x.norm())
+    return {
+        "max_rel": float(err.abs().max()) / big if big else 0.0,
+        "rms_rel": float(err.norm()) / norm if norm else 0.0,
+    }
 
 
 class SecondaryShards:
@@ -132,3 +192,70 @@ class QuantizedReduceScatter:
         rows = dequantize_blockwise(self.got_q, self.got_scales, QUANT_BLOCK)  # (N, shard) fp32
         self.out.copy_(rows.sum(0))
         return True
+
+
+class ZeROPlusPlus(ZeRO3):
+    """ZeRO3 (P_os+g+p) with ZeRO++'s communication options (Wang et al., arXiv 2306.10209).
+
+    ``reshard_after_forward`` (hpZ, §3.2; FSDP2's name): True (ZeRO3's: free after forward),
+    False (keep units whole until their reduce-scatter) or k, the ranks per node (keep a
+    secondary 1/k shard, gather within the node in backward). ``quantize_weights`` (qwZ, §3.1):
+    int8 all-gathers from the shards. ``quantize_gradients`` (qgZ, §3.3): int8 all-to-all
+    reduce-scatters. Model states per rank as ZeRO3's, (2 + 2 + K)Ψ/N, plus hpZ's Ψ/k between a
+    unit's forward and its backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        reshard_after_forward: bool | int = True,
+        quantize_weights: bool = False,
+        quantize_gradients: bool = False,
+        **options,  # ZeRO3's
+    ):
+        self.reshard_after_forward = reshard_size(
+            reshard_after_forward, options.get("process_group")
+        )
+        self.secondary = None  # hpZ: SecondaryShards when reshard_after_forward is an int
+        self.quantize_weights = bool(quantize_weights)  # qwZ: int8 all-gathers from the shards
+        self.quantize_gradients = bool(quantize_gradients)  # qgZ: int8 all-to-all
+        super().__init__(module, **options)
+        if not isinstance(self.reshard_after_forward, bool):
+            self.secondary = SecondaryShards(self.reshard_after_forward, len(self.buckets))
+
+    def start_gather(self, i: int, flat: torch.Tensor):
+        """From the block's secondary shards (hpZ, backward after an int reshard_after_forward),
+        int8-quantised (qwZ), or plainly."""
+        tag = f"zero3 params {i}"
+        if self.secondary is not None and self.secondary.shards[i] is not None:
+            return self.secondary.gather(i, flat, tag + " hpZ")
+        if self.quantize_weights:
+            return QuantizedGather(flat, self.param_shards[i], self.group, tag + " qwZ")
+        return super().start_gather(i, flat)
+
+    def release(self, i: int, after_forward: bool = False) -> None:
+        """After forward, reshard_after_forward=False keeps the unit whole; an int keeps this
+        rank's secondary shard (hpZ) first."""
+        if after_forward and self.reshard_after_forward is False:
+            return  # stays gathered (and unguarded) until its gradients are reduce-scattered
+        if self.secondary is not None and after_forward:
+            self.gather(i)  # gathered already: waits until the whole unit is here
+            self.secondary.keep(i, self.flat_params[i])
+        elif self.secondary is not None:
+            self.secondary.drop(i)
+        super().release(i)
+
+    def pre_forward(self, m: nn.Module, args) -> None:
+        if m is self.module and self.secondary is not None:  # a new forward: an earlier
+            self.secondary.drop()  # forward's hpZ shards may be stale
+        super().pre_forward(m, args)
+
+    def reduce_scatter(self, out: torch.Tensor, buf: torch.Tensor, tag: str):
+        if self.quantize_gradients:  # int8 blocks by all-to-all, summed in fp32 on arrival
+            return QuantizedReduceScatter(out, buf, self.group, tag + " qgZ")
+        return super().reduce_scatter(out, buf, tag)
+
+    def after_step(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop()
+        super().after_step()

@@ -20,3 +20,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             why = f"needs {need} GPUs and NCCL; found {gpus} GPUs"
             why += "" if dist.is_nccl_available() else ", no NCCL"
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _margins_per_test(request, monkeypatch):
+    """Under ``python -m minizero margins``: each test's tolerance comparisons go to a file of
+    their own (``$MINIZERO_MARGINS_DIR/<test>.jsonl``), so that the table can tell a solution's
+    comparisons from a wrong answer's."""
+    import os
+    import re
+
+    folder = os.environ.get("MINIZERO_MARGINS_DIR")
+    if folder:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.nodeid)
+        monkeypatch.setenv("MINIZERO_MARGINS", os.path.join(folder, f"{name}.jsonl"))

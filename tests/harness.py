@@ -22,8 +22,9 @@ from torch import nn
 import minizero
 from minizero import collectives as C
 from minizero.data_parallel import DataParallel
-from minizero.ddp import DDP, NaiveDDP
+from minizero.ddp import DDP
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
+from minizero.naive_ddp import NaiveDDP
 
 LAUNCH_TIMEOUT = 180  # seconds per launch (a test needs < 30): a hang fails the test, with stacks
 

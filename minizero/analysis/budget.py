@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minizero.memory import paper_model_state_bytes
+from minizero.analysis.memory import paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT
 
 GB = 1e9  # the paper's GB

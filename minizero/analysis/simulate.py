@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.memory import PAPER_TABLE1, TABLE1_DP, TABLE1_PSI, model_state_bytes, state_tensors
+from minizero.analysis.memory import (
+    PAPER_TABLE1,
+    TABLE1_DP,
+    TABLE1_PSI,
+    model_state_bytes,
+    state_tensors,
+)
 from minizero.parallelize import parallelize
 
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}

@@ -48,6 +48,7 @@ from torch import nn
 from minizero.checkpoint import files as F
 from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
+from minizero.habits.optimizer import adopt
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
            "checkpoint_bytes", "open_checkpoint", "CheckpointError"]  # fmt: skip
@@ -242,7 +243,9 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{what} takes the model that minizero.parallelize returned, got "
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
-    if getattr(optimizer, "_stage", None) is not model:
+    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "_wrapper"):
+        adopt(optimizer, model)  # built after wrapping (FSDP2's order), not stepped yet
+    if getattr(optimizer, "_wrapper", None) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")

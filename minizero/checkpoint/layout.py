@@ -346,6 +346,9 @@ def apply_loaded(
     state, i = {}, 0
     for group in optimizer.param_groups:
         for t in group["params"]:
+            if id(t) not in frag_of:  # a frozen parameter in an fp32 DDP optimizer: no state
+                i += 1
+                continue
             c = canon[frag_of[id(t)].name]
             st = {}
             for key in received.get(c, []):

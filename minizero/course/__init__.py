@@ -10,6 +10,10 @@ file                 what it does
 build.py             ``python -m minizero lessons``: the sources ``course/NN_name.py`` (percent
                      format, read with jupytext) -> ``lessons/`` and ``solutions/``;
                      fingerprints, so that a notebook someone edited is never overwritten
+exercise.py          an exercise in a source: its one ``# TODO:`` (the result), its ``# HINT:``
+                     lines, its code
+hints.py             ``hint("MyZeRO2")`` in a notebook: an exercise's hints, one per call, read
+                     from ``hints.json`` (written by ``lessons``, shipped with the package)
 workflow.py          ``python -m minizero start``: the student's own copies (``my-lessons/``)
 grade.py             ``python -m minizero grade``: run notebooks, PASS/FAIL per check cell
 checks/              the check cells' code, one file per lesson: ``checks/lessonNN.py`` holds
@@ -26,6 +30,10 @@ each collective ran, from the profiler) are library a lesson calls, like ``memor
 benchmarks (``bench.py``, ``bench_steps.py``), ``demo.py`` and ``doctor.py`` are tools for a
 command line, which no notebook needs; ``cli.py`` is what those commands' parsers share.
 
-Lessons import ``from minizero.course import checks`` (the helpers of ``checks/common.py``) and
-their own checks, e.g. ``from minizero.course.checks import lesson02``.
+Lessons import ``from minizero.course import checks, hint`` (the helpers of ``checks/common.py``;
+the hints on demand) and their own checks, e.g. ``from minizero.course.checks import lesson02``.
 """
+
+from minizero.course.hints import hint
+
+__all__ = ["hint"]

@@ -10,11 +10,18 @@ instructor can open it in JupyterLab as a notebook and save it back). Cells star
   metadata ``{"minizero": {"check": "name"}}``.
 
 Inside a function or method of a code cell, the lines between ``# BEGIN SOLUTION`` and
-``# END SOLUTION`` are the exercise. Comment lines ``# TODO: ...`` right after ``# BEGIN SOLUTION``
-are hints: ``lessons/`` gets the hints and ``raise NotImplementedError("TODO: ...")`` in place of
-the block; ``solutions/`` gets the code without the hints. A cell holding an exercise is tagged
-``exercise``. Generation is deterministic (cell ids from lesson and position, sorted JSON keys,
-no outputs), so CI can regenerate and fail when a committed notebook differs from its source.
+``# END SOLUTION`` are the exercise. It starts with one ``# TODO: ...`` line that states the result
+the code must produce (the contract, not the code), then ``# HINT: ...`` lines, each one hint, from
+the idea down to near-code (a comment line with two or more spaces after ``#`` is the hint's next
+line, code indented as written), then the code. ``lessons/`` gets the TODO line, a pointer to
+``hint("name")`` and ``raise NotImplementedError("TODO: ...")`` in place of the block;
+``solutions/`` gets the code.
+The hints go to neither notebook: ``lessons`` collects them, per exercise (named by its check
+cell) into ``minizero/course/hints.json``, which the package ships and ``hint()`` reads
+(:mod:`minizero.course.hints`); :mod:`minizero.course.exercise` reads the blocks. A cell holding an
+exercise is tagged ``exercise``. Generation is deterministic (cell ids from lesson and position,
+sorted JSON keys, no outputs), so CI can regenerate and fail when a committed notebook differs
+from its source, or ``hints.json`` from the hints.
 
 Every generated notebook carries the SHA-256 of its own content (``metadata.minizero.sha256``):
 a file whose content no longer matches was edited, run or saved by a person, and neither
@@ -32,18 +39,24 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minizero.course.exercise import (
+    BEGIN,
+    HINT,
+    TODO,
+    Block,
+    SourceError,
+    ask_for_hints,
+    split_blocks,
+)
+
 ROOT = Path(__file__).resolve().parents[2]  # the kit: course/, lessons/, solutions/
 VARIANTS = ("lessons", "solutions")
 _HEADER = re.compile(r"^#\s*%%")
-_BEGIN, _END, _HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# TODO:"
+HINTS = Path("minizero/course/hints.json")  # under the kit's root: what hint() reads
 _KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 # Cell metadata jupytext itself writes to keep a file's layout (blank lines, markers): not ours.
 _LAYOUT_KEYS = {"lines_to_next_cell", "lines_to_end_of_cell_marker", "cell_marker", "region_name",
                 "skipline", "noskipline"}  # fmt: skip
-
-
-class SourceError(ValueError):
-    """A lesson source that cannot be turned into notebooks; the message names file and line."""
 
 
 @dataclass
@@ -54,6 +67,7 @@ class Cell:
     check: str | None = None  # exercise name, for check cells
     tags: list[str] = field(default_factory=list)
     body: int = 0  # 1-based line of lines[0] in the source file (0: the line after the header)
+    exercise: str | None = None  # an exercise cell: the name of the check cell after it
 
 
 def parse(text: str, name: str = "<source>") -> list[Cell]:
@@ -97,7 +111,7 @@ def parse(text: str, name: str = "<source>") -> list[Cell]:
         else:
             if check is not None:
                 cell.tags.append("check")
-            if any(s.strip() == _BEGIN for s in cell.lines):
+            if any(s.strip() == BEGIN for s in cell.lines):
                 cell.tags.append("exercise")
             for variant in VARIANTS:  # markers balanced, code compiles in both variants
                 render_code(cell, variant, name)
@@ -134,67 +148,38 @@ def _validate(cells: list[Cell], name: str) -> None:
                 )
             waiting = c
         if c.check and waiting is not None:
-            waiting = None
+            waiting.exercise, waiting = c.check, None
     if waiting is not None:
         raise SourceError(f"{name}:{waiting.line}: exercise cell has no check cell after it")
+
+
+def blocks(cell: Cell, name: str = "<source>") -> list[str | Block]:
+    """The cell's lines, each solution block read into one :class:`Block`."""
+    return split_blocks(cell.lines, cell.body or cell.line + 1, cell.line, name)
 
 
 def render_code(cell: Cell, variant: str, name: str = "<source>") -> str:
     """The code of ``cell`` as it appears in ``lessons`` or ``solutions``."""
     out: list[str] = []
-    block: list[str] | None = None  # lines of the open solution block
-    indent, func = "", ""
-    for k, s in enumerate(cell.lines):
-        line = (cell.body or cell.line + 1) + k
-        if s.strip() == _BEGIN:
-            if block is not None:
-                raise SourceError(f"{name}:{line}: nested '{_BEGIN}'")
-            indent = s[: len(s) - len(s.lstrip())]
-            if not indent:
-                raise SourceError(
-                    f"{name}:{line}: '{_BEGIN}' at top level: the lesson's stub "
-                    "would raise when the cell runs; put the block inside a function"
-                )
-            func = _enclosing_def(out, indent) or "this exercise"
-            block = []
-        elif s.strip() == _END:
-            if block is None:
-                raise SourceError(f"{name}:{line}: '{_END}' without '{_BEGIN}'")
-            hints = [h for h in block if h.strip().startswith(_HINT)]
-            code = block[len(hints) :]
-            if any(h.strip().startswith(_HINT) for h in code):
-                raise SourceError(f"{name}:{line}: '{_HINT}' hints must come first in the block")
-            if variant == "solutions":
-                out += code
-            else:
-                out += hints + [f'{indent}raise NotImplementedError("TODO: write {func}")']
-            block = None
-        elif block is not None:
-            block.append(s)
+    first = 1  # the number of the block's first hint, over the whole exercise
+    for part in blocks(cell, name):
+        if isinstance(part, str):
+            out.append(part)
+        elif variant == "solutions":
+            out += part.code
         else:
-            out.append(s)
-    if block is not None:
-        raise SourceError(f"{name}:{cell.line}: '{_BEGIN}' without '{_END}'")
+            out.append(f"{part.indent}{TODO} {part.todo}")
+            if cell.exercise and part.hints:
+                out.append(part.indent + ask_for_hints(cell.exercise, first, part.func))
+            out.append(f'{part.indent}raise NotImplementedError("TODO: write {part.func}")')
+        if isinstance(part, Block):
+            first += len(part.hints)
     text = "\n".join(out)
     try:
         compile(text, f"{name} (cell at line {cell.line}, {variant})", "exec")
     except SyntaxError as e:
         raise SourceError(f"{name}:{cell.line}: cell does not compile in {variant}: {e}") from e
     return text
-
-
-def _enclosing_def(lines: list[str], indent: str) -> str | None:
-    """Name of the innermost ``def`` (with its class, if any) that encloses ``indent``."""
-    names: list[str] = []
-    depth = len(indent)
-    for s in reversed(lines):
-        m = re.match(r"^(\s*)(?:async\s+)?(def|class)\s+(\w+)", s)
-        if m and len(m[1]) < depth:
-            names.append(f"{m[3]}()" if m[2] == "def" else m[3])
-            depth = len(m[1])
-            if depth == 0:
-                break
-    return ".".join(reversed(names)) or None
 
 
 def notebook(cells: list[Cell], stem: str, variant: str, source: str) -> dict:
@@ -269,6 +254,35 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
     return out
 
 
+def exercise_hints(root: Path = ROOT) -> list[dict]:
+    """Every exercise of every lesson, in course order, with its hints: what ``hint()`` reads.
+    ``{"name": check name, "lesson": stem, "parts": [{"part": function, "todo", "hints"}]}``."""
+    out: list[dict] = []
+    where: dict[str, str] = {}  # exercise name -> the source that has it
+    for src in sorted((root / "course").glob("[0-9][0-9]_*.py")):
+        rel = src.relative_to(root).as_posix()
+        for cell in parse(src.read_text(), rel):
+            if cell.exercise is None:
+                continue
+            if cell.exercise in where:
+                raise SourceError(
+                    f"{rel}:{cell.line}: exercise {cell.exercise!r} is also in "
+                    f"{where[cell.exercise]}: hint() finds exercises by name, rename one check"
+                )
+            where[cell.exercise] = rel
+            parts = [b for b in blocks(cell, rel) if isinstance(b, Block)]
+            parts = [dict(part=b.func, todo=b.todo, hints=b.hints) for b in parts]
+            out.append(dict(name=cell.exercise, lesson=src.stem, parts=parts))
+    return out
+
+
+def hints_text(root: Path = ROOT) -> str:
+    """The text of ``minizero/course/hints.json`` for the sources under ``root``."""
+    from minizero.course import hints
+
+    return hints.dumps(exercise_hints(root))
+
+
 def _differs(path: Path, text: str) -> bool:
     return not path.exists() or path.read_bytes() != text.encode()
 
@@ -286,6 +300,10 @@ def stale(root: Path = ROOT) -> list[str]:
         for nb in sorted((root / variant).glob("*.ipynb")):
             if nb.relative_to(root) not in want:
                 bad.append(f"{nb.relative_to(root).as_posix()} (no source course/{nb.stem}.py)")
+    if not (root / HINTS).exists():
+        bad.append(f"{HINTS.as_posix()} (missing)")
+    elif _differs(root / HINTS, hints_text(root)):
+        bad.append(f"{HINTS.as_posix()} (differs from the '{HINT}' lines of course/)")
     return bad
 
 
@@ -323,7 +341,7 @@ def lessons_main(argv: list[str]) -> int:
                 n = len(generate(args.root))
                 print(f"lessons/ and solutions/ are up to date with course/ ({n} notebooks)")
             return 1 if bad else 0
-        files = generate(args.root)
+        files, hints = generate(args.root), hints_text(args.root)
     except SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -340,6 +358,10 @@ def lessons_main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {rel.as_posix()}")
+    if _differs(args.root / HINTS, hints):  # generated, never a person's: always rewritten
+        (args.root / HINTS).parent.mkdir(parents=True, exist_ok=True)
+        (args.root / HINTS).write_text(hints)
+        print(f"wrote {HINTS.as_posix()}")
     same = len(files) - len(todo)
     print(f"{len(todo)} notebooks written, {same} already up to date, in lessons/ and solutions/")
     return 0

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.course.plots import (
     MODELS,
     STAGES,
@@ -30,7 +31,6 @@ from minizero.course.plots import (
     time_axes,
     volume_axes,
 )
-from minizero.memory import format_bytes, paper_model_state_bytes
 
 MLP_SIZES = (32, 64, 64, 16)  # every layer's and gain's element count divides by 2, 4 and 8
 
@@ -73,12 +73,13 @@ def profile_stage(
     Step 0 is a warm-up (it creates the optimizer states; stage 3 records its module order, so
     from step 1 on it gathers a tied unit once per pass: the ledger shows the steady state).
     Step 1 runs under a ``MemoryMeter``; step 2 under a ``CommLedger``; ``steps`` more are timed.
-    ``bucket_cap_mb=0.02`` cuts TinyGPT tiny's 212 KiB of bf16 gradients into about ten buckets,
-    as 25 MB buckets cut a model of a few hundred MB: with one bucket for the whole model, stage 2
+    ``bucket_cap_mb=0.02`` cuts TinyGPT tiny's 108,608 parameters into 7 buckets (sized in fp32, by
+    torch DDP's rule), as 25 MiB buckets cut a model of a few hundred MiB: with one bucket for the
+    whole model, stage 2
     would hold every gradient at once during backward.
     """
+    from minizero.analysis.memory import MemoryMeter, model_state_bytes
     from minizero.course.checks import rank_device
-    from minizero.memory import MemoryMeter, model_state_bytes
     from minizero.models import count_params
     from minizero.parallelize import parallelize
 

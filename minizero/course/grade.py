@@ -119,7 +119,11 @@ def execute(path: Path, timeout: float = 600) -> list[CellRun]:
         kernel_name="python3",
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
-    client.execute(stderr=subprocess.DEVNULL)  # the kernel's own log; cell output is kept
+    # The kernel's own log goes; cell output is kept. MINIZERO_WIDGETS=0: the lessons' widget
+    # cells build no widget (see minizero.course.plots.widgets_available: with one, nbclient can
+    # miss a cell's reply and wait out the whole --timeout, jupyter/nbclient#312).
+    env = dict(os.environ, MINIZERO_WIDGETS="0")
+    client.execute(stderr=subprocess.DEVNULL, env=env)
     runs = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":

@@ -11,10 +11,11 @@ The memory budget of a step and its calculator: :mod:`minizero.course.plots_budg
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from minizero import collectives as C
-from minizero.memory import format_bytes, paper_model_state_bytes
+from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 
 CATS = ("params", "grads", "optimizer")
 # bar segment -> (legend label, colour, hatch), bottom to top
@@ -37,6 +38,25 @@ MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
 GLOO_MEMORY_NOTE = "gloo: a reduce_scatter clones its input, one buffer more than NCCL (lesson 03)"
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
+
+
+def widgets_available() -> bool:
+    """Whether this kernel has a front end that shows widgets: a Jupyter server started it (it
+    sets ``JPY_SESSION_NAME``), unless ``MINIZERO_WIDGETS=0``; ``MINIZERO_WIDGETS=1`` forces it
+    (other front ends). nbclient, nbval and the grader set neither (``grade`` sets
+    ``MINIZERO_WIDGETS=0`` too): graded runs build no widget. That is also what keeps them from
+    stalling: with a widget's comm messages in a cell, nbclient sometimes sees the kernel go idle
+    before the cell's reply and waits out its whole timeout (jupyter/nbclient#312).
+    The lessons' widget cells draw their figure once without one instead. False, too, where
+    ipywidgets is not installed."""
+    from importlib.util import find_spec
+
+    force = os.environ.get("MINIZERO_WIDGETS")
+    if force in ("0", "1"):
+        wanted = force == "1"
+    else:
+        wanted = bool(os.environ.get("JPY_SESSION_NAME"))
+    return wanted and find_spec("ipywidgets") is not None
 
 
 def unit_of(n: float) -> str:

@@ -4,24 +4,12 @@
   activation checkpointing, against the GPU's memory;
 * ``calculator()``: ipywidgets sliders (the model's shape, s, b, N, GPU memory, checkpointing,
   attention kernel) that redraw ``budget_figure``; built only where a widget front end can show
-  it (``widgets_available()``).
+  it (:func:`minizero.course.plots.widgets_available`).
 """
 
 from __future__ import annotations
 
-import os
-
 from minizero.course.plots import STAGES, short_count, stack
-
-
-def widgets_available() -> bool:
-    """Whether this kernel has a front end that shows widgets: a Jupyter server started it (it
-    sets ``JPY_SESSION_NAME``), unless ``MINIZERO_WIDGETS=0``; ``MINIZERO_WIDGETS=1`` forces it
-    (other front ends). nbclient, nbval and the grader set neither: graded runs build no widget."""
-    force = os.environ.get("MINIZERO_WIDGETS")
-    if force in ("0", "1"):
-        return force == "1"
-    return bool(os.environ.get("JPY_SESSION_NAME"))
 
 
 def budget_axes(ax, rows: list[tuple[str, dict[str, float]]], capacity_gb: float, title: str):

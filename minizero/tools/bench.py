@@ -1,5 +1,5 @@
 """Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp|nanogpt``.
-Lessons 00, 01, 05, 07; zeropp (minizero/tools/zeropp.py) for lesson 08; nanogpt
+Lessons 00, 01, 05, 07; zeropp (minizero/tools/bench_zeropp.py) for lesson 08; nanogpt
 (minizero/tools/bench_nanogpt.py: nanoGPT's train.py beside ``minizero train``) for lesson 09.
 
 Every figure is measured here and printed with the backend, device, world size and torch version it
@@ -225,7 +225,7 @@ def all_reduce_probe(seconds: float, nbytes: int) -> dict:
 
 def main(argv: list[str]) -> int:
     """``python -m minizero bench collectives|ddp|stages [options]``."""
-    from minizero.tools import bench_steps, zeropp
+    from minizero.tools import bench_steps, bench_zeropp
     from minizero.tools.bench_ckpt import bench_checkpoint
 
     p = Parser(
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
                    description=COMMANDS["stages"], add_help=False)  # fmt: skip
     sub.add_parser("checkpoints", help="save/load time and bytes per rank per stage",
                    description=COMMANDS["checkpoints"], add_help=False)  # fmt: skip
-    zeropp.add_parser(sub)
+    bench_zeropp.add_parser(sub)
     sub.add_parser("nanogpt", help="nanoGPT's train.py beside minizero train: val loss, wall "
                    "time, memory", add_help=False)  # fmt: skip
     a, rest = p.parse_known_args(argv[:1])
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
         p.error("say what to measure: collectives, ddp, stages, checkpoints, zeropp or nanogpt"
                 "; e.g. python -m minizero bench collectives")  # fmt: skip
     if a.what == "zeropp":
-        return zeropp.main(argv[1:])
+        return bench_zeropp.main(argv[1:])
     if a.what == "nanogpt":
         from minizero.tools import bench_nanogpt
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minizero.memory import format_bytes
+from minizero.analysis.memory import format_bytes
 from minizero.tools import report as bench
 from minizero.tools.cli import Parser, add_nprocs, positive_float, positive_int
 

@@ -140,7 +140,7 @@ def run_minizero(stage: int, nprocs: int, work: Path, iters: int, timeout: float
 
 
 def main(argv: list[str]) -> int:
-    from minizero.memory import format_bytes
+    from minizero.analysis.memory import format_bytes
     from minizero.tools.cli import Parser, positive_int
     from minizero.tools.report import write_json
 

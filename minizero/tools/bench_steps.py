@@ -103,8 +103,8 @@ def _fsdp2(reshard_after_forward: bool, precision: str) -> Build:
 
 
 class _Held:
-    """A (model, optimizer) pair seen by ``minizero.memory`` as one owner of model states, with
-    DTensors (FSDP2) replaced by this rank's local shard."""
+    """A (model, optimizer) pair seen by ``minizero.analysis.memory`` as one owner of model
+    states, with DTensors (FSDP2) replaced by this rank's local shard."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, getattr(optimizer, "optim", optimizer)  # ZeRO-1 peer
@@ -112,7 +112,7 @@ class _Held:
     def _minizero_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         from torch.distributed.tensor import DTensor
 
-        from minizero.memory import state_tensors
+        from minizero.analysis.memory import state_tensors
 
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         cats = state_tensors(self.model, self.optimizer)
@@ -142,7 +142,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 def _memory(build: Build, base: torch.nn.Module, batches: list) -> dict:
     """This contender alone: peak bytes over one steady-state step, and model-state bytes at the
     end of its backward (every gradient present, the optimizer states of earlier steps alive)."""
-    from minizero.memory import MemoryMeter, model_state_bytes
+    from minizero.analysis.memory import MemoryMeter, model_state_bytes
 
     dev = device()
     gc.collect()
@@ -263,7 +263,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
 
 def _run_duels(a, title: str, names: list[list[str]], builds: list[list[Build]],
                notes: list[str]) -> dict:  # fmt: skip
-    from minizero.memory import format_bytes as fb
+    from minizero.analysis.memory import format_bytes as fb
 
     rounds = max(1, a.steps // a.k)
     n = ranks(a.nprocs)

@@ -34,9 +34,9 @@ def _rank(stage: int, global_batch: int, progress=None) -> dict:
     """One rank: train minizero, torch DDP and (here too) one process on the global batch."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from minizero.analysis.memory import model_state_bytes
     from minizero.collectives import CommLedger
     from minizero.launcher import rank_device as device
-    from minizero.memory import model_state_bytes
     from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
     from minizero.parallelize import full_state_dict, parallelize
     from minizero.tools.report import measured_on
@@ -106,7 +106,7 @@ def demo(nprocs: int | None = None, stage: int = 0, batch: int | None = None) ->
 
     ``batch``: global batch in sequences, a multiple of the ranks (default: 16, rounded up to one).
     """
-    from minizero.memory import format_bytes, paper_model_state_bytes
+    from minizero.analysis.memory import format_bytes, paper_model_state_bytes
     from minizero.tools.report import ranks, run_ranks
 
     if stage not in STAGE_NAMES:

@@ -1,7 +1,7 @@
 """``python -m minizero doctor``: is this machine ready for the course? Run it on a lab machine.
 
 Like ``python -m torch.utils.collect_env`` or ``accelerate env``, but it answers the course's
-questions, each with the fix when the answer is a problem:
+questions, each with the fix when the answer is a problem (a note when it is worth knowing only):
 
 1. python and torch: versions, the CUDA and NCCL that torch was built with, usable CPU cores;
 2. GPUs: what ``nvidia-smi`` lists, what torch counts (through NVML, without initialising CUDA),
@@ -47,6 +47,7 @@ class Finding:
     value: str
     problem: str = ""  # what is wrong; "" when nothing is
     fix: str = ""  # the command or step that fixes it
+    note: str = ""  # worth knowing, nothing to fix (not a problem)
 
 
 def _smi(args: list[str]) -> str | None:
@@ -262,9 +263,9 @@ def jupyter_findings(kernel: bool = True) -> list[Finding]:
     out.append(Finding("packages", have or "none of the course's"))
     if missing:
         out[-1].problem, out[-1].fix = f"missing: {', '.join(missing)}", install
-    if getattr(os, "geteuid", lambda: None)() == 0:  # containers, lab images
-        root = ["`jupyter lab` refuses to run as root", "jupyter lab --allow-root my-lessons/"]
-        out.append(Finding("user", "root (uid 0)", *root))
+    if getattr(os, "geteuid", lambda: None)() == 0:  # containers, lab images: a note, no problem
+        note = "`jupyter lab` refuses to run as root: start it with jupyter lab --allow-root"
+        out.append(Finding("user", "root (uid 0)", note=f"{note} my-lessons/"))
     if kernel and "ipykernel" not in missing:
         out.append(_kernel_finding())
     return out
@@ -328,15 +329,15 @@ def render(title: str, findings: list[Finding]) -> str:
         if not head.strip():  # pre-formatted (the topology matrix)
             lines.append(f"{head}{text}".rstrip())
             return
-        wrapped = textwrap.wrap(text, 100 - len(pad)) or [""]
+        wrapped = textwrap.wrap(text, 100 - len(pad), break_on_hyphens=False) or [""]
         lines.append(f"{head}{wrapped[0]}".rstrip())
         lines.extend(pad + w for w in wrapped[1:])
 
     for f in findings:
         put(f"  {f.label:<11} " if f.label else pad, f.value)
-        if f.problem:
-            put(f"{pad}PROBLEM: ", f.problem)
-            put(f"{pad}fix: ", f.fix)
+        for head, text in (("PROBLEM: ", f.problem), ("fix: ", f.fix), ("note: ", f.note)):
+            if text:  # (a fix comes with its problem)
+                put(pad + head, text)
     return "\n".join(lines)
 
 

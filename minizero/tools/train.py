@@ -164,7 +164,7 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
     checkpoint: its evaluations, and its curve as "prior") is continued. Returns the history:
     the loss of this rank's rows at each iteration of this run, the evaluations, this rank's step
     times, the model-state bytes at the end of a backward."""
-    from minizero.memory import model_state_bytes
+    from minizero.analysis.memory import model_state_bytes
 
     device = device or torch.device("cpu")
     data = shakespeare.load()

@@ -113,7 +113,7 @@ def curve(results: list) -> list[float]:
 
 def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
     """Print the evaluations, memory, step time and sample; write the plot and the JSON."""
-    from minizero.memory import format_bytes
+    from minizero.analysis.memory import format_bytes
 
     r0, world = results[0], len(results)
     where = r0["where"]

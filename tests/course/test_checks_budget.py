@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 import minizero
 from minizero.analysis import budget
+from minizero.analysis.memory import paper_model_state_bytes
 from minizero.course.checks import CheckFailed
 from minizero.course.checks.lesson05 import check_predict_peak, measure_peaks, peak_cases
 from minizero.course.checks.lesson06 import check_owned_tensors
-from minizero.memory import paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT
 from minizero.units import assign_params, select_units
 

@@ -10,12 +10,15 @@ from minizero.analysis import cost
 from minizero.course.checks import CheckFailed, lesson08
 
 
-def _step(cfg, links, compute_s, psi, *, times=True, per_micro=True, one_link=None, compute=True):
+def _step(cfg, links, compute_s, psi, *, times=True, per_micro=True, nics=None, summed=False,
+          alpha=None, compute=True):  # fmt: skip
     total = (cfg.micro_batches if per_micro else 1) * compute_s if compute else 0.0
     for c in cost.step_collectives(cfg, [psi]):
-        rounds, wire = cost.ring(c.op, c.nbytes, c.n)
-        link = links[one_link or c.link]
-        total += (c.times if times else 1) * (link.alpha * rounds + wire / link.beta)
+        a = alpha if alpha is not None else (links.inter if c.nodes > 1 else links.intra).alpha
+        nvlink = c.gpu_bytes() / links.intra.beta
+        network = c.node_bytes() / ((nics or links.nics) * links.inter.beta)
+        slowest = nvlink + network if summed else max(nvlink, network)
+        total += (c.times if times else 1) * (a * c.rounds() + slowest)
     return total
 
 
@@ -29,9 +32,11 @@ def test_the_right_prediction_passes(capsys):
     [
         (lambda *a: _step(*a, times=False), "every micro-batch: a Comm says how often"),
         (lambda *a: _step(*a, per_micro=False), "compute runs once per micro-batch"),
-        (lambda *a: _step(*a, one_link="inter"), "its own link class"),
+        (lambda *a: _step(*a, nics=1), "on all its NICs at once"),
+        (lambda *a: _step(*a, summed=True), "the slower of the two (max), not their sum"),
+        (lambda *a: _step(*a, alpha=a[1].intra.alpha), "α is the inter link's"),
         (lambda *a: _step(*a, compute=False), "add the compute"),
-        (lambda cfg, links, c, psi: _step(cfg, links, c, psi) * 1.01, "α · rounds + wire"),
+        (lambda cfg, links, c, psi: _step(cfg, links, c, psi) * 1.01, "α · c.rounds() + max("),
         (lambda *a: None, "return seconds"),
     ],
 )

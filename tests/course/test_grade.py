@@ -142,3 +142,49 @@ def test_outcomes_attribute_errors_to_the_next_failed_check_only():
         ("FAIL", "b", "cell 2, before the check, raised NameErr"),
         ("ERROR", "cell 4 (not a check)", "ValueError: after the last check"),
     ]
+
+
+# -- widget cells: built only where a front end shows them (jupyter/nbclient#312) ---------------
+WIDGET_CELL = """\
+from minizero.course import plots
+shown = []
+if plots.widgets_available():
+    import ipywidgets
+    ipywidgets.interact(lambda cap: shown.append(cap), cap=ipywidgets.Dropdown(options=[1, 2]))
+assert not shown, "a graded run built a widget"  # interact() calls it once, at once
+"""
+
+
+LAB = {"JPY_SESSION_NAME": "x"}  # what a Jupyter server gives the kernels it starts
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, False), (LAB, True),
+                                           ({**LAB, "MINIZERO_WIDGETS": "0"}, False),
+                                           ({"MINIZERO_WIDGETS": "1"}, True)])  # fmt: skip
+def test_widgets_are_built_only_where_a_front_end_shows_them(monkeypatch, env, want):
+    from minizero.course import plots
+
+    for k in ("JPY_SESSION_NAME", "MINIZERO_WIDGETS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert plots.widgets_available() is want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grade_never_waits_out_its_timeout_on_a_widget_cell(tmp_path, monkeypatch):
+    """Even from a JupyterLab terminal (JPY_SESSION_NAME set), graded kernels build no widget, so
+    no cell waits for a reply nbclient missed (the cell asserts that it built none): 8 runs,
+    none near the 20 s --timeout."""
+    monkeypatch.setenv("JPY_SESSION_NAME", "a-lab-terminal")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(WIDGET_CELL), nbformat.v4.new_code_cell("print('next')")]
+    path = tmp_path / "w.ipynb"
+    nbformat.write(nb, path)
+    for _ in range(8):
+        runs = grade.execute(path, timeout=20)
+        assert [r.error for r in runs] == [None, None]
+        assert all(r.seconds < 10 for r in runs), [r.seconds for r in runs]
+    out = nbformat.read(path, as_version=4)  # grade never writes the notebook it ran
+    assert not any(c.get("outputs") for c in out.cells)

@@ -4,6 +4,7 @@ pass (under nbval too), the grader reports PASS/FAIL, and checks say what differ
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from minizero.bucket import make_buckets
 from minizero.collectives import all_gather, all_reduce, mark, reduce_scatter
 from minizero.course import build, checks, grade
 from minizero.course.checks import lesson00, lesson01
+from minizero.course.margins import KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
@@ -62,9 +64,11 @@ def test_lessons_hide_the_solutions_and_solutions_hide_the_hints():
         for lc, sc in zip(lesson["cells"], solution["cells"], strict=True):
             ltext, stext = "".join(lc["source"]), "".join(sc["source"])
             assert lc["metadata"] == sc["metadata"]
+            assert "# HINT:" not in ltext + stext  # hints come on demand: hint("name")
             if "exercise" in lc["metadata"].get("tags", []):
                 assert 'raise NotImplementedError("TODO: write' in ltext
                 assert "# TODO:" in ltext and "# TODO:" not in stext
+                assert "# stuck? hint(" in ltext and "hint(" not in stext
                 assert "NotImplementedError" not in stext
                 assert "BEGIN SOLUTION" not in ltext + stext
             else:
@@ -118,8 +122,23 @@ def test_a_small_source_renders_to_both_variants():
         ),
         ("# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n", "x.py:1: '# BEGIN SOLUTION' without"),
         (
-            "# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n",
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: f returns\n    pass\n"
+            "    # END SOLUTION\n",
             "x.py:1: exercise cell has no check cell after it",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n",
+            "x.py:4: an exercise starts with one '# TODO: ...' line that states the result",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: a\n    # TODO: b\n    pass\n"
+            "    # END SOLUTION\n",
+            "x.py:5: one '# TODO:' line per exercise block, first",
+        ),
+        (
+            "# %%\ndef f():\n    # BEGIN SOLUTION\n    # TODO: a\n    pass\n    # HINT: b\n"
+            "    # END SOLUTION\n",
+            "x.py:6: '# HINT:' lines come right after the '# TODO:' line",
         ),
         ('# %% tags=["x"]\n', "x.py:1: cannot read cell header"),
         ("# %% [raw]\n# x\n", "x.py:1: cannot read cell header"),
@@ -235,9 +254,12 @@ def test_lessons_fail_exactly_at_the_check_cells(stem):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_solutions_pass_under_nbval():
+    """Under CPU kernels other than this machine's best (no AVX, ATen's portable code), so that a
+    check whose tolerance suits one machine's kernels fails here, not on a student's machine."""
     cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "solutions/",
            "-q", "-p", "no:cacheprovider"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1700)
+    env = dict(os.environ, MINIZERO_WIDGETS="0", **KERNELS["portable"])
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 

@@ -1,6 +1,7 @@
 """The α-β cost model (minizero/analysis/cost.py): the fit recovers α and β exactly from synthetic
 times; the collectives it predicts for a step are the ones a real gloo run records, byte for byte,
-at stages 0-3; predicted step times are printed beside measured ones (no timing asserts)."""
+at stages 0-3 (the other configurations: test_cost_ledger.py); the link model gives nccl-tests'
+published busbw; predicted step times are printed beside measured ones (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.analysis import cost
-from minizero.topology import ring_bytes
+from minizero.analysis.topology import ring, ring_bytes
 
 SIZES = [2**k for k in range(10, 25, 2)]
 
@@ -60,13 +61,13 @@ def test_ring_bytes_are_topologys(op, n):
         inside, across = ring_bytes(op, 4096, tuple(range(n)), rank, node_size=2, src=n - 1)
         if op == "broadcast":  # topology: the chain's last rank sends nothing
             continue
-        assert cost.ring(op, 4096, n)[1] == inside + across
+        assert ring(op, 4096, n)[1] == inside + across
 
 
 def test_gloo_reduce_scatter_costs_an_all_reduce():
-    emulated = cost.ring("reduce_scatter", 1000, 4, emulated_rs=True)
-    assert emulated == cost.ring("all_reduce", 1000, 4)
-    assert cost.ring("reduce_scatter", 1000, 4) == (3, 750.0)
+    emulated = ring("reduce_scatter", 1000, 4, emulated_rs=True)
+    assert emulated == ring("all_reduce", 1000, 4)
+    assert ring("reduce_scatter", 1000, 4) == (3, 750.0)
 
 
 @pytest.mark.parametrize("k", [1, 2, 7, 50])
@@ -85,29 +86,121 @@ def test_configs_are_checked():
         cost.Config(stage=2, world=8, node_size=4, qwz=True)
     with pytest.raises(ValueError, match="stage must be"):
         cost.Config(stage=4, world=8, node_size=4)
+    with pytest.raises(ValueError, match="HSDP already gathers inside the node"):
+        cost.Config(stage=3, world=8, node_size=4, hsdp=True, hpz=True)
+    with pytest.raises(ValueError, match="stage 3's"):
+        cost.Config(stage=2, world=8, node_size=4, qgz=True)
+    with pytest.raises(ValueError, match="nics >= 1"):
+        cost.Links(intra=cost.Link(0, 1e9), inter=cost.Link(0, 1e9), nics=0)
     cfg = cost.Config(stage=3, world=8, node_size=4)
-    with pytest.raises(ValueError, match="'inter' link"):
+    with pytest.raises(TypeError, match=r"cost.Links\(intra=Link"):
         cost.predict(cfg, {"intra": cost.Link(1e-6, 1e9)}, compute_s=1.0, psi=10**6)
 
 
 def test_hsdp_hpz_qwz_volumes_per_rank():
-    """Issue 17's volumes, in elements per rank and step (bf16: 2 bytes): HSDP's replicate
-    dimension carries an all-reduce of Ψ/k; the shard dimension 2Ψ (stage 2) or 3Ψ (stage 3) in
-    payload; qwZ sends int8 + a fp32 scale per block; hpZ moves backward's gather into the node."""
+    """Elements per rank and step (bf16: 2 bytes): HSDP's replicate group carries an all-reduce of
+    Ψ/k; the shard group 2Ψ (stage 2) or 3Ψ (stage 3) in payload; qwZ sends int8 + an fp32 scale
+    per block; hpZ moves backward's gather into the node, in full precision even with qwZ."""
     psi, k = 2**20, 4
-    by = lambda cfg: Counter({(c.op, c.what, c.n, c.link): c.nbytes for c in
+    by = lambda cfg: Counter({(c.op, c.what, c.n, c.group): c.nbytes for c in
                               cost.step_collectives(cfg, [psi])})  # fmt: skip
     h2 = by(cost.Config(stage=2, world=16, node_size=k, hsdp=True))
-    assert h2[("all_reduce", "grads across", 4, "inter")] == 2 * psi / k
+    assert h2[("all_reduce", "grads", 4, "replicate")] == 2 * psi / k
     assert (
-        h2[("reduce_scatter", "grads", k, "intra")]
-        + h2[("all_gather", "params after step", k, "intra")]
+        h2[("reduce_scatter", "grads", k, "shard")]
+        + h2[("all_gather", "params after step", k, "shard")]
         == 2 * 2 * psi
     )
     q = by(cost.Config(stage=3, world=16, node_size=k, qwz=True, qwz_block=256))
-    assert q[("all_gather", "params fwd", 16, "inter")] == psi * (1 + 4 / 256)
-    hp = by(cost.Config(stage=3, world=16, node_size=k, hpz=True))
-    assert hp[("all_gather", "params bwd", k, "intra")] == 2 * psi
+    assert q[("all_gather", "params fwd int8", 16, "world")] == psi
+    assert q[("all_gather", "params fwd scales", 16, "world")] == 4 * psi / 256
+    hp = by(cost.Config(stage=3, world=16, node_size=k, hpz=True, qwz=True))
+    assert hp[("all_gather", "params bwd", k, "hpZ")] == 2 * psi
+
+
+def test_replicate_every_microbatch_prices_the_library_or_fsdp2s_switch():
+    """minizero's HSDP all-reduces across nodes every micro-batch at stages 2-3 (FSDP2's
+    default), once per step at stage 1; ``replicate_every_microbatch=False`` is once per step
+    (MiCS; FSDP2 with ``set_requires_all_reduce(False)`` before the last micro-batch)."""
+    for stage, every in ((1, 1), (2, 4), (3, 4)):
+        for flag, want in ((True, every), (False, 1)):
+            cfg = cost.Config(stage=stage, world=16, node_size=4, hsdp=True, micro_batches=4,
+                              replicate_every_microbatch=flag)  # fmt: skip
+            got = [c.times for c in cost.step_collectives(cfg, [1024]) if c.group == "replicate"]
+            assert got == [want], (stage, flag)
+
+
+# -- the link model: the bottleneck of NVLink and the node's NICs ---------------------------------
+NVLINK, NIC = 370e9, 47e9  # nccl-tests#212: ring busbw over NVLink; nccl-tests#290: per NDR NIC
+H100 = cost.Links(intra=cost.Link(0.0, NVLINK), inter=cost.Link(0.0, NIC), nics=8)
+
+
+def _busbw(op: str, n: int, nodes: int, node_size: int = 8) -> float:
+    c = cost.Comm(op, 2**33, n, nodes, node_size, "world", "busbw")
+    return c.wire() / c.seconds(H100)
+
+
+@pytest.mark.parametrize(
+    "what, n, nodes, low, high",
+    [
+        # one node of 8 H100s, ring: NCCL's effective NVLink rate, ~370 GB/s (nccl-tests#212)
+        ("one node, ring", 8, 1, 370e9, 370e9),
+        # two nodes of 8 NDR NICs, ring: "46-48 GB/s per NIC" (nccl-tests#290), 8 NICs a node
+        ("two nodes, ring", 16, 2, 8 * 46e9, 8 * 48e9),
+        # 64 nodes: still the node's 8 NICs, not one NIC's 47 GB/s
+        ("64 nodes, ring", 512, 64, 8 * 46e9, 8 * 48e9),
+    ],
+)
+def test_the_link_model_gives_the_published_busbw(what, n, nodes, low, high):
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        got = _busbw(op, n, nodes)
+        print(f"{what:16} {op:15} model {got / 1e9:6.1f} GB/s, published "
+              f"{low / 1e9:.0f}-{high / 1e9:.0f} GB/s")  # fmt: skip
+        assert low <= got <= high, (what, op, got)
+
+
+def test_replicate_groups_share_the_nodes_nics():
+    """HSDP's replicate groups (one rank per node, node_size of them at once): each rank gets
+    one NIC's worth, node_size x its ring bytes leave the node; a flat ring's node sends its ring
+    bytes once, its GPUs send (n - nodes)/n of them over NVLink."""
+    rep = cost.Comm("all_reduce", 8e9, 64, 64, 8, "replicate", "grads")
+    assert rep.node_bytes() == 8 * rep.wire() and rep.gpu_bytes() == 0
+    assert rep.wire() / rep.seconds(H100) == pytest.approx(NIC)
+    flat = cost.Comm("all_reduce", 8e9, 512, 64, 8, "world", "grads")
+    assert flat.node_bytes() == flat.wire()
+    assert flat.gpu_bytes() == pytest.approx(flat.wire() * 7 / 8)
+    a2a = cost.Comm("all_to_all", 8e9, 16, 2, 8, "world", "qgZ")  # each rank: S/16 to 8 away
+    assert a2a.node_bytes() == 8 * 8 * 8e9 / 16 and a2a.gpu_bytes() == 7 * 8e9 / 16
+
+
+def test_zeropp_cross_node_volumes():
+    """ZeRO++ (arXiv 2306.10209, §3): per micro-batch, ZeRO-3 sends 3 x Ψ fp16 across nodes
+    (forward all-gather, backward all-gather, reduce-scatter); hpZ removes backward's; qwZ
+    halves each gather (int8, plus minizero's fp32 scale per 256); qgZ's int4 would quarter the
+    gradients, minizero's int8 one-hop all-to-all does not (each rank sends its whole gradient)."""
+    psi, world, node = 2**24, 64, 8
+
+    def across(**kw):
+        cfg = cost.Config(stage=3, world=world, node_size=node, **kw)
+        out = Counter()
+        for c in cost.step_collectives(cfg, [psi]):
+            out[c.what.split(" int8")[0].split(" scales")[0]] += c.node_bytes()
+        return out
+
+    base, hpz, qwz = across(), across(hpz=True), across(qwz=True)
+    ring_once = 2 * psi * (world - 1) / world  # a node's share of one fp16 ring, ring bytes
+    assert base == {"params fwd": ring_once, "params bwd": ring_once, "grads": ring_once}
+    assert hpz["params bwd"] == 0 and hpz["params fwd"] == ring_once
+    assert qwz["params fwd"] / base["params fwd"] == pytest.approx((1 + 4 / 256) / 2)
+    qgz = across(qgz=True)["grads"] / base["grads"]
+    assert qgz == pytest.approx(node * (1 + 4 / 256) / 2 * (world - node) / (world - 1))
+    # ZeRO++'s qgZ: inside the node first, then int4 (half a byte) of each GPU's Ψ/node across,
+    # one rank per node, node such groups at once: about a quarter of the fp16 ring
+    nodes = world // node
+    hier = cost.Comm("all_to_all", psi / node * 0.5, nodes, nodes, node, "replicate", "qgZ")
+    assert hier.node_bytes() / base["grads"] == pytest.approx(
+        0.25 * (nodes - 1) / nodes * world / (world - 1)
+    )
 
 
 # -- a real gloo run: the model's collectives are the ledger's -----------------------------------
@@ -174,7 +267,7 @@ def test_predicted_collectives_are_the_ledgers(stage):
         assert sum(c.wire() for c in predicted) == r["wire"]
     r0 = results[0]
     link = cost.fit(r0["sweep"], world, emulated_rs=True)
-    p = cost.predict(cfg, {"inter": link, "intra": link}, compute_s=r0["compute_s"],
+    p = cost.predict(cfg, cost.Links(intra=link, inter=link), compute_s=r0["compute_s"],
                      sizes=r0["sizes"], emulated_rs=True)  # fmt: skip
     print(
         f"\nstage {stage}, gloo {world} ranks: α = {link.alpha * 1e6:.1f} µs, "

@@ -18,8 +18,8 @@ import zoo
 from zoo import difference, train_rank, train_reference
 
 import minizero
+from minizero.analysis.memory import model_state_bytes
 from minizero.launcher import launch
-from minizero.memory import model_state_bytes
 
 pytestmark = pytest.mark.timeout(300)
 FROZEN = ("tok_emb.weight", "encoder.layers.0.norm1.weight", "encoder.layers.0.norm1.bias")

@@ -183,7 +183,7 @@ def test_an_optimizer_that_overrides_step_is_refused_by_name():
             minizero.parallelize(build("mlp"), stage, LARSLike(params, lr=0.1))
     with pytest.raises(TypeError, match="LAMBLike.step overrides"):  # mixed precision: masters
         minizero.parallelize(build("mlp"), 0, LAMBLike(params), precision="bf16")
-    from minizero.precision import check_elementwise
+    from minizero.habits.optimizer import check_elementwise
 
     check_elementwise(ElementwiseSubclass(params))  # declared elementwise: accepted
     check_elementwise(type("Plain", (torch.optim.AdamW,), {})(params))  # no step of its own

@@ -231,7 +231,7 @@ def test_volume_per_group_is_exact(ranks, stage):
 
 
 def test_hsdp_keeps_stage3_traffic_inside_the_node(ranks):
-    """Ring model (minizero/topology.py), fp32, node size 2. Flat ZeRO-3 over ranks 0-3: three
+    """Ring model (analysis/topology.py), fp32, node size 2. Flat ZeRO-3 over ranks 0-3: three
     collectives of S = 4Ψ bytes, each rank sending 3/4 S to its successor: 9Ψ bytes, across for
     ranks 1 and 3 (successors 2 and 0 are on the other node), inside for ranks 0 and 2. HSDP:
     the same three over a node's 2 ranks, 1/2 S each, 6Ψ inside; plus the replicate all-reduce

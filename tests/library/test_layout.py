@@ -171,12 +171,40 @@ def test_layers_depend_one_way_library_tools_course():
 
 def test_the_top_of_the_package_is_the_library_a_student_reads():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
-    # one concept a file: 18 (the chain, what it shares, HSDP, ZeRO++, the habits...), down from 29
-    assert len(top) <= 18, f"{len(top)} modules at the top of minizero/: {top}"
+    # one concept a file: the chain, what it shares, naive DDP, its bucket, collectives, units,
+    # precision, HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models
+    assert len(top) <= 16, f"{len(top)} modules at the top of minizero/: {top}"
     for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
         assert stage in top, stage
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
-    assert subpackages == ["analysis", "checkpoint", "course", "launcher", "tools"], subpackages
+    want = ["analysis", "checkpoint", "course", "habits", "launcher", "tools"]
+    assert subpackages == want, subpackages
+
+
+# the step path a student reads; the habit machinery (minizero/habits/) is composed around it
+CORE = ["data_parallel", "ddp", "zero1", "zero2", "zero3", "bucket", "units", "precision",
+        "collectives", "hsdp", "zeropp"]  # fmt: skip
+
+
+def test_the_core_imports_nothing_from_the_habits():
+    """The core calls the habits only through ``data_parallel.Extension``'s methods, one per
+    moment, each called from the core; ``import minizero`` makes ``Habits`` the extension."""
+    import minizero
+    from minizero.data_parallel import Extension
+    from minizero.habits import Habits
+
+    graph = import_graph()
+    for m in CORE:
+        bad = sorted(d for d in graph[f"minizero.{m}"] if d.startswith("minizero.habits"))
+        assert not bad, f"minizero/{m}.py imports the habit machinery: {bad}"
+    assert minizero.DDP.extension is Habits and issubclass(Habits, Extension)
+    points = [n for n in vars(Extension) if not n.startswith("_")]
+    core = "".join((PACKAGE / f"{m}.py").read_text() for m in CORE)
+    for name in points:
+        assert f"self.habits.{name}(" in core, f"Extension.{name}: no moment of the core calls it"
+        assert vars(Extension)[name].__doc__, f"Extension.{name} is not documented"
+    habits = set(vars(Habits)) - {"__init__", "__module__", "__doc__", "__qualname__"}
+    assert habits <= set(points) | {"__firstlineno__", "__static_attributes__"}, habits
 
 
 def test_the_stages_are_the_papers_chain():
@@ -196,7 +224,7 @@ def test_the_stages_are_the_papers_chain():
         assert mine, f"{file}.py defines no {cls}"
         assert [ast.unparse(b) for b in mine[0].bases] == [base], f"{cls} must extend {base}"
         assert term in (ast.get_docstring(mine[0]) or ""), f"{cls}'s docstring must name {term}"
-        others = [c.name for c in classes if c.name != cls and file != "ddp"]  # ddp: NaiveDDP too
+        others = [c.name for c in classes if c.name != cls]
         assert not others, f"{file}.py: one stage per file, found also {others}"
         stage = importlib.import_module(f"minizero.{file}")
         assert issubclass(getattr(stage, cls), DataParallel)

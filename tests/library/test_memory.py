@@ -1,4 +1,4 @@
-"""Memory meters and the paper's formulas (minizero/memory.py), on CPU."""
+"""Memory meters and the paper's formulas (minizero/analysis/memory.py), on CPU."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from minizero.memory import (
+from minizero.analysis.memory import (
     PAPER_TABLE1,
     TABLE1_DP,
     TABLE1_PSI,

@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.analysis.simulate import FlatModel, format_table1, printed_as, simulate, table1
-from minizero.launcher import launch
-from minizero.memory import (
+from minizero.analysis.memory import (
     PAPER_TABLE1,
     TABLE1_DP,
     TABLE1_PSI,
     model_state_bytes,
     paper_model_state_bytes,
 )
+from minizero.analysis.simulate import FlatModel, format_table1, printed_as, simulate, table1
+from minizero.launcher import launch
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import parallelize
 from minizero.tools.simulate import main

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.memory import model_state_bytes, paper_model_state_bytes
+from minizero.analysis.memory import model_state_bytes, paper_model_state_bytes
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 

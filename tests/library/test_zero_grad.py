@@ -16,7 +16,7 @@ from harness import build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
-from minizero.memory import MemoryMeter, model_state_bytes, state_tensors
+from minizero.analysis.memory import MemoryMeter, model_state_bytes, state_tensors
 from minizero.models import count_params
 
 pytestmark = pytest.mark.timeout(180)

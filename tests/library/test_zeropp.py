@@ -34,14 +34,14 @@ from harness import (
 
 import minizero
 from minizero import collectives as C
-from minizero.memory import model_state_bytes
-from minizero.precision import (
+from minizero.analysis.memory import model_state_bytes
+from minizero.zeropp import (
     QUANT_BLOCK,
+    ZeROPlusPlus,
     dequantize_blockwise,
     quantization_error,
     quantize_blockwise,
 )
-from minizero.zero3 import ZeRO3
 
 pytestmark = pytest.mark.timeout(600)
 OPT = {"mlp": "adam", "gpt": "adamw"}  # harness.ATOL's pairs
@@ -99,16 +99,16 @@ def _train_settings(kind: str, settings: list) -> dict:
         errors = {}
         for bad in (3, 0, 2.0):
             try:
-                ZeRO3(build(kind), reshard_after_forward=bad)
+                ZeROPlusPlus(build(kind), reshard_after_forward=bad)
             except ValueError as e:
                 errors[bad] = str(e)
         every = dist.new_group(list(range(world)))  # the same ranks, but not the world group
         try:  # hpZ makes its blocks with new_group on every rank: over the world only
-            ZeRO3(build(kind), process_group=every, reshard_after_forward=2)
+            ZeROPlusPlus(build(kind), process_group=every, reshard_after_forward=2)
         except ValueError as e:
             out["subgroup"] = str(e)
         out["errors"] = errors
-        out["trivial"] = [ZeRO3(build(kind), reshard_after_forward=k).reshard_after_forward
+        out["trivial"] = [ZeROPlusPlus(build(kind), reshard_after_forward=k).reshard_after_forward
                           for k in (1, 4)]  # fmt: skip
     return out
 
@@ -305,7 +305,7 @@ def test_qwz_and_qgz_train_within_tolerance_of_unquantised(what):
 
 
 def test_all_to_all_sends_a_chunk_straight_to_each_peer():
-    from minizero.topology import ring_bytes
+    from minizero.analysis.topology import ring_bytes
 
     # 4 ranks, nodes of 2, S = 400 bytes: 100 to each of the 3 others, 1 inside, 2 across
     assert ring_bytes("all_to_all", 400, (0, 1, 2, 3), 0, node_size=2) == (100.0, 200.0)

@@ -191,7 +191,21 @@ def test_root_is_told_that_jupyter_lab_needs_allow_root(monkeypatch, uid):
     users = [f for f in doctor.jupyter_findings(kernel=False) if f.label == "user"]
     if uid:
         assert users == []
-    else:
+    else:  # a note, not a problem: a lab image that runs as root needs no fixing
         (user,) = users
-        assert user.problem == "`jupyter lab` refuses to run as root"
-        assert user.fix == "jupyter lab --allow-root my-lessons/"
+        assert user.problem == user.fix == ""
+        assert user.note == (
+            "`jupyter lab` refuses to run as root: start it with jupyter lab --allow-root "
+            "my-lessons/"
+        )
+        text = doctor.render("Jupyter", [user])
+        assert "note: `jupyter lab` refuses to run as root" in text and "PROBLEM" not in text
+
+
+def test_doctor_as_root_on_a_ready_machine_exits_0(capsys, monkeypatch):
+    if L.gpu_count():
+        pytest.skip("checks the CPU answers")
+    monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
+    assert doctor.main(["--no-probe", "--no-kernel"]) == 0
+    out = capsys.readouterr().out
+    assert "start it with jupyter lab --allow-root" in out and "ready: nothing to fix" in out

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from minizero.__main__ import main
-from minizero.precision import QUANT_BLOCK
-from minizero.tools import zeropp
+from minizero.tools import bench_zeropp
+from minizero.zeropp import QUANT_BLOCK
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,7 +26,7 @@ def test_bench_zeropp_figures(tmp_path, capsys):
     assert "minizero bench zeropp: 4 ranks, gloo on" in text
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert list(rows) == list(zeropp.configurations(4, 2))
+    assert list(rows) == list(bench_zeropp.configurations(4, 2))
     full = sum(rows["hpZ True (ZeRO-3)"]["fwd"].values())  # 4 bytes x Ψ padded
     psi_padded = full // 4
     assert rows["hpZ True (ZeRO-3)"]["bwd"] == {"world": full}

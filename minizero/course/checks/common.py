@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
-MIN_WORLD = 3  # every check runs on at least 3 ranks: a hard-coded 2 and the world size differ
+# Every check runs on at least 3 ranks: a hard-coded 2 and the world size differ. (More with
+# $MINIZERO_CHECK_WORLD: `margins` runs them on 4 and 5 too.)
+MIN_WORLD = max(3, int(os.environ.get("MINIZERO_CHECK_WORLD", "3") or 3))
 SUBGROUP = (0, 1)  # the subgroup of the world a check runs group-taking code on; rank 2 is out
 TIMEOUT = 120.0  # seconds: a student's hung collective becomes a CheckFailed, not a stuck cell
 TIMEOUT_ENV = "MINIZERO_CHECK_TIMEOUT"  # seconds, overrides every check's own timeout when set
@@ -45,6 +47,50 @@ def check_timeout(default: float = TIMEOUT) -> float:
     if not value > 0:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give a number of seconds > 0, e.g. 600")
     return value
+
+
+# -- how far a check is from failing: perturbations and margins (python -m minizero margins) -----
+SEED_ENV = "MINIZERO_CHECK_SEED"  # an integer added to every check's model and data seeds
+THREADS_ENV = "MINIZERO_CHECK_THREADS"  # torch.set_num_threads in each of a check's ranks
+MARGINS_ENV = "MINIZERO_MARGINS"  # a file: every tolerance comparison appends a JSON line to it
+
+
+def check_seed(base: int = 0) -> int:
+    """``base`` plus ``$MINIZERO_CHECK_SEED`` (0 when unset): a right answer must pass with any."""
+    return base + int(os.environ.get(SEED_ENV, "0") or 0)
+
+
+def within(err: float, tol: float, what: str) -> bool:
+    """``err <= tol`` (False for NaN): one tolerance comparison of a check. Under
+    ``$MINIZERO_MARGINS`` it is also recorded, so that ``margins`` can report how close a right
+    answer came to failing and a wrong one to passing."""
+    ok = err <= tol  # NaN: False
+    path = os.environ.get(MARGINS_ENV)
+    if path:
+        import json
+
+        with open(path, "a") as f:  # one short line per comparison: appends do not interleave
+            f.write(json.dumps({"what": what, "err": float(err), "tol": float(tol)}) + "\n")
+    return ok
+
+
+def worst(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[float, float]:
+    """``|got - want| <= atol + rtol |want|`` elementwise, as one pair ``(err, tol)``: the element
+    whose ratio err/tol is the largest (a NaN or an infinity anywhere: err is infinite)."""
+    if not want.numel():
+        return 0.0, 1.0
+    diff = (got - want).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    bound = (atol + rtol * want.abs()).nan_to_num(nan=atol)
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)  # 0/0: equal, no NaN
+    k = int(ratio.reshape(-1).argmax())
+    return float(diff.reshape(-1)[k]), float(bound.reshape(-1)[k])
+
+
+def allclose(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> bool:
+    """``torch.allclose`` (NaN: not close) through :func:`within`, so that it is measured."""
+    if got.shape != want.shape:
+        return False
+    return within(*worst(got.double(), want.double(), rtol, atol), what)
 
 
 class CheckFailed(AssertionError):
@@ -96,6 +142,9 @@ def launch_check(
     rank was)."""
     nprocs = max(nprocs or default_nprocs(), min_world)  # 3 ranks: gloo on CPU under 3 GPUs
     timeout = check_timeout(timeout)
+    threads = int(os.environ.get(THREADS_ENV, "0") or 0)
+    if threads:
+        fn, args = _with_threads, (threads, fn, *args)
     try:
         return launch(fn, nprocs, *args, timeout=timeout, verbose=False)
     except LaunchError as e:
@@ -107,6 +156,11 @@ def launch_check(
             f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or "
             f"{TIMEOUT_ENV}=600."
         ) from e
+
+
+def _with_threads(threads: int, fn, *args):
+    torch.set_num_threads(threads)  # reduction order inside a rank's kernels changes with it
+    return fn(*args)
 
 
 def report_pass(msg: str) -> None:

@@ -37,12 +37,8 @@ from minizero.course.checks.common import (
     strict_ledger,
 )
 from minizero.course.checks.common_zero import (
-    BF16_ATOL,
-    BF16_RTOL,
     STEPS,
     check_subgroup,
-    check_volume,
-    compare,
     minizero_build,
     one_process,
     results,
@@ -51,6 +47,7 @@ from minizero.course.checks.common_zero import (
     train,
     with_subgroup,
 )
+from minizero.course.checks.compare_zero import check_volume, compare, compare_bf16
 from minizero.zero1 import ZeRO1
 
 # (parameter shapes, world size): the MLP's 1,837 elements over 3 ranks; fewer elements than
@@ -225,18 +222,12 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
             params=" The gradients were right: after the step, all-gather every rank's updated "
             "chunk into the bucket's flat buffer (self.flat_params[i]).",
         )
-        compare(
-            res["bf16"],
-            {"minizero ZeRO1 in bf16": res["bf16_ref"]},
-            "minizero ZeRO1 in bf16",
-            rank,
-            world,
-            shards="In bf16",
-            params=" In bf16 the optimizer steps a separate fp32 master (self.masters[i]): "
-            "copy it into your bf16 chunk before the all-gather (when self.precision.master).",
-            rtol=BF16_RTOL,
-            atol=BF16_ATOL,
-        )
+    compare_bf16(
+        [{"mine": r["bf16"], "ref": r["bf16_ref"]} for r in res_all],
+        "minizero ZeRO1 in bf16",
+        " In bf16 the optimizer steps a separate fp32 master (self.masters[i]): copy it into your "
+        "bf16 chunk before the all-gather (when self.precision.master).",
+    )
     res = res_all[0]
     volume = check_volume(
         res["mine"],

@@ -19,8 +19,6 @@ from minizero.course.checks.common import CheckFailed, describe, guard, rank_dev
 from minizero.course.checks.common_zero import (
     STEPS,
     check_subgroup,
-    check_volume,
-    compare,
     fsdp2,
     minizero_build,
     one_process,
@@ -28,6 +26,7 @@ from minizero.course.checks.common_zero import (
     run_all,
     with_subgroup,
 )
+from minizero.course.checks.compare_zero import check_volume, compare
 from minizero.zero3 import ZeRO3
 
 
@@ -60,30 +59,31 @@ def _probe(model) -> list[str]:
     problems = []
     for i, flat in enumerate(model.flat_params):
         model.gather(i)  # gathered (every rank makes the same calls: collectives stay in step)
-        work = model.gathers[i] = _InFlight()  # ...with an all-gather into it still running
+        work = model.gather_works[i] = _InFlight()  # ...with an all-gather into it still running
         model.free(i)
         freed = flat.untyped_storage().nbytes() == 0
         if freed and not work.waited:
             problems.append(
                 f"free({i}) resized unit {i}'s storage to 0 bytes while its all-gather was still "
-                "in flight (self.gathers[i] was neither waited for nor kept): the backend would "
-                "write into freed memory. Wait for self.gathers[i] first, then forget it."
+                "in flight (self.gather_works[i] was neither waited for nor kept): the backend "
+                "would write into freed memory. Wait for self.gather_works[i] first, then forget "
+                "it."
             )
             break
         ZeRO3.free(model, i)  # back to a clean state, whatever the student's free left
-        model.gathers[i] = None
+        model.gather_works[i] = None
         ZeRO3.gather(model, i)
-        work = model.gathers[i] = _InFlight()  # gathered, its prefetch not yet complete
+        work = model.gather_works[i] = _InFlight()  # gathered, its prefetch not yet complete
         model.gather(i)  # a module needs the unit now
         if not work.waited:
             problems.append(
                 f"gather({i}) (wait=True) returned while unit {i}'s all-gather, started by a "
                 "prefetch (wait=False), was still in flight: the module would read parameters "
-                "not yet written. When wait is True, wait for self.gathers[i] even if the unit "
-                "is already marked gathered."
+                "not yet written. When wait is True, wait for self.gather_works[i] even if the "
+                "unit is already marked gathered."
             )
             break
-        model.gathers[i] = None
+        model.gather_works[i] = None
         ZeRO3.free(model, i)
     return problems
 
@@ -176,7 +176,7 @@ def _gather_order(records: list, marks: list, units: dict[str, list[int]]) -> st
         if op == "all_gather" and not async_op:
             return (
                 f"the all-gather {tag!r} was blocking: start every all-gather with "
-                "async_op=True, keep the work in self.gathers[i], and wait for it only when "
+                "async_op=True, keep the work in self.gather_works[i], and wait for it only when "
                 "wait=True (a prefetch must not stop the module that issues it)"
             )
     events = sorted(

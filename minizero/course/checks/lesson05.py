@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 
 from minizero.analysis.budget import checkpoint_blocks
+from minizero.analysis.memory import (
+    MemoryMeter,
+    format_bytes,
+    model_state_bytes,
+    paper_model_state_bytes,
+)
 from minizero.course.checks.common import (
     MIN_WORLD,
     CheckFailed,
@@ -28,12 +34,6 @@ from minizero.course.checks.common import (
     two_ranks_hint,
 )
 from minizero.launcher import gpu_count
-from minizero.memory import (
-    MemoryMeter,
-    format_bytes,
-    model_state_bytes,
-    paper_model_state_bytes,
-)
 from minizero.models import GPTConfig, TinyGPT, count_params
 
 TIMEOUT = 180.0  # seconds for the check's ranks

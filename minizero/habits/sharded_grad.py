@@ -1,4 +1,4 @@
-"""``p.grad`` when a rank holds only its shard of the averaged gradient (ZeRO 1-3). Lesson 03.
+"""``p.grad`` when a rank holds only its shard of the averaged gradient (ZeRO 1-3, fp16). Lesson 03.
 
 After backward, stages 1-3 keep each gradient as this rank's fragments of a flat shard: there is no
 full averaged ``p.grad`` on any rank. PyTorch habits still reach for it:
@@ -6,17 +6,18 @@ full averaged ``p.grad`` on any rank. PyTorch habits still reach for it:
 = None`` would make the norm 0 and clip nothing, silently; so until the next forward, ``p.grad`` is
 a :class:`ShardedGrad`: a tensor of the right shape, dtype and device that owns no memory (one
 element, expanded) and answers the few operations those functions use by working on the shards (one
-all-reduce for the norms of every parameter at once: :class:`GradNorms`, which the wrappers
-inherit). Any other use raises an error that says what to do instead.
+all-reduce for the norms of every parameter at once: :class:`GradNorms`, which also serves
+``optimizer.clip_grad_norm_``). Any other use raises an error that says what to do instead.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from minizero import collectives as C
+from minizero.habits.module import expect_every_rank
 
 _META = {  # attribute reads and metadata that need no values
     "shape", "dtype", "device", "layout", "is_sparse", "is_cuda", "is_meta", "ndim", "size",
@@ -39,10 +40,10 @@ class ShardedGrad(torch.Tensor):
     """Stands in for ``param.grad`` at stages 1-3 between backward and the next forward."""
 
     _param: nn.Parameter
-    _owner: Any  # the DataParallel wrapper (no import: it imports this module)
+    _owner: GradNorms  # the wrapper's norms
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, owner: Any) -> ShardedGrad:
+    def __new__(cls, param: nn.Parameter, owner: GradNorms) -> ShardedGrad:
         empty = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
         t = torch.Tensor._make_subclass(cls, empty)
         t._param, t._owner = param, owner
@@ -88,63 +89,76 @@ class ShardedGrad(torch.Tensor):
             f"{name or func}: at ZeRO stage 1-3 no rank holds the full averaged gradient of a "
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
-            f"model.grad_fragments(p) for this rank's ranges of the averaged gradient (fp32 "
-            f"views). An optimizer built over model.parameters() after parallelize cannot step "
-            f"shards: pass it to minizero.parallelize, which returns the optimizer that does."
+            f"model.habits.norms.grad_fragments(p) for this rank's ranges of the averaged "
+            f"gradient (fp32 views). An update written by hand cannot step shards: use a "
+            f"torch.optim optimizer (minizero adopts one built over model.parameters() at its "
+            f"first step)."
         )
 
 
 class GradNorms:
-    """What DataParallel adds so that gradients can be seen whole while each rank holds only its
-    ranges: per-parameter norms from partial sums and one all-reduce (``clip_grad_norm_``, and
-    torch's own through :class:`ShardedGrad`). Needs ``params``, ``step_grads()``, ``_frags_of``
-    and ``_norms`` (ord -> id(p) -> norm, cleared at each step) from the wrapper."""
+    """Gradients seen whole while each rank holds only its ranges: per-parameter norms from
+    partial sums and one all-reduce (``optimizer.clip_grad_norm_``, and torch's own through
+    :class:`ShardedGrad`). The norms are kept while this step's gradients (``step_grads()``) are,
+    until an in-place op changes them."""
+
+    def __init__(self, wrapper) -> None:
+        self.wrapper = wrapper
+        self.norms: dict[float, dict[int, torch.Tensor]] = {}  # ord -> id(p) -> global norm
+
+    @property
+    def stage(self) -> int:
+        return self.wrapper.stage
 
     def grad_fragments(self, p: nn.Parameter) -> list[torch.Tensor]:
         """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
-        grads = self.step_grads()
+        if self.wrapper.averaged is None:  # this step's gradients are not made yet: the norms
+            self.norms.clear()  # are of another step's
+        grads = self.wrapper.step_grads()
         return [grads[f.bucket][f.offset : f.offset + f.numel]
-                for f in self._frags_of.get(id(p), []) if grads[f.bucket] is not None]  # fmt: skip
-
-    def reduce_norm_parts(self, part: torch.Tensor, op: dist.ReduceOp) -> None:
-        """Combine per-parameter partial norms over ranks; DDP owns every element: nothing."""
+                for f in self.wrapper.fragments_of.get(id(p), [])
+                if grads[f.bucket] is not None]  # fmt: skip
 
     def grad_norm(self, p: nn.Parameter, ord_: float) -> torch.Tensor:
         """The norm of p's whole averaged gradient; the first call of a step computes every
         parameter's at once (partial sums over fragments, one all-reduce)."""
-        ord_ = float(ord_)
-        if ord_ not in self._norms:
+        w, ord_ = self.wrapper, float(ord_)
+        self.grad_fragments(p)  # (forgets the norms of another step)
+        if ord_ not in self.norms:
             if ord_ not in (2.0, float("inf")):
                 raise RuntimeError(
                     f"minizero's sharded gradients support norm 2 and inf, not {ord_}"
                 )
             inf = ord_ == float("inf")
-            part = torch.zeros(len(self.params), dtype=torch.float32, device=self.params[0].device)
-            for i, q in enumerate(self.params):  # (P,) this rank's part of each parameter's norm
+            dtype = torch.promote_types(w.params[0].dtype, torch.float32)  # fp32, or fp64
+            part = torch.zeros(len(w.params), dtype=dtype, device=w.params[0].device)
+            for i, q in enumerate(w.params):  # (P,) this rank's part of each parameter's norm
                 for g in self.grad_fragments(q):
                     part[i] = (
                         torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
                     )
-            if self.stage > 0:  # a collective: a rank that logs alone would wait forever
-                self.expect_every_rank("a gradient norm (p.grad.norm(), clip_grad_norm_)")
-            self.reduce_norm_parts(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            if w.stage > 0:  # disjoint ranges: one all-reduce (DDP owns every element)
+                what = "a gradient norm (p.grad.norm(), clip_grad_norm_)"  # a rank that logs
+                expect_every_rank(w, what, "print or save on rank 0 only")  # alone: an error
+                op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                C.all_reduce(part, op=op, group=w.group, tag="grad norm")
             norms = part if inf else part.sqrt()
-            self._norms[ord_] = {id(q): norms[i] for i, q in enumerate(self.params)}
-        return self._norms[ord_][id(p)]
+            self.norms[ord_] = {id(q): norms[i] for i, q in enumerate(w.params)}
+        return self.norms[ord_][id(p)]
 
     def grad_apply_(self, p: nn.Parameter, op, args, kwargs) -> None:
         for g in self.grad_fragments(p):
             op(g, *args, **kwargs)
-        self._norms.clear()
+        self.norms.clear()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        norms = torch.stack([self.grad_norm(p, norm_type) for p in self.params])
+        norms = torch.stack([self.grad_norm(p, norm_type) for p in self.wrapper.params])
         total = norms.max() if float(norm_type) == float("inf") else norms.pow(2).sum().sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in (g for g in self.step_grads() if g is not None):
+        for g in (g for g in self.wrapper.step_grads() if g is not None):
             g.mul_(coef)
-        self._norms.clear()
+        self.norms.clear()
         return total
 
 

@@ -1,14 +1,14 @@
 """ZeRO++ measured: ``python -m minizero bench zeropp [--nprocs 4 --node-size 2 --steps 20]``.
-For lesson 08 (beyond one node); the library side is minizero/zero3.py (``reshard_after_forward``,
-``quantize_weights``) with zeropp.py (SecondaryShards, QuantizedGather) and precision.py (the
+For lesson 08 (beyond one node); the library side is minizero/zeropp.py (``ZeROPlusPlus``, ZeRO3
+with ``reshard_after_forward``, ``quantize_weights``: SecondaryShards, QuantizedGather and the
 block quantiser). Wang et al., arXiv 2306.10209.
 
 :func:`measure` trains the same TinyGPT at stage 3 under each configuration on gloo ranks and
 reads, on the last step, per rank: bytes all-gathered in forward and in backward per group, the
 bytes of backward that cross a node boundary (``CommLedger.node_bytes``, the ring model of
-minizero/topology.py, nodes = blocks of ``node_size`` consecutive ranks), the bytes reduce-
-scattered, and the model-state bytes that forward leaves behind for backward (hpZ's cost). Every
-configuration's loss per step is kept, to set qwZ's against the unquantised run's.
+minizero/analysis/topology.py, nodes = blocks of ``node_size`` consecutive ranks), the bytes
+reduce-scattered, and the model-state bytes that forward leaves behind for backward (hpZ's
+cost). Every configuration's loss per step is kept, to set qwZ's against the unquantised run's.
 
 :func:`unit_errors` measures qwZ's quantisation error per unit (what forward sees, against the
 full-precision weights). qgZ (§3.3) is built (``quantize_gradients=True``: one all-to-all of
@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 import minizero
 from minizero import collectives as C
-from minizero.memory import format_bytes, model_state_bytes
+from minizero.analysis.memory import format_bytes, model_state_bytes
+from minizero.analysis.topology import ring_bytes
 from minizero.models import GPTConfig, TinyGPT, synthetic_batch
-from minizero.precision import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 from minizero.tools.cli import Parser, positive_int
 from minizero.tools.report import header, measured_on, write_json
-from minizero.topology import ring_bytes
 from minizero.units import assign_params, select_units
+from minizero.zeropp import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 
 GLOBAL_BATCH = 16
 
@@ -69,7 +69,7 @@ def _gathered(ledger: C.CommLedger) -> dict[str, int]:
 
 
 def _across(ledger: C.CommLedger, node_size: int) -> float:
-    """Bytes this rank's all-gathers sent to another node (topology.py's ring model)."""
+    """Bytes this rank's all-gathers sent to another node (analysis/topology.py's ring model)."""
     return sum(ring_bytes(r.op, r.nbytes, r.ranks, r.rank, node_size)[1]
                for r in ledger.records if r.op == "all_gather")  # fmt: skip
 
@@ -205,7 +205,7 @@ def report(res: dict, node_size: int) -> str:
     head += f"{'vs ZeRO-3':>10}{'worst step':>11}"
     lines = [header("zeropp", where),
              f"ZeRO++ at stage 3: TinyGPT, nodes of {node_size} ranks; one step (gathers: "
-             "payload per rank; across: all ranks, minizero/topology.py's ring)", head]  # fmt: skip
+             "payload per rank; across: all ranks, analysis/topology.py's ring)", head]  # fmt: skip
     for name, row in rows.items():
         bwd = sum(row["bwd"].values())
         group = ",".join(row["bwd"]) or "-"

@@ -13,7 +13,8 @@ Three tools, from the most abstract to the most concrete:
   activations, total, peak). On CUDA it reads the caching allocator; on CPU it tracks every storage
   the step creates or touches through a ``TorchDispatchMode`` and sums ``nbytes()`` after every op.
 
-Where the lists of tensors come from: an object (wrapped model or optimizer) with
+Where the lists of tensors come from: a minizero wrapper's are read from its stage's containers
+(:func:`wrapper_tensors`); an object (an optimizer parallelize returned, say) with
 ``_minizero_state_tensors() -> {"params"|"grads"|"optimizer"|"comm": [tensors]}`` says so itself;
 otherwise a module gives ``parameters()`` and their ``.grad``, an optimizer every tensor in
 ``optimizer.state``. A storage listed under several categories counts once, in the first of
@@ -28,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from minizero.data_parallel import DataParallel
 from minizero.models import count_params
 
 CATEGORIES = ("params", "grads", "optimizer", "comm")
@@ -93,7 +95,10 @@ def state_tensors(model=None, optimizer=None) -> dict[str, list[torch.Tensor]]:
         if owner is None:
             continue
         listed = getattr(owner, "_minizero_state_tensors", None)
-        if listed is not None:
+        if isinstance(owner, DataParallel):
+            for cat, tensors in wrapper_tensors(owner).items():
+                out[cat] += tensors
+        elif listed is not None:
             for cat, tensors in listed().items():
                 if cat not in out:
                     raise ValueError(f"_minizero_state_tensors key {cat!r} not in {CATEGORIES}")
@@ -107,6 +112,32 @@ def state_tensors(model=None, optimizer=None) -> dict[str, list[torch.Tensor]]:
         else:
             raise TypeError(f"expected an nn.Module or a torch.optim.Optimizer, got {type(owner)}")
     return out
+
+
+def wrapper_tensors(w: DataParallel) -> dict[str, list[torch.Tensor]]:
+    """What a wrapper holds, by category: its working parameters (stages 1-2: and their flat
+    buffers; stage 3: only its shards, the frozen parameters, hpZ's secondary shards), its
+    gradients (DDP, stage 1: the flat buffers; stages 2-3: the shards), and, stages 2-3, the
+    full buffers alive for a collective (a bucket filling or reducing, a gathered unit)."""
+    params = list(w.module.parameters())
+    stage3 = hasattr(w, "param_shards")
+    if stage3:
+        secondary = getattr(w, "secondary", None)  # ZeRO++'s hpZ
+        hpz = [t for t in secondary.shards if t is not None] if secondary else []
+        params = w.param_shards + [p for p in params if not p.requires_grad] + hpz
+    elif hasattr(w, "flat_params"):
+        params = w.flat_params + params
+    comm: list[torch.Tensor] = []
+    if hasattr(w, "grad_shards"):
+        grads = [g for g in w.grad_shards if g is not None]
+        comm = [g for g in w.grad_buffers if g is not None]
+        comm += [w.in_flight[2]] if w.in_flight is not None else []
+        comm += [f for f, g in zip(w.flat_params, w.gathered, strict=True) if g] if stage3 else []
+    elif hasattr(w, "grad_buffers"):
+        grads = list(w.grad_buffers)
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
+    return {"params": params, "grads": grads, "optimizer": [], "comm": comm}
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:

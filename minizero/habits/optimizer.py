@@ -1,0 +1,143 @@
+"""The optimizers a user brings, and which of them can step flat shards of the parameters.
+
+At stages 1-3 (and in mixed precision) each rank steps flat fragments of the parameters: only an
+elementwise optimizer gives the same result there as on whole tensors, and SparseAdam would see
+no sparse gradient. ``parallelize`` refuses the others, by name, before it wraps anything.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from minizero.optimizer import StageStep, attach, regroup
+
+# Optimizers whose update of element i reads only element i of the parameter, its gradient and its
+# states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+)  # fmt: skip
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers that mix elements: they cannot run on a flat shard of the parameters."""
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise TypeError(
+            f"minizero steps each rank's flat shard of the parameters, which gives the same result "
+            f"as the whole model only for elementwise optimizers ({names}, or subclasses). "
+            f"{type(optimizer).__name__} is not one of them; use one of those, or stage=0 with "
+            f"precision='fp32' (plain DDP: the optimizer sees whole parameters)."
+        )
+    base = next(c for c in type(optimizer).__mro__ if c in ELEMENTWISE)  # the nearest one
+    check_step_is_elementwise(optimizer, base)
+
+
+def check_step_is_elementwise(optimizer: torch.optim.Optimizer, base: type) -> None:
+    """A subclass of an elementwise optimizer is elementwise only if it keeps the base's
+    ``step``: LAMB written on Adam (or LARS on SGD) overrides it with per-tensor norms, which on
+    a flat shard would be norms of fragments. A subclass that is elementwise anyway says so with
+    ``minizero_elementwise = True``."""
+    cls = type(optimizer)
+    if getattr(cls, "minizero_elementwise", False):
+        return
+    want = inspect.unwrap(base.step)  # torch wraps step with profiling hooks; compare the code
+    for c in cls.__mro__[: cls.__mro__.index(base)]:
+        step = None if c.__dict__.get("minizero_wraps_step") else c.__dict__.get("step")
+        if step is not None and inspect.unwrap(step) is not want:
+            raise TypeError(
+                f"{cls.__name__}.step overrides {base.__name__}.step: at stages 1-3 (and in mixed "
+                f"precision) each rank steps flat fragments of the parameters, so a step that "
+                f"uses per-tensor norms (LAMB, LARS) would compute them over fragments. Use "
+                f"stage=0 with precision='fp32', or, if your step is elementwise, set "
+                f"{cls.__name__}.minizero_elementwise = True"
+            )
+
+
+def refuse_sparse_adam(optimizer: torch.optim.Optimizer) -> None:
+    """SparseAdam updates only the rows present in a sparse gradient; minizero's gradients are
+    dense (a bucket holds every element), so it would see none of its kind."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            "SparseAdam needs sparse gradients, and minizero makes every gradient dense (its "
+            "buckets are flat dense buffers; nn.Embedding(sparse=True) works, with a dense "
+            "gradient). Use an optimizer that takes dense gradients: SGD or Adagrad step a dense "
+            "gradient exactly as its sparse form; Adam or AdamW also update the moments of rows "
+            "not in the batch, which SparseAdam skips."
+        )
+
+
+# -- an optimizer built after wrapping (FSDP2's order) ---------------------------------------------
+def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
+    """Make an optimizer built over ``stage.module``'s parameters *after* wrapping (FSDP2's
+    ``fully_shard(model); opt = AdamW(model.parameters())``) the one ``parallelize`` would have
+    returned: the same checks, :func:`regroup` and :func:`attach`. False when it holds none of
+    this wrapper's parameters; an optimizer over some of them and other tensors (another model's,
+    another wrapper's) is refused."""
+    if isinstance(optimizer, StageStep):
+        return getattr(optimizer, "_wrapper", None) is stage
+    mine = {id(p) for p in stage.module.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    ours = sum(id(p) in mine for p in held)
+    if ours == 0:
+        return False
+    if ours != len(held):
+        raise ValueError(
+            f"this {type(optimizer).__name__} holds {ours} parameter(s) of a model wrapped by "
+            f"minizero.parallelize ({type(stage).__name__}) and {len(held) - ours} other "
+            "tensor(s) (another model's, or another wrapper's): each wrapper steps its own "
+            "parameters (its shards, at stages 1-3). Build one optimizer per wrapped model, over "
+            "its model.parameters() or param groups of them"
+        )
+    refuse_sparse_adam(optimizer)
+    if stage.stage > 0 or stage.precision.master:
+        check_elementwise(optimizer)
+    regroup(optimizer, stage, stage.module)
+    attach(optimizer, stage)
+    return True
+
+
+def adopt_on_first_step(stage) -> RemovableHandle:
+    """Adopt (:func:`adopt`) any torch optimizer over ``stage``'s parameters at its first
+    ``step()``, through torch's optimizer step pre-hook. One hook per wrapper, holding it weakly
+    and removed with it; an optimizer already adopted, or over other parameters, costs one check.
+
+    When the hook runs, the first ``step()`` is already inside the class's own step, so for that
+    call the stage's part runs around it here: the closure and ``before_step`` now, ``after_step``
+    and ``end_step`` in a one-off step post-hook; :class:`StageStep` does it from the next call."""
+    ref = weakref.ref(stage)
+
+    def pre(optimizer, args, kwargs):
+        s = ref()
+        if s is None or isinstance(optimizer, StageStep) or not adopt(optimizer, s):
+            return None
+        return _first_step(optimizer, s, args, kwargs)
+
+    handle = register_optimizer_step_pre_hook(pre)
+    weakref.finalize(stage, handle.remove)
+    return handle
+
+
+def _first_step(optimizer, stage, args: tuple, kwargs: dict):
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is not None and getattr(optimizer, "_minizero_closure_through", False):
+        return None  # fp32 DDP with a closure (LBFGS): as StageStep.step, the class's own step
+    if closure is not None:  # elementwise optimizers call the closure once, first: here
+        with torch.enable_grad():
+            loss = closure()
+        args, kwargs = args[:1], {**kwargs, "closure": lambda: loss}
+    stage.before_step()  # False (fp16 overflow): no fragment got a gradient, nothing steps
+
+    def post(optimizer, args, kwargs) -> None:
+        once.remove()
+        stage.after_step()
+        stage.end_step()
+
+    once = optimizer.register_step_post_hook(post)
+    return args, kwargs
