@@ -346,3 +346,19 @@ def bn_wrapped(spec: str, stage: int) -> tuple[nn.Module, torch.optim.Optimizer]
         model = nn.parallel.DistributedDataParallel(model)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return minizero.parallelize(model, stage, torch.optim.SGD(model.parameters(), 0.1, 0.9))
+
+
+def accumulate_step(model, opt, stage: int, micro: int, x, y, once: bool = False) -> None:
+    """One optimizer step of ``micro`` backwards on ``(x, y)``, as lesson 08 runs them: stages 0-1
+    accumulate under ``no_sync`` (stages 2-3 reduce every backward); ``once``: HSDP's replicate
+    all-reduce at the last micro-batch only (FSDP2's ``set_requires_all_reduce``)."""
+    for m in range(micro):
+        if once:
+            model.set_requires_all_reduce(m == micro - 1)
+        if m < micro - 1 and stage < 2:
+            with model.no_sync():
+                model(x, y).backward()
+        else:
+            model(x, y).backward()
+    opt.step()
+    opt.zero_grad()

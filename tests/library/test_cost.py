@@ -217,14 +217,7 @@ def _steps(stage: int, links: dict | None) -> dict:
     x, y = H.local_batch("mlp", 0, rank, world)
 
     def step():
-        for m in range(MICRO):
-            if m < MICRO - 1 and stage < 2:
-                with model.no_sync():
-                    model(x, y).backward()
-            else:
-                model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+        H.accumulate_step(model, opt, stage, MICRO, x, y)
 
     step()  # warm-up: stage 3 records its order
     with C.CommLedger(node_size=1) as ledger:

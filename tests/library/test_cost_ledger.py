@@ -40,21 +40,6 @@ CONFIGS = {  # name: (cost.Config options, parallelize options; "mesh": the 2 x 
 }  # fmt: skip
 
 
-def _step(model, opt, stage: int, micro: int, x, y, once: bool = False) -> None:
-    """One optimizer step of ``micro`` micro-batches; stages 0-1 accumulate under no_sync;
-    ``once``: HSDP's replicate all-reduce at the last micro-batch only (FSDP2's switch)."""
-    for m in range(micro):
-        if once:
-            model.set_requires_all_reduce(m == micro - 1)
-        if m < micro - 1 and stage < 2:
-            with model.no_sync():
-                model(x, y).backward()
-        else:
-            model(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def _ledgers() -> dict:
     """On each rank, for each configuration and micro-batch count: the buckets' (units') padded
     sizes and the (group, op, bytes) of every collective of one optimizer step."""
@@ -70,9 +55,11 @@ def _ledgers() -> dict:
                                           **cap, **opts)  # fmt: skip
         x, y = H.local_batch("gpt", 0, rank, world)
         for micro in MICRO:
-            _step(model, opt, stage, micro, x, y, once)  # warm-up: stage 3 records its order
+            H.accumulate_step(
+                model, opt, stage, micro, x, y, once
+            )  # warm-up: stage 3 records its order
             with C.CommLedger(node_size=NODE) as ledger:
-                _step(model, opt, stage, micro, x, y, once)
+                H.accumulate_step(model, opt, stage, micro, x, y, once)
             out[name, micro] = dict(
                 sizes=[b.padded for b in model.buckets],
                 records=[(r.group, r.op, r.nbytes) for r in ledger.records],
