@@ -32,6 +32,7 @@ from minizero.course.checks.common import (
     rank_device,
     run_info,
     two_ranks_hint,
+    within,
 )
 from minizero.launcher import gpu_count
 from minizero.models import GPTConfig, TinyGPT, count_params
@@ -221,7 +222,11 @@ def check_predict_peak(
             f"  {case.describe():58} predicted {format_bytes(total):>10}, "
             f"measured {format_bytes(m['peak']):>10} ({(total - m['peak']) / m['peak']:+.0%})"
         )
-        if abs(got["model_states"] - m["states"]) > STATES_RTOL * m["states"]:
+        if not within(
+            abs(got["model_states"] - m["states"]),
+            STATES_RTOL * m["states"],
+            "05 model states (formula vs measured)",
+        ):
             at_two = sum(paper_model_state_bytes(m["psi"], 2, case.stage, "bf16").values())
             if case.world != 2 and abs(got["model_states"] - at_two) <= STATES_RTOL * at_two:
                 raise CheckFailed(
@@ -235,7 +240,7 @@ def check_predict_peak(
                 f"per parameter (Ψ = {m['psi']:,}): which of parameters, gradients and optimizer "
                 f"states does stage {case.stage} divide by N?"
             )
-        if abs(total - m["peak"]) > PEAK_RTOL * m["peak"]:
+        if not within(abs(total - m["peak"]), PEAK_RTOL * m["peak"], "05 peak (model vs measured)"):
             split = ""
             if m["at_peak"] is not None:
                 a = m["at_peak"]
