@@ -122,8 +122,8 @@ def run_nanogpt(src: Path, work: Path, iters: int, timeout: float, threads: int 
     it, tr, va = evals[-1]
     name = "nanoGPT train.py" + ("" if threads is None else f", {threads} thread(s)")
     return {"name": name, "iter": int(it), "val": float(va),
-            "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak,
-            "load": load}  # fmt: skip
+            "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak, "load": load,
+            "evals": [[int(i), float(t), float(v)] for i, t, v in evals]}  # fmt: skip
 
 
 def run_minizero(stage: int, nprocs: int, work: Path, iters: int, timeout: float) -> dict:
@@ -135,8 +135,8 @@ def run_minizero(stage: int, nprocs: int, work: Path, iters: int, timeout: float
     h = json.loads((out / "history.json").read_text())
     it, _, va = h["evals"][-1]
     return {"name": f"minizero train, stage {stage}, {nprocs} ranks", "iter": it, "val": va,
-            "wall_s": wall, "iter_ms": h["step_ms"], "peak": max(h["rss"]),
-            "load": load}  # fmt: skip
+            "wall_s": wall, "iter_ms": h["step_ms"], "peak": max(h["rss"]), "load": load,
+            "evals": h["evals"]}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -221,68 +221,32 @@ def parser() -> argparse.ArgumentParser:
     for flag, what in ints.items():
         p.add_argument(f"--{flag}", type=positive_int, default=getattr(d, flag.replace("-", "_")),
                        help=f"{what} (default %(default)s)")  # fmt: skip
-    p.add_argument(
-        "--lr-decay-iters",
-        type=positive_int,
-        default=None,
-        help="where the cosine decay reaches --min-lr (default: --max-iters)",
-    )
-    p.add_argument(
-        "--learning-rate",
-        type=positive_float,
-        default=d.learning_rate,
-        help="peak learning rate (default %(default)s)",
-    )
-    p.add_argument(
-        "--min-lr",
-        type=positive_float,
-        default=d.min_lr,
-        help="learning rate at the end of the decay (default %(default)s)",
-    )
-    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout (default 0.0)")
-    p.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="parameter and gradient precision of the wrapper (default fp32)",
-    )
-    p.add_argument(
-        "--mesh",
-        type=mesh_arg,
-        default=None,
-        metavar="R,S",
-        help="HSDP: R replicas of S ranks that shard (R x S = the ranks); no checkpoint",
-    )
-    p.add_argument(
-        "--out-dir",
-        default="runs/train",
-        help="checkpoint, history.json and loss.png go here (default runs/train)",
-    )
-    p.add_argument(
-        "--resume",
-        default=None,
-        metavar="CKPT",
-        help="continue from this checkpoint, at any stage and world size",
-    )
-    p.add_argument(
-        "--sample-tokens",
-        type=int,
-        default=d.sample_tokens,
-        help="characters generated at the end (default %(default)s; 0: none)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="data and weights seed (default 1337)")
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "gloo", "nccl"],
-        help="auto: one rank per GPU over NCCL where each rank has a GPU, else gloo",
-    )
-    p.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=7200.0,
-        help="seconds the ranks may run before they are stopped (default 7200)",
-    )
+    more = [  # (flag, argparse keywords, help)
+        ("--learning-rate", {"type": positive_float, "default": d.learning_rate},
+         "peak learning rate (default %(default)s)"),
+        ("--min-lr", {"type": positive_float, "default": d.min_lr},
+         "learning rate at the end of the decay (default %(default)s)"),
+        ("--lr-decay-iters", {"type": positive_int, "default": None},
+         "where the cosine decay reaches --min-lr (default: --max-iters)"),
+        ("--dropout", {"type": float, "default": d.dropout}, "dropout (default 0.0)"),
+        ("--precision", {"choices": ["fp32", "bf16", "fp16"], "default": "fp32"},
+         "parameter and gradient precision of the wrapper (default fp32)"),
+        ("--mesh", {"type": mesh_arg, "default": None, "metavar": "R,S"},
+         "HSDP: R replicas of S ranks that shard (R x S = the ranks); no checkpoint"),
+        ("--out-dir", {"default": "runs/train"},
+         "checkpoint, history.json and loss.png go here (default runs/train)"),
+        ("--resume", {"default": None, "metavar": "CKPT"},
+         "continue from this checkpoint, at any stage and world size"),
+        ("--sample-tokens", {"type": int, "default": d.sample_tokens},
+         "characters generated at the end (default %(default)s; 0: none)"),
+        ("--seed", {"type": int, "default": d.seed}, "data and weights seed (default 1337)"),
+        ("--backend", {"choices": ["auto", "gloo", "nccl"], "default": "auto"},
+         "auto: one rank per GPU over NCCL where each rank has a GPU, else gloo"),
+        ("--timeout", {"type": positive_float, "default": 7200.0},
+         "seconds the ranks may run before they are stopped (default 7200)"),
+    ]  # fmt: skip
+    for flag, kw, what in more:
+        p.add_argument(flag, help=what, **kw)
     return p
 
 
