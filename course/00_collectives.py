@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.collectives import all_gather, reduce_scatter
 from minizero.course import checks, hint
 from minizero.course.checks import lesson00
@@ -167,9 +168,9 @@ lesson00.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
 # %% [markdown]
 # ## 3. Measuring a collective
 #
-# Every collective in minizero goes through `minizero.collectives`, which records it in any open
-# `CommLedger`: op, dtype, size, time, and the ZeRO paper's volume. Sizes and bandwidths follow
-# **nccl-tests** (its `doc/PERFORMANCE.md`):
+# Every collective in minizero goes through `minizero.collectives`, and any open `CommLedger`
+# (`minizero/analysis/ledger.py`) records it: op, dtype, size, time, and the ZeRO paper's
+# volume. Sizes and bandwidths follow **nccl-tests** (its `doc/PERFORMANCE.md`):
 #
 # * `S` is the full size in bytes: the tensor of an all-reduce; the *input* of a reduce-scatter;
 #   the *output* of an all-gather;
@@ -186,7 +187,7 @@ def volumes():
     world, dev = dist.get_world_size(), checks.rank_device()
     full = torch.ones(1200, device=dev)  # (S,), divisible by 2, 3, 4, 5, 6, 8
     shard = torch.empty(1200 // world, device=dev)  # (S/N,)
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         C.all_reduce(full, tag="all-reduce")
         C.reduce_scatter(shard, full, tag="reduce-scatter half")
         C.all_gather(full, shard, tag="all-gather half")
@@ -218,7 +219,7 @@ def ledger_cost(calls=200):
     dev = checks.rank_device()
     x = torch.zeros(1024, device=dev)  # (1024,) float32: 4 KiB, where a fixed cost shows most
     caller = []
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         for _ in range(calls):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -277,7 +278,7 @@ def bandwidth(progress):
             shard = torch.empty(n // world, device=dev)  # (S/N,)
             CALLS[op](full, shard)  # warm-up: connections, buffers
             repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 for _ in range(repeats):
                     CALLS[op](full, shard)
             median = sorted(ledger.records, key=lambda r: r.seconds)[repeats // 2]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.analysis import timeline
+from minizero.analysis.ledger import CommLedger
 from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
 from minizero.course import checks, hint, plots
@@ -148,7 +149,7 @@ def naive_volume():
 
     torch.manual_seed(0)
     model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         gpt_step(model, 0)
     end = next(i for i, label in ledger.marks if label == "backward end")
     after = sum(r.index > end for r in ledger.records)
@@ -454,7 +455,7 @@ def compare(progress, steps=7):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 gpt_step(model, step)
             if dev.type == "cuda":
                 torch.cuda.synchronize()

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.course import checks, compare, hint, plots
 from minizero.course.checks.lesson06 import check_owned_tensors
@@ -86,7 +87,7 @@ def who_computes_what():
         m.register_forward_pre_hook(lambda m, a, n=names[m], ps=params: before(m, a, n, ps))
         m.register_forward_hook(lambda m, a, out, n=names[m], ps=params: after(m, a, out, n, ps))
     x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world, device=dev)  # (4, T)
-    with C.CommLedger() as ledger, FlopCounterMode(display=False) as flops:
+    with CommLedger() as ledger, FlopCounterMode(display=False) as flops:
         net(x, y)
     with FlopCounterMode(display=False) as plain_flops:
         plain(x, y)
@@ -230,10 +231,10 @@ def step_ledgers():
     for stage in range(4):
         model, batch = compare.workload("mlp", 4, dev)
         psi = count_params(model)
-        with C.CommLedger() as setup:
+        with CommLedger() as setup:
             net, opt = parallelize(model, stage, adamw)
         for step in range(2):  # step 0 warms up; step 1 is recorded
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 net(*batch(step)).backward()
                 opt.step()
                 opt.zero_grad()
@@ -512,7 +513,7 @@ def torch_zero_vs_stage1():
         for step in range(3):
             x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
             model(x, y).backward()
-            with C.CommLedger() as ledger, mock.patch.object(zro_module, "dist", LedgeredDist()):
+            with CommLedger() as ledger, mock.patch.object(zro_module, "dist", LedgeredDist()):
                 for p in model.parameters():  # DDP: the average gradient on every rank
                     C.all_reduce(p.grad, tag="ddp")
                     p.grad /= world
@@ -534,7 +535,7 @@ def torch_zero_vs_stage1():
             continue
         for step in range(2):
             x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 net(x, y).backward()
                 opt.step()
                 opt.zero_grad()

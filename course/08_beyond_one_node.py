@@ -37,6 +37,7 @@ import torch.distributed as dist
 import minizero
 from minizero import collectives as C
 from minizero.analysis import cost
+from minizero.analysis.ledger import CommLedger, name_group
 from minizero.analysis.memory import format_bytes
 from minizero.analysis.simulate import short_psi
 from minizero.course import checks, hint, plots
@@ -94,8 +95,7 @@ def on_nodes(progress):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes = [
-        C.name_group(dist.new_group(list(range(k, k + NODE))), "node")
-        for k in range(0, world, NODE)
+        name_group(dist.new_group(list(range(k, k + NODE))), "node") for k in range(0, world, NODE)
     ]  # fmt: skip  (made on every rank, in order)
     mesh = init_device_mesh("cpu", (world // NODE, NODE), mesh_dim_names=("replicate", "shard"))
     x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world)  # (4, T) this rank's
@@ -111,7 +111,7 @@ def on_nodes(progress):
 
         step = functools.partial(one_step, model, opt, stage, x, y)
         step()  # warm-up (stage 3 records the order of its units)
-        with C.CommLedger(node_size=NODE) as ledger:
+        with CommLedger(node_size=NODE) as ledger:
             step()
         res = dict(
             node_bytes=ledger.node_bytes()["total"],
@@ -234,12 +234,12 @@ for name, (kw, _) in MORE.items():
 # world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
 #
 # How often step 2 runs. With several micro-batches per step, minizero's HSDP all-reduces across
-# nodes after **every** backward at stages 2-3 by default (minizero/zero2.py's `finish_in_flight`
-# hands each shard to `hsdp.Replicas`), and once per step at stage 1 (section 1's table:
-# "replicate" carries MICRO times more at stages 2-3). FSDP2 does the same by default and offers
-# the switch, which minizero's stages 2-3 take under the same name:
-# `model.set_requires_all_reduce(False)` on all but the last micro-batch keeps the reduce-scattered
-# shards and all-reduces them once (pytorch/pytorch,
+# nodes after **every** backward at stages 2-3 by default (minizero/hsdp.py's
+# `finish_in_flight`, around the stage's, hands each shard to `Replicas`), and once per step at
+# stage 1 (section 1's table: "replicate" carries MICRO times more at stages 2-3). FSDP2 does the
+# same by default and offers the switch, which minizero's HSDP at stages 2-3 takes under the same
+# name: `model.set_requires_all_reduce(False)` on all but the last micro-batch keeps the
+# reduce-scattered shards and all-reduces them once (pytorch/pytorch,
 # `torch/distributed/fsdp/_fully_shard/_fully_shard.py`); DeepSpeed's MiCS all-reduces once, at
 # the accumulation boundary (minizero too, if the switch stays False: the step averages what is
 # held). The cost model prices either (`cost.Config(..., replicate_every_microbatch=False)`), and
@@ -411,7 +411,7 @@ def layouts(progress):
         losses, held = [], 0
         for step in range(STEPS):
             x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world)
-            with C.CommLedger(node_size=NODE) as ledger:
+            with CommLedger(node_size=NODE) as ledger:
                 loss = model(x, y)
                 held = max(held, held_bytes(model))  # between forward and backward
                 loss.backward()

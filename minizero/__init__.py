@@ -12,9 +12,9 @@ Three layers, and dependencies point one way (library <- analysis, checkpoint, l
   ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's attributes, ...),
   composed around the core through ``data_parallel.Extension``; the core never imports it.
 * subpackages named for what they are: ``launcher/`` (run a function on N ranks; torchrun),
-  ``checkpoint/`` (save, load, reshard, consolidate), ``analysis/`` (memory meters, a step's
-  memory budget, the timeline of collectives, ZeRO's Table 1 simulated), ``tools/``
-  (``bench``, ``demo``, ``doctor``, the command line's shared parser).
+  ``checkpoint/`` (save, load, reshard, consolidate), ``analysis/`` (the ledger of collectives,
+  memory meters, a step's memory budget, the timeline of collectives, ZeRO's Table 1 simulated),
+  ``tools/`` (``bench``, ``demo``, ``doctor``, the command line's shared parser).
 * the course machinery, ``minizero/course/``: notebooks built from ``course/*.py``, students'
   copies, grading, the check cells (``checks/lessonNN.py``), the lessons' figures.
 
@@ -25,7 +25,8 @@ name                    file                            lesson
 ======================  ==============================  =====================================
 launch, plan            minizero/launcher/__init__.py   00_collectives
 (the ranks' processes)  minizero/launcher/ranks.py      00_collectives
-all_reduce, CommLedger  minizero/collectives.py         00_collectives
+all_reduce, broadcast   minizero/collectives.py         00_collectives
+CommLedger, name_group  minizero/analysis/ledger.py     00_collectives
 ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
@@ -52,6 +53,7 @@ save/load_checkpoint    minizero/checkpoint/            07_checkpoints
 
 __version__ = "0.1.0"
 
+from minizero.analysis.ledger import CommLedger, CommRecord  # noqa: E402
 from minizero.analysis.memory import (  # noqa: E402
     PAPER_TABLE1,
     MemoryMeter,
@@ -69,8 +71,6 @@ from minizero.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from minizero.collectives import (  # noqa: E402
-    CommLedger,
-    CommRecord,
     all_gather,
     all_reduce,
     broadcast,

@@ -38,11 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
-from minizero import hsdp
-from minizero.precision import LossScaler, Precision, floating, full_dtype, resolve
+from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +117,6 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
-        replicate_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -130,7 +127,6 @@ class DataParallel(nn.Module):
         self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
         self.module = module
         self.group = process_group
-        self.replicate_group = replicate_group  # HSDP: the ranks holding my shard (hsdp.py)
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -147,7 +143,7 @@ class DataParallel(nn.Module):
         self.habits = self.extension(self)  # before any hook of the stage (minizero/habits/)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
-                hsdp.broadcast(t.data, process_group, replicate_group, tag="initial state")
+                self.broadcast_from_rank0(t.data, "initial state")
 
     def __getattr__(self, name: str):
         try:
@@ -156,6 +152,10 @@ class DataParallel(nn.Module):
             if "habits" not in self.__dict__:
                 raise
         return self.habits.missing_attribute(name)  # (outside the except: no chained error)
+
+    def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
+        """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes too, hsdp.py)."""
+        C.broadcast(t, src=0, group=self.group, tag=tag)
 
     def cast_working(self) -> None:
         """Cast the working copy to 16 bits (2Ψ bytes), after the fp32 masters were taken."""
@@ -187,20 +187,16 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
-                    hsdp.broadcast(buf, self.group, self.replicate_group, tag="buffers")
+                    self.broadcast_from_rank0(buf, "buffers")
         self.sync_buffers = torch.is_grad_enabled() and self.require_sync
         dtype = self.precision.param_dtype
         if self.precision.cast_forward_inputs and dtype != torch.float32:  # 16 bits, or fp64
-            cast = lambda t: t.to(dtype) if floating(t) else t
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            args, kwargs = cast_floating((args, kwargs), dtype)
         out = self.module(*args, **kwargs)
         if self.precision.output_dtype is not None:
-            out_dtype = self.precision.output_dtype
-            out = tree_map(lambda t: t.to(out_dtype) if floating(t) else t, out)
+            out = cast_floating(out, self.precision.output_dtype)
         if self.scaler is not None and torch.is_grad_enabled():
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self.scaler.scale_grad)  # fp16: backward sees loss * scale
+            self.scaler.scale_backward(out)  # fp16: backward sees loss * scale
         return out
 
     @contextmanager
@@ -259,11 +255,10 @@ class DataParallel(nn.Module):
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
             full = full_dtype(self.precision)
             self.averaged = [None if g is None else g.to(full) for g in self.reduce_gradients()]
-            if self.grads_ok is None:  # fp16: unscale; every rank skips the step on an inf
-                dev = self.params[0].device
-                self.grads_ok = self.scaler is None or self.scaler.unscale(
-                    self.averaged, self.group, dev
-                )
+            dev = self.params[0].device  # fp16: unscale; every rank skips the step on an inf
+            self.grads_ok = self.scaler is None or self.scaler.unscale(
+                self.averaged, self.group, dev
+            )
         return self.averaged
 
     def before_step(self) -> bool:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
@@ -140,7 +139,6 @@ class DDP(DataParallel):
         for w in self.works:
             w.wait()
         self.works.clear()
-        hsdp.average_replicas(self.grad_buffers, self.replicate_group, "ddp replicas")
 
     def backward_end(self) -> None:
         if not self.require_sync:

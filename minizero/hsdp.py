@@ -4,7 +4,10 @@ The reference is FSDP2's HSDP, ``fully_shard(model, mesh=mesh)`` with a 2-D ``De
 dims are (replicate, shard) (torch/distributed/fsdp/_fully_shard/_fully_shard.py; the reduction:
 _fsdp_collectives.py's ``foreach_reduce``, a reduce-scatter over the shard dim, then an
 all-reduce of the shard over the replicate dim). DeepSpeed calls the same layout MiCS (Zhang et
-al., arXiv 2205.00119). minizero builds it from its stages with one more group:
+al., arXiv 2205.00119). minizero composes it around its stages, as FSDP2 composes
+``FSDPModule`` around a module's class: ``hybrid(ZeRO2)`` is ``HSDPZeRO2(HSDP, ZeRO2)``, whose
+:class:`HSDP` methods add the second group around the stage's own (the stage files know nothing
+of it). ``parallelize`` builds it from a mesh:
 
     mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
     model, optimizer = minizero.parallelize(model, 3, optimizer, mesh=mesh)
@@ -36,8 +39,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minizero import collectives as C
+from minizero.analysis.ledger import name_group
+from minizero.data_parallel import DataParallel
 from minizero.precision import divides_before_sum
 
 MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, dim 1 inside one
@@ -62,17 +68,9 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             f"the mesh has {mesh.size()} ranks and the world {dist.get_world_size()}: "
             f"minizero's HSDP needs a mesh over every rank, {make}"
         )
-    shard = C.name_group(mesh.get_group("shard"), "shard")
-    replicate = C.name_group(mesh.get_group("replicate"), "replicate")
+    shard = name_group(mesh.get_group("shard"), "shard")
+    replicate = name_group(mesh.get_group("replicate"), "replicate")
     return shard, replicate
-
-
-def broadcast(t: torch.Tensor, group, replicate_group, tag: str) -> None:
-    """Global rank 0's ``t`` to every rank: over ``replicate_group`` first (the first node's
-    values to the same shard rank on every node), then over ``group`` (a node)."""
-    if replicate_group is not None:
-        C.broadcast(t, src=0, group=replicate_group, tag=tag)
-    C.broadcast(t, src=0, group=group, tag=tag)
 
 
 def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: str) -> None:
@@ -81,6 +79,80 @@ def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: 
     C.all_reduce(t, op=op, group=group, tag=tag)
     if replicate_group is not None:
         C.all_reduce(t, op=op, group=replicate_group, tag=tag)
+
+
+def on_mesh(
+    stage: type[DataParallel], mesh, process_group: dist.ProcessGroup | None, options: dict
+) -> tuple[type[DataParallel], dist.ProcessGroup | None, dict]:
+    """``parallelize(..., mesh=mesh)``: the class, group and options of ``stage`` on a mesh.
+    Stage 0 with a mesh is DDP over every rank (the world group)."""
+    if process_group is not None:
+        raise TypeError("pass a mesh (HSDP) or a process_group (one dimension), not both")
+    shard, replicate = mesh_groups(mesh)
+    if stage.stage == 0:
+        return stage, None, options
+    return hybrid(stage), shard, {**options, "replicate_group": replicate}
+
+
+def hybrid(stage: type[DataParallel]) -> type[DataParallel]:
+    """``stage`` (ZeRO1, ZeRO2, ZeRO3 or a subclass) with HSDP's second group: FSDP2's way of
+    composing (``FSDPModule`` before the module's class), ``HSDPZeRO2`` for ZeRO2."""
+    return _HYBRIDS.setdefault(stage, type(f"HSDP{stage.__name__}", (HSDP, stage), {}))
+
+
+class HSDP:
+    """What a mesh adds to a ZeRO stage, placed before it in the class (:func:`hybrid`): the stage
+    runs on the shard group (``process_group``) as on a world of N_s ranks, and this averages each
+    gradient shard over ``replicate_group``. Every rank starts from global rank 0's state."""
+
+    def __init__(self, module: nn.Module, *, replicate_group: dist.ProcessGroup, **options) -> None:
+        self.replicate_group = replicate_group  # before the stage broadcasts the initial state
+        self.replicas = Replicas(replicate_group)
+        super().__init__(module, **options)
+        self.same_module_group = None  # stage 3: the ranks of every node run the same modules
+
+    def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
+        """Over ``replicate_group`` first (the first node's values to the same shard rank on
+        every node), then over the node (the stage's group)."""
+        C.broadcast(t, src=0, group=self.replicate_group, tag=tag)
+        super().broadcast_from_rank0(t, tag)
+
+    def finish_in_flight(self) -> None:
+        """Stages 2-3: the chunk of the reduce-scatter in flight, averaged over this node, is
+        averaged over the nodes (now, or once later: :class:`Replicas`) into the shard."""
+        if self.in_flight is None:
+            return
+        b, work, _buf, chunk = self.in_flight
+        work.wait()
+        if not divides_before_sum(chunk):
+            chunk.div_(self.world)
+        self.replicas.add(self.grad_shards, b.index, chunk, f"zero2 replicas {b.index}")
+        self.in_flight = None
+
+    def reduce_gradients(self) -> list[torch.Tensor | None]:
+        shards = super().reduce_gradients()  # (shard,) per bucket, averaged over this node
+        if self.stage == 1:  # reduced at the step: each chunk over the nodes, now
+            average_replicas(shards, self.replicate_group, "zero1 replicas")
+        else:  # reduced in backward: what waited for the step (set_requires_all_reduce)
+            self.replicas.flush(shards, "zero2 replicas")
+        return shards
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """FSDP2's switch for HSDP's gradient accumulation at stages 2-3: False, and the
+        backwards that follow average their shards over the nodes once, not each."""
+        self.replicas.requires_all_reduce = bool(requires)
+
+    def reset_grads(self, set_to_none: bool) -> None:
+        self.replicas.clear()
+        super().reset_grads(set_to_none)
+
+
+_HYBRIDS: dict[type, type] = {}  # stage class -> its HSDP class, made once
+
+
+def replicate_group(wrapper: DataParallel) -> dist.ProcessGroup | None:
+    """The wrapper's replicate group: None without a mesh."""
+    return wrapper.replicate_group if isinstance(wrapper, HSDP) else None
 
 
 class Replicas:

@@ -23,7 +23,6 @@ import hashlib
 from typing import Protocol
 
 import torch
-from torch import nn
 
 
 class Wrapper(Protocol):
@@ -46,20 +45,20 @@ class StageStep:
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """torch's GradScaler asks this. Where this rank holds only shards (stages 1-3, fp32
-        masters) its inf check would be this rank's alone, so ranks could disagree on skipping a
-        step (FSDP has a ShardedGradScaler for this): True sends GradScaler to ``step()``,
-        which refuses it by name. fp32 DDP: False, GradScaler works as with torch DDP."""
-        return not getattr(self, "_minizero_closure_through", False)
-
-    def step(self, closure=None):
-        if "found_inf" in self.__dict__:  # set by torch's GradScaler.step (see above)
+        """torch's GradScaler asks this in its ``step``, and only there. Where this rank holds
+        only shards (stages 1-3, fp32 masters) its inf check would be this rank's alone, so ranks
+        could disagree on skipping a step (FSDP has a ShardedGradScaler for this): refused here,
+        by name. fp32 DDP: False, GradScaler works as with torch DDP."""
+        if not getattr(self, "_minizero_closure_through", False):
             raise RuntimeError(
                 "torch's GradScaler cannot see whole gradients here (each rank holds a shard, "
                 "so its inf check is not global): drop GradScaler and fp16 autocast and pass "
                 "precision='fp16' to minizero.parallelize, which scales the loss and checks "
                 "every rank's shards; or use bf16 autocast, which needs no scaler"
             )
+        return False
+
+    def step(self, closure=None):
         loss = None
         if closure is not None and getattr(self, "_minizero_closure_through", False):
             # fp32 DDP: the optimizer holds the parameters themselves; a closure (LBFGS calls it
@@ -136,53 +135,23 @@ class StageStep:
         return {"optimizer": tensors}
 
 
-def regroup(optimizer: torch.optim.Optimizer, wrapper: Wrapper, module: nn.Module) -> None:
-    """Swap each param group's parameters of ``module`` for this rank's fragments of them."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"parallelize takes a torch.optim.Optimizer built over the model's parameters, or a "
-            f"function params -> optimizer; got {type(optimizer).__name__}. (A list of optimizers "
-            f"is not supported: put every parameter in one optimizer, with param groups.)"
-        )
-    if not _fresh(optimizer):
-        raise ValueError(
-            "the optimizer has already stepped (its state is not empty): build it fresh, pass it "
-            "to parallelize, and load a checkpoint afterwards"
-        )
-    group_of: dict[int, int] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) in group_of:
-                raise ValueError("a parameter appears in two param groups")
-            group_of[id(p)] = gi
-    optimizer._minizero_trains = set(group_of)  # id(param) of every parameter it steps
-    known = {id(p) for p in module.parameters()}
-    strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
-    if strangers:
-        raise ValueError(
-            f"the optimizer holds {len(strangers)} tensor(s) that are not parameters of the model "
-            f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
-            f"param groups of them, before parallelize"
-        )
-    if not any(f.is_master for f in wrapper.fragments):
-        return  # fp32 DDP: the optimizer steps the parameters themselves, as the user built it
+def regroup(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> None:
+    """Swap each param group's parameters for this rank's fragments of them (stages 1-3, and a
+    16-bit working copy: the optimizer steps fp32 masters). A parameter outside every group is
+    not trained; one that has state already (Adagrad's sum) gives each fragment its range."""
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for f in wrapper.fragments:
-        if id(f.param) in group_of:  # a parameter outside every group is not trained
+        if id(f.param) in group_of:
             new[group_of[id(f.param)]].append(f.tensor)
     for group, params in zip(optimizer.param_groups, new, strict=True):
         group["params"] = params
-    if optimizer.state:  # built with its state (Adagrad's sum): each fragment gets its range
+    if optimizer.state:
         old = dict(optimizer.state)
         optimizer.state.clear()
         for f in wrapper.fragments:
             if f.param in old:
                 optimizer.state[f.tensor] = {k: _fragment_of(v, f) for k, v in old[f.param].items()}
-
-
-def _fresh(optimizer: torch.optim.Optimizer) -> bool:
-    """No state, or only the state an optimizer makes when built (Adagrad: step 0, sum)."""
-    return all("step" in st and float(st["step"]) == 0 for st in optimizer.state.values())
 
 
 def _fragment_of(value, f) -> object:
@@ -201,15 +170,6 @@ def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Op
     if not issubclass(cls, StageStep):
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     optimizer._wrapper = wrapper
-    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
-        # an LR scheduler built before parallelize wrapped the *old* class's step on the instance;
-        # wrap the new one the same way, so that step() runs the stage and the scheduler sees it
-        def step(*args, **kwargs):
-            optimizer._opt_called = True
-            return type(optimizer).step(optimizer, *args, **kwargs)
-
-        step._wrapped_by_lr_sched = True
-        optimizer.step = step
     optimizer._minizero_closure_through = not any(f.is_master for f in wrapper.fragments)
     return optimizer
 

@@ -24,7 +24,12 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.habits.optimizer import adopt_on_first_step, check_elementwise, refuse_sparse_adam
+from minizero.habits.optimizer import (
+    adopt_on_first_step,
+    check_optimizer,
+    keep_scheduler_step,
+    refuse_optimizer,
+)
 from minizero.optimizer import attach, regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
@@ -69,22 +74,14 @@ def parallelize(
     at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
     must be elementwise (SGD, Adam, AdamW, ... or subclasses). Without ``optimizer`` only the model
     is returned (FSDP2's order: ``model = parallelize(model, 3); opt = AdamW(model.parameters())``):
-    a torch optimizer over its parameters is adopted at its first ``step()`` (optimizer.py's
-    ``adopt``), as if it had been passed here. ``precision``: "fp32", "bf16", "fp16"
-    (adds dynamic loss scaling) or a :class:`minizero.Precision` (FSDP2's field names:
-    ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``).
-    ``bucket_cap_mb``: gradient bucket size in MiB (stages 0-2), torch DDP's rule: a bucket closes
-    once it reaches the cap; default 25, with a first bucket of 1 MiB (minizero/bucket.py).
-    ``process_group``: the ranks to train on (default: the world). ``mesh``: hybrid sharding
-    (HSDP, as FSDP2's ``fully_shard(mesh=2-D mesh)``): a 2-D ``DeviceMesh`` with dims
-    ("replicate", "shard"); stages 1-3 shard over "shard" and average each gradient shard over
-    "replicate"; stage 0 is DDP over every rank (minizero/hsdp.py).
-    ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean for torch DDP. Stage 3
-    also takes ``units`` (module classes or a predicate; default: the repeated blocks),
-    ``prefetch``, and ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ,
-    as FSDP2 defines it), ``quantize_weights`` (qwZ: int8 all-gathers) and
-    ``quantize_gradients`` (qgZ), which build minizero/zeropp.py's ZeROPlusPlus.
-    Under NCCL the model is moved to this rank's GPU.
+    a torch optimizer over its parameters is adopted at its first ``step()``, as if it had been
+    passed here (habits/optimizer.py). ``precision``: "fp32", "bf16", "fp16" (adds dynamic loss
+    scaling) or a :class:`minizero.Precision` (FSDP2's field names). ``bucket_cap_mb``: gradient
+    bucket size in MiB (stages 0-2), torch DDP's rule (minizero/bucket.py). ``process_group``: the
+    ranks to train on (default: the world). ``mesh``: hybrid sharding, a 2-D ``DeviceMesh``
+    (minizero/hsdp.py). ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean
+    for torch DDP. Stage 3's own options: :func:`stage3_class`. Under NCCL the model is moved to
+    this rank's GPU.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
@@ -92,53 +89,21 @@ def parallelize(
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    unknown = sorted(set(stage_options) - STAGE3_OPTIONS)
-    if unknown:
-        hints = " ".join(f"{k}: {TORCH_DDP_ONLY[k]}." for k in unknown if k in TORCH_DDP_ONLY)
-        raise TypeError(
-            f"parallelize() got unknown option(s) {unknown}; it takes precision, bucket_cap_mb, "
-            f"process_group, broadcast_buffers, find_unused_parameters, and at stage 3 "
-            f"{sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
-        )
-    if stage_options and stage != 3:
-        raise TypeError(f"{sorted(stage_options)}: only stage 3 takes these options")
-    if bucket_cap_mb is not None and stage == 3:
-        raise TypeError(
-            "stage 3 takes no bucket_cap_mb: its buckets are the units (units=..., default: the "
-            "repeated blocks), one all-gather and one reduce-scatter per unit"
-        )
+    cls = STAGES[stage]
+    if stage_options or (bucket_cap_mb is not None and stage == 3):
+        cls = stage3_class(stage, stage_options, bucket_cap_mb)
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
-    if mesh is not None:
-        if process_group is not None:
-            raise TypeError("pass a mesh (HSDP) or a process_group (one dimension), not both")
-        shard, replicate = hsdp.mesh_groups(mesh)
-        if stage > 0:  # (stage 0 with a mesh: DDP over every rank, the world group)
-            process_group, stage_options["replicate_group"] = shard, replicate
+    if mesh is not None:  # HSDP: shard inside a node, replicate across nodes (hsdp.py)
+        cls, process_group, stage_options = hsdp.on_mesh(cls, mesh, process_group, stage_options)
     policy = resolve(precision)
-    if optimizer is None:
-        built = None
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        built = optimizer
-    elif callable(optimizer):
-        built = optimizer([p for p in model.parameters() if p.requires_grad])
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"the optimizer function returned {type(built).__name__}, not one "
-                f"torch.optim.Optimizer; e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)"
-            )
-    else:
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
-            f"params -> optimizer, got {type(optimizer).__name__}"
-        )
-    if built is not None:
-        refuse_sparse_adam(built)
-        if stage > 0 or policy.master:
-            check_elementwise(built)
+    built = optimizer
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        built = build_optimizer(optimizer, model)  # a function params -> optimizer
+    if built is not None:  # refused by name, before anything is wrapped (habits/optimizer.py)
+        refuse_optimizer(built, sharded=stage > 0 or policy.master)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    cls = ZeROPlusPlus if set(stage_options) & ZEROPP_OPTIONS else STAGES[stage]
     wrapped = cls(
         model,
         precision=policy,
@@ -152,8 +117,51 @@ def parallelize(
     atexit.register(destroy_at_exit)
     if built is None:
         return wrapped
-    regroup(built, wrapped, model)
-    return wrapped, attach(built, wrapped)
+    check_optimizer(built, model)  # its parameters are the model's, once each (habits/)
+    if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
+        regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
+    return wrapped, keep_scheduler_step(attach(built, wrapped))  # (a scheduler built before)
+
+
+def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
+    """The class stage 3's options build. ``units`` (module classes or a predicate; default: the
+    repeated blocks), ``prefetch``, ``reshard_root``, ``check_modules`` (minizero/zero3.py); with
+    ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines
+    it), ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
+    minizero/zeropp.py's ZeROPlusPlus. Refuses, with what to do instead, an option that is not
+    stage 3's, and ``bucket_cap_mb`` at stage 3."""
+    unknown = sorted(set(options) - STAGE3_OPTIONS)
+    if unknown:
+        hints = " ".join(f"{k}: {TORCH_DDP_ONLY[k]}." for k in unknown if k in TORCH_DDP_ONLY)
+        raise TypeError(
+            f"parallelize() got unknown option(s) {unknown}; it takes precision, bucket_cap_mb, "
+            f"process_group, broadcast_buffers, find_unused_parameters, and at stage 3 "
+            f"{sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
+        )
+    if stage != 3:
+        raise TypeError(f"{sorted(options)}: only stage 3 takes these options")
+    if bucket_cap_mb is not None:
+        raise TypeError(
+            "stage 3 takes no bucket_cap_mb: its buckets are the units (units=..., default: the "
+            "repeated blocks), one all-gather and one reduce-scatter per unit"
+        )
+    return ZeROPlusPlus if set(options) & ZEROPP_OPTIONS else ZeRO3
+
+
+def build_optimizer(optimizer: OptimizerFn, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer(params)`` builds over the trainable parameters."""
+    if not callable(optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
+            f"params -> optimizer, got {type(optimizer).__name__}"
+        )
+    built = optimizer([p for p in model.parameters() if p.requires_grad])
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(
+            f"the optimizer function returned {type(built).__name__}, not one "
+            f"torch.optim.Optimizer; e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
+    return built
 
 
 def destroy_at_exit() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
 
 from minizero import collectives as C
 
@@ -108,6 +109,13 @@ class LossScaler:
         self._good_steps = 0
         self.skipped_in_a_row = 0
 
+    def scale_backward(self, out) -> None:
+        """Scale the gradient that enters backward through each floating tensor of ``out`` (the
+        model's output, any nesting) that requires grad."""
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self.scale_grad)
+
     def scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scale
 
@@ -152,6 +160,11 @@ class LossScaler:
 def floating(t) -> bool:
     """Whether ``t`` is a floating-point tensor (what a precision policy casts)."""
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def cast_floating(tree, dtype: torch.dtype):
+    """``tree`` (tensors in tuples, lists, dicts) with every floating tensor cast to ``dtype``."""
+    return tree_map(lambda t: t.to(dtype) if floating(t) else t, tree)
 
 
 def divides_before_sum(t: torch.Tensor) -> bool:

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from minizero import collectives as C
-from minizero import hsdp
 from minizero.bucket import Bucket, make_buckets
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
@@ -101,9 +100,7 @@ class ZeRO1(DDP):
     def reduce_gradients(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
         tensor. The local buffers keep this rank's own sums, so a second ``step()``, or more
-        backwards without ``zero_grad()``, reduce them again rightly. With a mesh (HSDP, as
-        FSDP2's: minizero/hsdp.py) each chunk is then averaged over the replicas, the ranks of
-        the other nodes that hold the same chunk."""
+        backwards without ``zero_grad()``, reduce them again rightly."""
         before = divides_before_sum(self.grad_buffers[0]) if self.grad_buffers else False
         if before:
             for g in self.grad_buffers:
@@ -121,7 +118,6 @@ class ZeRO1(DDP):
         if before:  # the local sums back (exact when N is a power of 2)
             for g in self.grad_buffers:
                 g.mul_(self.world)
-        hsdp.average_replicas(shards, self.replicate_group, "zero1 replicas")
         return shards  # (shard,) per bucket, averaged over ranks
 
     # -- the optimizer's side ----------------------------------------------------------------

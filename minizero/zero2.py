@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from minizero import collectives as C
-from minizero import hsdp
 from minizero.bucket import Bucket
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
@@ -54,12 +53,6 @@ class ZeRO2(ZeRO1):
         # (padded,) per bucket while it fills, until its reduce-scatter is done; else None
         self.grad_buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
-        self.replicas = hsdp.Replicas(self.replicate_group)  # HSDP: over the nodes, when
-
-    def set_requires_all_reduce(self, requires: bool) -> None:
-        """FSDP2's switch for HSDP's gradient accumulation: False, and the backwards that follow
-        average their shards over the nodes once, not each (:class:`~minizero.hsdp.Replicas`)."""
-        self.replicas.requires_all_reduce = bool(requires)
 
     @contextmanager
     def no_sync(self):
@@ -116,14 +109,12 @@ class ZeRO2(ZeRO1):
             work.wait()
             if not divides_before_sum(out):
                 out.div_(self.world)
-            # HSDP (a mesh, as FSDP2's; minizero/hsdp.py): then over the other nodes' replicas
-            self.replicas.add(self.grad_shards, b.index, out, f"zero2 replicas {b.index}")
+            self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
     backward_end = DDP.backward_end  # stage 2 reduces during backward again, as DDP does
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        self.replicas.flush(self.grad_shards, "zero2 replicas")  # HSDP: what waited for the step
         return self.grad_shards  # reduced during backward already (None: no backward since)
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
@@ -136,7 +127,6 @@ class ZeRO2(ZeRO1):
                 shard[f.offset : f.offset + f.numel].zero_()
 
     def reset_grads(self, set_to_none: bool) -> None:
-        self.replicas.clear()
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:

@@ -108,6 +108,7 @@ class ZeRO3(ZeRO2):
         self._module_index = {m: k for k, m in enumerate(self.units_of)}
         dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
         self.check_modules = check_modules and self.world > 1 and dev.type != "meta"
+        self.same_module_group = self.group  # the ranks check_modules compares (HSDP: all)
         self._check_device = dev
         for b in self.buckets:  # for the guard's message: which parameter, which unit, 1/N
             for p in b.params:
@@ -316,8 +317,7 @@ class ZeRO3(ZeRO2):
     # -- ranks must run the same modules ---------------------------------------------------------
     def _check_same_module(self, m: nn.Module, backward: bool) -> None:
         code = 2 * self._module_index[m] + backward
-        group = None if self.replicate_group is not None else self.group  # HSDP: every rank
-        U.check_same_module(code, self._module_names, group, self._check_device)
+        U.check_same_module(code, self._module_names, self.same_module_group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     def summon_full_params(self, writeback: bool = True):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
@@ -310,11 +310,11 @@ def ledger_step(spec: str, kind: str) -> dict[str, Any]:
     opt.zero_grad()
     quiet = None
     if spec in ("naive", "ddp", "stage0", "stage1"):
-        with C.CommLedger() as ledger, model.no_sync():
+        with CommLedger() as ledger, model.no_sync():
             model(x, y).backward()
         quiet = len(ledger.records)
         opt.zero_grad()
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         model(x, y).backward()
         opt.step()
         opt.zero_grad()

@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.topology import ring
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # what sweep() measures
@@ -97,7 +98,6 @@ def sweep(
     import torch
     import torch.distributed as dist
 
-    from minizero import collectives as C
     from minizero.launcher import rank_device
 
     n, dev, rows = dist.get_world_size(group), rank_device(), []
@@ -108,7 +108,7 @@ def sweep(
             shard = torch.zeros(count // n, device=dev)  # (S/n,) this rank's chunk
             call = lambda: _call(op, full, shard, group)  # noqa: B023 (called in this loop)
             call()
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 for _ in range(repeats):
                     call()
             median = statistics.median(r.seconds for r in ledger.records)

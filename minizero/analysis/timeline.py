@@ -1,6 +1,6 @@
 """When each collective really ran: one training step seen through the profiler. Lesson 01 (01_ddp).
 
-A :class:`~minizero.collectives.CommLedger` times an asynchronous collective from its issue to the
+A :class:`~CommLedger` times an asynchronous collective from its issue to the
 end of its ``wait()``. DDP waits for every bucket at the end of backward, so those times show the
 order in which buckets were issued, not when their all-reduce ran. The backend knows when it ran:
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import profile, record_function
 
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 
 _MARK = "minizero mark: "
 # torch.distributed's host-side op names (the call that issues the collective), per ledger op
@@ -38,7 +38,7 @@ _ISSUE = {
 }
 
 
-class _MarkingLedger(C.CommLedger):
+class _MarkingLedger(CommLedger):
     """A ledger whose marks also appear in the profiler's trace, as zero-length ranges."""
 
     def mark(self, label: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.course.plots import (
     MODELS,
@@ -107,7 +107,7 @@ def profile_stage(
         opt.step()
         opt.zero_grad()
         mem = meter.mark("step")
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         step(2)
     times = []
     for s in range(steps):
@@ -162,7 +162,7 @@ def stage_table(by_model: dict[str, list[dict]], info: dict) -> str:
     """The numbers behind :func:`compare_stages`'s figure, one block per model, one row per stage:
     model states against the paper's formula, the step's peak, volume moved, collectives, median
     busbw and message size (marked ~ when latency-bound), and the median step time."""
-    from minizero.collectives import LATENCY_BOUND
+    from minizero.analysis.ledger import LATENCY_BOUND
 
     out = [
         f"measured on {measured_where(info)} (memory: {meter_name(info)}), rank 0",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from minizero import collectives as C
+from minizero.analysis.ledger import PAPER_VOLUME
 from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 
 CATS = ("params", "grads", "optimizer")
@@ -145,7 +145,7 @@ def volume_axes(ax, by_model: dict[str, list[dict]]) -> None:
         for i, p in enumerate(profiles):
             moved = {op: 0.0 for op in OPS}
             for r in p["records"]:
-                moved[r["op"]] += C.PAPER_VOLUME[r["op"]] * r["numel"] / p["psi"]
+                moved[r["op"]] += PAPER_VOLUME[r["op"]] * r["numel"] / p["psi"]
             x = i - 0.4 + width * (j + 0.5)
             top = stack(ax, x, moved, width * 0.9, labelled=i == 0 and j == 0)
             label = f"{top:.3f}\n{MODELS.get(name, name)}"
@@ -168,7 +168,7 @@ def bandwidth_axes(ax, profiles: list[dict], info: dict) -> None:
     """Median busbw of each op in one step, per stage (asynchronous ops: issue to wait), with the
     median message size on each bar. Bars of messages under ``LATENCY_BOUND`` are hatched and the
     title says that they measure per-call latency, not the link's bandwidth."""
-    from minizero.collectives import LATENCY_BOUND
+    from minizero.analysis.ledger import LATENCY_BOUND
 
     width = 0.8 / len(OPS)
     small, top = [], 0.0  # median message sizes under LATENCY_BOUND; the highest bar

@@ -80,7 +80,8 @@ class GradGuards:
         if w.find_unused_parameters:
             used = torch.tensor([id(p) in self.used for p in w.params], dtype=torch.uint8)
             used = used.to(w.params[0].device)  # (P,) 1 where this rank saw a gradient
-            hsdp.all_reduce(used, w.group, w.replicate_group, dist.ReduceOp.MAX, "used params")
+            every = hsdp.replicate_group(w)  # HSDP: used on any node
+            hsdp.all_reduce(used, w.group, every, dist.ReduceOp.MAX, "used params")
             unused = {id(p) for p, u in zip(w.params, used.tolist(), strict=True) if not u}
         if self.hidden:  # `p.grad = None` after backward: torch's optimizers skip p
             unused |= self.cleared_by_hand()

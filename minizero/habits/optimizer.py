@@ -2,7 +2,8 @@
 
 At stages 1-3 (and in mixed precision) each rank steps flat fragments of the parameters: only an
 elementwise optimizer gives the same result there as on whole tensors, and SparseAdam would see
-no sparse gradient. ``parallelize`` refuses the others, by name, before it wraps anything.
+no sparse gradient. ``parallelize`` refuses the others, by name, before it wraps anything, and
+an optimizer that has stepped or holds tensors that are not the model's (:func:`check_optimizer`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import inspect
 import weakref
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -73,6 +75,53 @@ def refuse_sparse_adam(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def refuse_optimizer(optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    """What ``parallelize`` (and :func:`adopt`) refuse of an optimizer's class, before wrapping:
+    SparseAdam; where each rank steps flat fragments (``sharded``: stages 1-3, mixed precision)
+    one that is not elementwise."""
+    refuse_sparse_adam(optimizer)
+    if sharded:
+        check_elementwise(optimizer)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """What ``parallelize`` (and :func:`adopt`) refuse of an optimizer's parameters, once the
+    model is wrapped: an optimizer that has stepped, holds a parameter twice or a tensor that is
+    not ``module``'s. Records which parameters it trains (its ``zero_grad()`` clears those)."""
+    if not all("step" in st and float(st["step"]) == 0 for st in optimizer.state.values()):
+        raise ValueError(  # (Adagrad makes step 0 and its sum when built: that is fresh)
+            "the optimizer has already stepped (its state is not empty): build it fresh, pass it "
+            "to parallelize, and load a checkpoint afterwards"
+        )
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if len({id(p) for p in held}) != len(held):
+        raise ValueError("a parameter appears in two param groups")
+    known = {id(p) for p in module.parameters()}
+    strangers = [p for p in held if id(p) not in known]
+    if strangers:
+        raise ValueError(
+            f"the optimizer holds {len(strangers)} tensor(s) that are not parameters of the model "
+            f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
+            f"param groups of them, before parallelize"
+        )
+    optimizer._minizero_trains = {id(p) for p in held}  # StageStep.zero_grad reads it
+
+
+def keep_scheduler_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """After :func:`attach`: an LR scheduler built before ``parallelize`` wrapped the *old*
+    class's step on the instance; wrap the new one the same way, so that ``step()`` runs the
+    stage and the scheduler sees it (no warning about the order of the two steps)."""
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+
+        def step(*args, **kwargs):
+            optimizer._opt_called = True
+            return type(optimizer).step(optimizer, *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
+    return optimizer
+
+
 # -- an optimizer built after wrapping (FSDP2's order) ---------------------------------------------
 def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
     """Make an optimizer built over ``stage.module``'s parameters *after* wrapping (FSDP2's
@@ -95,11 +144,11 @@ def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
             "parameters (its shards, at stages 1-3). Build one optimizer per wrapped model, over "
             "its model.parameters() or param groups of them"
         )
-    refuse_sparse_adam(optimizer)
-    if stage.stage > 0 or stage.precision.master:
-        check_elementwise(optimizer)
-    regroup(optimizer, stage, stage.module)
-    attach(optimizer, stage)
+    refuse_optimizer(optimizer, sharded=stage.stage > 0 or stage.precision.master)
+    check_optimizer(optimizer, stage.module)
+    if any(f.is_master for f in stage.fragments):
+        regroup(optimizer, stage)
+    keep_scheduler_step(attach(optimizer, stage))
     return True
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.ledger import BUSBW_FACTOR, LATENCY_BOUND, CommLedger
 from minizero.launcher import rank_device as device
 from minizero.tools.cli import Parser, add_nprocs, positive_float, positive_int
 from minizero.tools.report import (
@@ -71,7 +72,7 @@ def _collectives_rank(sizes: list[int], ops: list[str], iters: int, warmup: int,
             for _ in range(warmup):
                 ours(), theirs()
             torch_s = []
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 for i in range(iters):
                     if i % 2:  # alternate which goes first
                         ours()
@@ -169,7 +170,7 @@ def bench_collectives(argv: list[str]) -> int:
         row["seconds"] = max(r["rows"][i]["seconds"] for r in per_rank)
         row["torch_seconds"] = max(r["rows"][i]["torch_seconds"] for r in per_rank)
         row["algbw"] = row["nbytes"] / row["seconds"]
-        row["busbw"] = row["algbw"] * C.BUSBW_FACTOR[row["op"]](where["world"])
+        row["busbw"] = row["algbw"] * BUSBW_FACTOR[row["op"]](where["world"])
         row["ratio"] = row["seconds"] / row["torch_seconds"]
     if not printer():
         return 0
@@ -177,7 +178,7 @@ def bench_collectives(argv: list[str]) -> int:
     print(f"{a.iters} timed calls per row after {a.warmup} warmup; time = median over calls, "
           f"slowest rank. S = full size (nccl-tests), busbw = algbw x factor(n)")  # fmt: skip
     print("torch(us): the same call on torch.distributed directly, interleaved with minizero's")
-    print(f"rows marked ~ are under {C.LATENCY_BOUND // 2**20} MiB: their time is mostly per-call "
+    print(f"rows marked ~ are under {LATENCY_BOUND // 2**20} MiB: their time is mostly per-call "
           "latency, so their busbw says little about the link's bandwidth")  # fmt: skip
     for op in ops:
         gloo_rs = op == "reduce_scatter" and where["backend"] == "gloo"
@@ -186,7 +187,7 @@ def bench_collectives(argv: list[str]) -> int:
         print(f"{'size(B)':>12}{'count':>12}{'type':>10}{'time(us)':>11}{'algbw(GB/s)':>13}"
               f"{'busbw(GB/s)':>13}{'torch(us)':>11}{'minizero/torch':>16}")  # fmt: skip
         for r in (r for r in rows if r["op"] == op):
-            tilde = "~" if r["nbytes"] < C.LATENCY_BOUND else " "
+            tilde = "~" if r["nbytes"] < LATENCY_BOUND else " "
             print(f"{r['nbytes']:>12}{r['count']:>12}{a.dtype:>10}{r['seconds'] * 1e6:>11.1f}"
                   f"{r['algbw'] / 1e9:>13.3f}{tilde}{r['busbw'] / 1e9:>12.3f}"
                   f"{r['torch_seconds'] * 1e6:>11.1f}{r['ratio']:>16.2f}")  # fmt: skip
@@ -208,12 +209,12 @@ def all_reduce_probe(seconds: float, nbytes: int) -> dict:
     buf = torch.zeros(nbytes // 4, device=dev)  # zeros: the sums never overflow
     for _ in range(3):  # warm up (NCCL builds its rings here)
         C.all_reduce(buf)
-    with C.CommLedger() as once:
+    with CommLedger() as once:
         C.all_reduce(buf)
     took = torch.tensor([once.records[0].seconds], device=dev)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the same call count on every rank
     calls = max(3, min(10_000, int(seconds / max(took.item(), 1e-6))))
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         for _ in range(calls):
             C.all_reduce(buf)
     times = [r.seconds for r in ledger.records]

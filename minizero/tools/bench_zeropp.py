@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import format_bytes, model_state_bytes
 from minizero.analysis.topology import ring_bytes
 from minizero.models import GPTConfig, TinyGPT, synthetic_batch
@@ -60,7 +60,7 @@ def model(seed: int = 0) -> torch.nn.Module:
     return TinyGPT(GPTConfig.tiny())
 
 
-def _gathered(ledger: C.CommLedger) -> dict[str, int]:
+def _gathered(ledger: CommLedger) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in ledger.records:
         if r.op == "all_gather":
@@ -68,7 +68,7 @@ def _gathered(ledger: C.CommLedger) -> dict[str, int]:
     return out
 
 
-def _across(ledger: C.CommLedger, node_size: int) -> float:
+def _across(ledger: CommLedger, node_size: int) -> float:
     """Bytes this rank's all-gathers sent to another node (analysis/topology.py's ring model)."""
     return sum(ring_bytes(r.op, r.nbytes, r.ranks, r.rank, node_size)[1]
                for r in ledger.records if r.op == "all_gather")  # fmt: skip
@@ -84,8 +84,8 @@ def _rank(configs: dict[str, dict], steps: int, node_size: int) -> dict:
         for step in range(steps):
             x, y = synthetic_batch("gpt", GLOBAL_BATCH, step, rank=rank, world=world, seq_len=32)
             last = step == steps - 1  # measured: forward's order is recorded by then
-            fwd = C.CommLedger(node_size=node_size) if last else nullcontext()
-            bwd = C.CommLedger(node_size=node_size) if last else nullcontext()
+            fwd = CommLedger(node_size=node_size) if last else nullcontext()
+            bwd = CommLedger(node_size=node_size) if last else nullcontext()
             before = model_state_bytes(wrapped, opt, include_comm=True)
             with fwd:
                 loss = wrapped(x, y)

@@ -34,8 +34,8 @@ def _rank(stage: int, global_batch: int, progress=None) -> dict:
     """One rank: train minizero, torch DDP and (here too) one process on the global batch."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from minizero.analysis.ledger import CommLedger
     from minizero.analysis.memory import model_state_bytes
-    from minizero.collectives import CommLedger
     from minizero.launcher import rank_device as device
     from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
     from minizero.parallelize import full_state_dict, parallelize

@@ -204,7 +204,7 @@ def launch_findings(nprocs: int | None = None) -> tuple[list[Finding], int, str 
 
 # -- 4. the all-reduce probe -----------------------------------------------------------------------
 def probe_findings(n: int, backend: str, seconds: float = 2.0, mib: float | None = None):
-    from minizero.collectives import BUSBW_FACTOR
+    from minizero.analysis.ledger import BUSBW_FACTOR
     from minizero.launcher import LaunchError
     from minizero.tools.bench import all_reduce_probe
 

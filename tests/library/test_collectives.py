@@ -9,6 +9,7 @@ from harness import build, local_batch, optimizer_fn, run
 
 import minizero
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger, CommRecord, WrongGroup, name_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
     ],
 )
 def test_record_bandwidth_and_volume(op, world, factor, volume):
-    rec = C.CommRecord(op, torch.bfloat16, 1000, world, False, "t", 0, seconds=1e-3)
+    rec = CommRecord(op, torch.bfloat16, 1000, world, False, "t", 0, seconds=1e-3)
     assert rec.nbytes == 2000  # S = numel * 2 bytes for bf16
     assert rec.algbw == pytest.approx(2000 / 1e-3)
     assert rec.busbw == pytest.approx(2000 / 1e-3 * factor)
@@ -34,7 +35,7 @@ def test_record_bandwidth_and_volume(op, world, factor, volume):
 
 
 def test_unfinished_record_has_no_bandwidth():
-    rec = C.CommRecord("all_reduce", torch.float32, 10, 2, True, "", 0)  # async, not waited on
+    rec = CommRecord("all_reduce", torch.float32, 10, 2, True, "", 0)  # async, not waited on
     assert rec.nbytes == 40 and rec.algbw != rec.algbw  # NaN
 
 
@@ -49,7 +50,7 @@ def all_four(dtype, group_ranks=None, src=0):
     g = torch.Generator().manual_seed(dist.get_rank())
     x = (torch.randn(n * 5, generator=g) * 4).round().to(dtype)  # integers: sums are exact
     out = {}
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         a, b = x.clone(), x.clone()
         C.all_reduce(a, group=group, tag="sum")
         dist.all_reduce(b, group=group)
@@ -127,15 +128,15 @@ def ledger_scopes():
     t = torch.ones(4)
     C.mark("nobody listens")  # no ledger open: nothing to label, no error
     C.all_reduce(t)  # no ledger open: nothing recorded anywhere
-    assert C._open_ledgers == []
-    with C.CommLedger() as outer:
+    assert C.recorder is None  # every ledger closed
+    with CommLedger() as outer:
         C.all_reduce(t, tag="a")
-        with C.CommLedger() as inner:
+        with CommLedger() as inner:
             C.mark("m")
             C.broadcast(t, src=0, tag="b")
         C.all_gather(torch.empty(4 * dist.get_world_size()), t, tag="c")
     C.all_reduce(t)  # after exit: still nothing
-    assert C._open_ledgers == []
+    assert C.recorder is None  # every ledger closed
     return dict(
         outer=[(r.tag, r.index) for r in outer.records], outer_marks=outer.marks,
         inner=[(r.tag, r.index) for r in inner.records], inner_marks=inner.marks,
@@ -157,11 +158,11 @@ def node_traffic():
     all-reduce on the named "shard" group (this node) and "replicate" group (the same position
     on the other node), and one on an unnamed group; fp32, 8 elements = S = 32 bytes each."""
     me = dist.get_rank()
-    shards = [C.name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
-    replicas = [C.name_group(dist.new_group(r), "replicate") for r in ([0, 2], [1, 3])]
+    shards = [name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
+    replicas = [name_group(dist.new_group(r), "replicate") for r in ([0, 2], [1, 3])]
     other = dist.new_group([0, 3])  # every rank makes every group, in the same order
     x = torch.ones(8)
-    with C.CommLedger(node_size=2) as ledger:
+    with CommLedger(node_size=2) as ledger:
         C.all_reduce(x.clone())
         C.reduce_scatter(torch.empty(2), x.clone())
         C.all_gather(torch.empty(8), torch.ones(2))
@@ -171,7 +172,7 @@ def node_traffic():
         if me in (0, 3):
             C.all_reduce(x.clone(), group=other)
     with pytest.raises(ValueError, match=r"CommLedger\(node_size=k\)"):
-        C.CommLedger().node_bytes()
+        CommLedger().node_bytes()
     return dict(
         groups=[r.group for r in ledger.records],
         by_group=ledger.by_group(),
@@ -207,11 +208,11 @@ def test_records_name_their_group_and_split_bytes_at_node_boundaries():
 
 def test_group_names_and_node_size_are_checked():
     with pytest.raises(ValueError, match="positive int"):
-        C.CommLedger(node_size=0)
+        CommLedger(node_size=0)
     with pytest.raises(ValueError, match="always named 'world'"):
-        C.name_group(None, "shard")
+        name_group(None, "shard")
     with pytest.raises(ValueError, match="non-empty string"):
-        C.name_group(None, "")
+        name_group(None, "")
 
 
 def stage1_step_bytes():
@@ -219,14 +220,14 @@ def stage1_step_bytes():
     this node's named "shard" group, each under a ledger with node_size=2."""
 
     me = dist.get_rank()
-    shards = [C.name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
+    shards = [name_group(dist.new_group(r), "shard") for r in ([0, 1], [2, 3])]
     out = {}
     for name, group in (("world", None), ("shard", shards[me // 2])):
         model, opt = minizero.parallelize(
             build("mlp"), 1, optimizer_fn("adam"), process_group=group
         )
         x, y = local_batch("mlp", 0, dist.get_rank(group), dist.get_world_size(group))
-        with C.CommLedger(node_size=2) as ledger:
+        with CommLedger(node_size=2) as ledger:
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
@@ -258,16 +259,16 @@ def waits_and_groups():
     sub = dist.new_group([0, 1])  # every rank makes it; rank 2 is not in it
     out = {}
     t = torch.ones(4)
-    with C.CommLedger() as ledger:
+    with CommLedger() as ledger:
         C.all_reduce(t.clone(), tag="blocking")  # index 0, done before index 1
         work = C.all_reduce(t.clone(), async_op=True, tag="async")  # index 1
         C.mark("backward end")  # index 2
         work.wait()  # returns after the mark
     out["waited"] = [(r.tag, r.index, r.waited_at) for r in ledger.records]
     if dist.get_rank() in (0, 1):
-        with C.CommLedger(only_group=sub) as strict:
+        with CommLedger(only_group=sub) as strict:
             C.all_reduce(t.clone(), group=sub)  # the right group: recorded
-            with pytest.raises(C.WrongGroup, match=r"all_reduce \(tag 'x'\) ran on 'world', not"):
+            with pytest.raises(WrongGroup, match=r"all_reduce \(tag 'x'\) ran on 'world', not"):
                 C.all_reduce(t.clone(), tag="x")  # refused before it is issued: no hang
         out["strict"] = [r.group for r in strict.records]
     return out

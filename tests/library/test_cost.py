@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 import minizero
-from minizero import collectives as C
 from minizero.analysis import cost
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.topology import ring, ring_bytes
 
 SIZES = [2**k for k in range(10, 25, 2)]
@@ -220,7 +220,7 @@ def _steps(stage: int, links: dict | None) -> dict:
         H.accumulate_step(model, opt, stage, MICRO, x, y)
 
     step()  # warm-up: stage 3 records its order
-    with C.CommLedger(node_size=1) as ledger:
+    with CommLedger(node_size=1) as ledger:
         step()
     times = []
     for _ in range(5):

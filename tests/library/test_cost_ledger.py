@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 import minizero
-from minizero import collectives as C
 from minizero.analysis import cost
+from minizero.analysis.ledger import CommLedger
 
 pytestmark = pytest.mark.timeout(600)
 WORLD, NODE = 4, 2
@@ -58,7 +58,7 @@ def _ledgers() -> dict:
             H.accumulate_step(
                 model, opt, stage, micro, x, y, once
             )  # warm-up: stage 3 records its order
-            with C.CommLedger(node_size=NODE) as ledger:
+            with CommLedger(node_size=NODE) as ledger:
                 H.accumulate_step(model, opt, stage, micro, x, y, once)
             out[name, micro] = dict(
                 sizes=[b.padded for b in model.buckets],

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from harness import build, local_batch, run, snapshot
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 
 pytestmark = pytest.mark.timeout(240)
 STAGES = [0, 1, 2, 3]
@@ -52,7 +52,7 @@ def accumulate_rank(stage, how):
     model, opt = minizero.parallelize(model, stage, sgd)
     setter = {"nanogpt": nanogpt_sync, "fsdp2": fsdp2_sync}[how]
     try:
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             states = accumulate_loop(model, opt, rank, world, setter)
     except RuntimeError as e:
         return {"error": str(e)}

@@ -26,7 +26,7 @@ from harness import (
 from torch import nn
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.models import MLP, count_params
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,7 +45,7 @@ def _even_step(spec: str) -> dict:
     model(x, y).backward()  # warm-up: stage 3 records its module order in the first step
     opt.step()
     opt.zero_grad()
-    with C.CommLedger(node_size=NODE) as ledger:
+    with CommLedger(node_size=NODE) as ledger:
         model(x, y).backward()
         opt.step()
         opt.zero_grad()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import hsdp_mesh, run
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.models import MLP, count_params, synthetic_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,7 +32,7 @@ def _run(stage: int, mode: str) -> dict:
     replicate = []
     for step in range(STEPS):
         x, y = synthetic_batch("mlp", 8 * w, step, rank=r, world=w, in_features=8, out_features=8)
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             for k, (xi, yi) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO), strict=True)):
                 if mode != "default":
                     model.set_requires_all_reduce(mode == "fsdp2" and k == MICRO - 1)

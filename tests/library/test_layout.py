@@ -181,7 +181,8 @@ def test_the_top_of_the_package_is_the_library_a_student_reads():
     assert subpackages == want, subpackages
 
 
-# the step path a student reads; the habit machinery (minizero/habits/) is composed around it
+# the step path a student reads, and HSDP and ZeRO++ beside it; the habit machinery
+# (minizero/habits/) is composed around them
 CORE = ["data_parallel", "ddp", "zero1", "zero2", "zero3", "bucket", "units", "precision",
         "collectives", "hsdp", "zeropp"]  # fmt: skip
 
@@ -205,6 +206,38 @@ def test_the_core_imports_nothing_from_the_habits():
         assert vars(Extension)[name].__doc__, f"Extension.{name} is not documented"
     habits = set(vars(Habits)) - {"__init__", "__module__", "__doc__", "__qualname__"}
     assert habits <= set(points) | {"__firstlineno__", "__static_attributes__"}, habits
+
+
+def import_closure(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every minizero module ``module`` imports, transitively (the package root aside)."""
+    seen, todo = set(), [module]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d != "minizero" and d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
+    """A reader of a stage opens only the stages before it and what they share (issue 23):
+    HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
+    habits around the core (``Extension``), and the instruments (the ledger, the ring model)
+    watch the collectives from ``analysis/`` (``collectives.recorder``). zero2.py's import
+    closure stays what a reader can follow: at most 1,500 lines (it was 2,666 in 13 files)."""
+    graph = import_graph()
+    away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis")
+    for stage in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
+        closure = import_closure(f"minizero.{stage}", graph)
+        bad = sorted(m for m in closure if m.startswith(away))
+        assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
+    closure = import_closure("minizero.zero2", graph) | {"minizero.zero2"}
+    files = [PACKAGE.parent / (m.replace(".", "/") + ".py") for m in closure]
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    assert lines <= 1500, f"zero2.py's import closure is {lines} lines: {sorted(closure)}"
+    assert import_closure(
+        "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
+    ) == {"minizero.b", "minizero.c"}
 
 
 def test_the_stages_are_the_papers_chain():

@@ -22,7 +22,7 @@ from zero3_lm import D, assert_same, batch, build, loss_of, run, train, wrap
 
 import minizero
 from minizero import ShardedParameterError
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import MemoryMeter, state_tensors
 from minizero.models import count_params
 from minizero.units import select_units
@@ -156,7 +156,7 @@ def _memory_and_volume(spec: str, reshard_root: bool = True) -> dict:
         loss_of(model, "pre_norm", step, rank, world).backward()
         opt.step()
         opt.zero_grad()
-    with MemoryMeter(_Local(model, opt)) as meter, C.CommLedger() as ledger:
+    with MemoryMeter(_Local(model, opt)) as meter, CommLedger() as ledger:
         loss_of(model, "pre_norm", 2, rank, world).backward()
         opt.step()
         opt.zero_grad()
@@ -204,7 +204,7 @@ def _zoo_memory(spec: str) -> dict:
         entry.loss(model, entry.batch(step, rank, world, 0)).backward()
         opt.step()
         opt.zero_grad()
-    with MemoryMeter(_Local(model, opt)) as meter, C.CommLedger() as ledger:
+    with MemoryMeter(_Local(model, opt)) as meter, CommLedger() as ledger:
         entry.loss(model, entry.batch(2, rank, world, 0)).backward()
         train_peak = meter.mark("forward and backward")["peak"]
         opt.step()

@@ -33,7 +33,7 @@ from harness import (
 )
 
 import minizero
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import model_state_bytes
 from minizero.zeropp import (
     QUANT_BLOCK,
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(600)
 OPT = {"mlp": "adam", "gpt": "adamw"}  # harness.ATOL's pairs
 
 
-def _records(ledger: C.CommLedger) -> list[dict]:
+def _records(ledger: CommLedger) -> list[dict]:
     fields = ("op", "group", "ranks", "world", "numel", "nbytes", "tag")
     return [{f: getattr(r, f) for f in fields} | {"dtype": str(r.dtype)} for r in ledger.records]
 
@@ -58,10 +58,10 @@ def _measured_step(model, opt, kind: str, step: int, node_size: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = local_batch(kind, step, rank, world)
     before = model_state_bytes(model, opt, include_comm=True)
-    with C.CommLedger(node_size=node_size) as fwd:
+    with CommLedger(node_size=node_size) as fwd:
         loss = model(x, y)
     between = model_state_bytes(model, opt, include_comm=True)
-    with C.CommLedger(node_size=node_size) as bwd:
+    with CommLedger(node_size=node_size) as bwd:
         loss.backward()
     opt.step()
     opt.zero_grad()
@@ -230,9 +230,9 @@ def _qwz_bytes(kind: str) -> dict:
                      "qgZ": {"quantize_gradients": True}}.items():  # fmt: skip
         model, opt = minizero.parallelize(build(kind), 3, optimizer_fn(OPT[kind]), **kw)
         x, y = local_batch(kind, 0, rank, world)
-        with C.CommLedger() as fwd:
+        with CommLedger() as fwd:
             loss = model(x, y)
-        with C.CommLedger(node_size=1) as bwd:  # node_size 1: every other rank is away
+        with CommLedger(node_size=1) as bwd:  # node_size 1: every other rank is away
             loss.backward()
         out[f"{name} nodes"] = bwd.node_bytes()
         padded = [b.padded for b in model.buckets]
@@ -327,7 +327,7 @@ def _with_mesh(steps: int) -> dict:
         losses = []
         for step in range(steps):
             x, y = local_batch("gpt", step, rank, world)
-            with C.CommLedger() as ledger:
+            with CommLedger() as ledger:
                 loss = model(x, y)
                 loss.backward()
             opt.step()

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from minizero.__main__ import main
-from minizero.collectives import BUSBW_FACTOR
+from minizero.analysis.ledger import BUSBW_FACTOR
 from minizero.models import EncoderLM, GPTConfig, TinyGPT, count_params
 from minizero.tools.bench_steps import bench_ddp, bench_stages
 from minizero.tools.demo import demo

@@ -201,7 +201,7 @@ def on_subgroup(fn, *args, **kwargs):
 
 def strict_ledger(group):
     """A ``CommLedger`` that refuses (``WrongGroup``) any collective not issued on ``group``."""
-    from minizero.collectives import CommLedger
+    from minizero.analysis.ledger import CommLedger
 
     return CommLedger(only_group=group)
 

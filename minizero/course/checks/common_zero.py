@@ -25,6 +25,7 @@ import torch.distributed.optim  # noqa: F401  (as above: seconds to import, once
 from torch import nn
 
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.course.checks.common import (
     SUBGROUP,
     CheckFailed,
@@ -173,7 +174,7 @@ def train(
         x, y = synthetic_batch("mlp", batch, step, rank=rank, world=world, seed=check_seed(),
                                device=dev)  # fmt: skip
         loss_sum = 0.0
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             for xi, yi in zip(x.chunk(micro[step]), y.chunk(micro[step]), strict=True):
                 C.mark("forward start")
                 loss = model(xi.to(dtype), yi.to(dtype)) / micro[step]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.course.checks.common import (
     SUBGROUP,
     CheckFailed,
@@ -58,7 +58,7 @@ def _rs_ag_rank(fn) -> dict:
         want = t.clone()
         dist.all_reduce(want)  # the reference: torch.distributed itself
         mine = t.clone()
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             ret, err = guard(fn, mine, group=None)
         ops = [r.op for r in ledger.records]
         case = {"shape": shape, "error": err, "ops": ops, "volume": ledger.volume_elements}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.course.checks.common import (
     SUBGROUP,
     CheckFailed,
@@ -65,7 +66,7 @@ def _train(make, rank: int, world: int, dev: torch.device, sync=None, grad_marks
         x, y = synthetic_batch("mlp", batch, step, rank=rank, world=world, seed=check_seed(),
                                device=dev)  # fmt: skip
         before = [p.detach().clone() for p in inner.parameters()]
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             C.mark("forward start")
             loss = model(x, y)
             C.mark("backward start")

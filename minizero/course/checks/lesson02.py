@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.bucket import Bucket
 from minizero.course.checks.common import (
     SUBGROUP,
@@ -262,7 +262,7 @@ def _fp16_case(fn, case: int, group=None) -> dict:
     for m, t in zip(masters, grads, strict=True):
         m.grad = t * SCALE  # what backward left: the gradient of loss * scale
     opt = torch.optim.SGD(masters, lr=FP16_LR)
-    with C.CommLedger() if group is None else strict_ledger(group) as ledger:
+    with CommLedger() if group is None else strict_ledger(group) as ledger:
         scale, err = guard(fn, opt, masters, SCALE, group=group)
     out = {"error": err, "ops": [r.op for r in ledger.records], "scale": scale}
     out["after"] = [m.detach().cpu() for m in masters]

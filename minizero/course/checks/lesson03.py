@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.bucket import make_buckets
 from minizero.course.checks.common import (
     SUBGROUP,
@@ -245,7 +245,7 @@ def _clip_cases(group, fn) -> dict:
     for max_norm in (0.5 * norm, 2.0 * norm):  # clips; does not
         shards, valid = _chunks(_grads(), world, rank)
         shards = [s.to(dev) for s in shards]
-        with C.CommLedger() if group is None else strict_ledger(group) as ledger:
+        with CommLedger() if group is None else strict_ledger(group) as ledger:
             got, err = guard(fn, shards, list(valid), max_norm, group=group)
         case = {"max_norm": max_norm, "error": err, "ops": [r.op for r in ledger.records]}
         if err is None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.course.checks.common import CheckFailed, describe, guard, rank_device, report_pass
 from minizero.course.checks.common_zero import (
     STEPS,
@@ -115,7 +116,7 @@ def _reuse_gathers(cls) -> list[int]:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x, y = torch.randn(4, 13, generator=g).to(dev), torch.randn(4, 7, generator=g).to(dev)
-        with C.CommLedger() as ledger:
+        with CommLedger() as ledger:
             model(x, y).backward()
         out.append(ledger.by_op().get("all_gather", 0))
     return out

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import collectives as C
+from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import format_bytes
 from minizero.course.checks.common import (
     MIN_WORLD,
@@ -124,7 +125,7 @@ def _owned_run(group, owned_step, owners: list[int], opt_name: str) -> dict:
                                device=dev)  # fmt: skip
         before = [p.detach().cpu().clone() for p in params]
         model(x, y).backward()
-        with C.CommLedger() if group is None else strict_ledger(group) as ledger:
+        with CommLedger() if group is None else strict_ledger(group) as ledger:
             for p in params:  # DDP: every rank gets the average gradient of every tensor
                 C.all_reduce(p.grad, group=group, tag="ddp")
                 p.grad.div_(world)
