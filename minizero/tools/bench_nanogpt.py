@@ -8,6 +8,13 @@ same configuration at stages 0 and 3 on 2 gloo ranks. Printed: the validation lo
 iteration (nanoGPT's README reports 1.88 at 2,000), the wall time of each as a ratio to
 nanoGPT's, the median iteration time and the peak resident memory of the largest process.
 
+The two draw their batches differently (nanoGPT from torch's global generator, its evaluations
+too; minizero each global batch from a stream of its own, and the same eval batches every time),
+so their losses are two samples of one experiment. The bench therefore runs nanoGPT a second time
+drawing minizero's batches (``--no-fed`` skips it): with the same data its model, initialisation
+(the same seed, drawn in the same order) and loop trace minizero's curve, so what remains between
+the first two rows is the sample alone.
+
 nanoGPT is not shipped with minizero. The bench looks for a checkout in ``$MINIZERO_NANOGPT``,
 else ``~/.cache/minizero/nanoGPT``; where there is none it tries ``git clone`` into the latter and,
 offline, stops with a message saying how to place one. nanoGPT's data step
@@ -105,22 +112,60 @@ def _run(cmd: list[str], cwd: Path, timeout: float, log: Path, env: dict | None 
     return wall, peak, out.stdout, load
 
 
-def run_nanogpt(src: Path, work: Path, iters: int, timeout: float, threads: int | None) -> dict:
+# nanoGPT's train.py drawing minizero's batches (``shakespeare.get_batch``: training batch ``it``
+# from the run's own stream, the fixed eval batches -1, -2, ...): with them nanoGPT's model and
+# loop must trace minizero's curve, so a difference between the two runs is the sample, not the code
+FED = """
+from minizero.tools import shakespeare as _minizero
+_minizero_data, _minizero_it = _minizero.load(), [0]
+def _minizero_batch(split, k=None):
+    if k is None:  # training: the next global batch
+        k, _minizero_it[0] = _minizero_it[0], _minizero_it[0] + 1
+    return _minizero.get_batch(_minizero_data, split, batch_size, block_size, k, seed=1337)
+"""
+ESTIMATE = "@torch.no_grad()\ndef estimate_loss"
+FEED = {"X, Y = get_batch(split)": "X, Y = _minizero_batch(split, -1 - k)",
+        "X, Y = get_batch('train')": "X, Y = _minizero_batch('train')",
+        ESTIMATE: FED + ESTIMATE}  # fmt: skip
+
+
+def fed_minizero_batches(train_py: Path) -> Path | None:
+    """A copy of nanoGPT's ``train.py`` whose batches are minizero's, or None where its text no
+    longer has the lines this replaces."""
+    text = train_py.read_text()
+    if any(old not in text for old in FEED):
+        return None
+    for old, new in FEED.items():
+        text = text.replace(old, new)
+    fed = train_py.with_name("train_minizero_batches.py")
+    fed.write_text(text)
+    return fed
+
+
+def run_nanogpt(src: Path, work: Path, iters: int, timeout: float, threads: int | None,
+                fed: bool = False) -> dict | None:  # fmt: skip
+    """nanoGPT's train.py with its README's CPU configuration (``fed``: drawing minizero's
+    batches; None where this train.py cannot be fed)."""
     for f in NEEDED:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src / f, work / f)
     write_nanogpt_data(work)
-    args = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+    script = fed_minizero_batches(work / "train.py") if fed else work / "train.py"
+    if script is None:
+        return None
+    args = [script.name, "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
             "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
             "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={iters}",
             f"--lr_decay_iters={iters}", "--dropout=0.0", f"--out_dir={work / 'out'}",
             f"--eval_interval={eval_interval(iters)}"]  # fmt: skip
     env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    wall, peak, text, load = _run([sys.executable, *args], work, timeout, work / "nanogpt.log", env)
+    log = work / f"{script.stem}.log"
+    wall, peak, text, load = _run([sys.executable, *args], work, timeout, log, env)
     evals = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text)
     times = [float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", text)]
     it, tr, va = evals[-1]
-    name = "nanoGPT train.py" + ("" if threads is None else f", {threads} thread(s)")
+    name = "nanoGPT train.py" + (", minizero's batches" if fed else "")
+    name += "" if threads is None else f", {threads} thread(s)"
     return {"name": name, "iter": int(it), "val": float(va),
             "wall_s": wall, "iter_ms": statistics.median(times[1:]), "peak": peak, "load": load,
             "evals": [[int(i), float(t), float(v)] for i, t, v in evals]}  # fmt: skip
@@ -159,6 +204,12 @@ def main(argv: list[str]) -> int:
         default=None,
         help="OMP_NUM_THREADS for nanoGPT (default: unset, torch's own choice)",
     )
+    p.add_argument(
+        "--no-fed",
+        dest="fed",
+        action="store_false",
+        help="skip the run of nanoGPT's train.py on minizero's batches",
+    )
     p.add_argument("--stages", default="0,3", help="minizero's stages (default 0,3)")
     p.add_argument(
         "--json",
@@ -188,6 +239,13 @@ def main(argv: list[str]) -> int:
         work = Path(tmp)
         print(f"nanoGPT ({src}): {a.max_iters} iterations, 1 process on the CPU ...", flush=True)
         rows.append(run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads))
+        if a.fed:
+            print("nanoGPT again, drawing minizero's batches ...", flush=True)
+            fed = run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads, fed=True)
+            if fed is None:
+                print("  skipped: this train.py lacks the lines that draw its batches")
+            else:
+                rows.append(fed)
         for s in stages:
             print(f"minizero train --stage {s} --nprocs {a.nprocs} ...", flush=True)
             rows.append(run_minizero(s, a.nprocs, work, a.max_iters, a.timeout))
