@@ -196,8 +196,8 @@ lin(torch.randn(4, 3)).sum().backward()
 #
 # Torch DDP (and minizero's `DDP`) group parameters into **buckets** of about `bucket_cap_mb`
 # MiB (a bucket closes once it reaches the cap; at the default, 25, the first closes at 1 MiB),
-# in **reverse** registration order (backward produces the last layer's gradients first; torch
-# DDP then re-cuts them in the order the gradients really arrived in its first backward).
+# in **reverse** registration order (backward produces the last layer's gradients first; both
+# then cut them once more, in the order the gradients really arrived in the first backward).
 # Each bucket has one flat buffer; when the last gradient of a bucket has arrived, the bucket's
 # all-reduce starts **asynchronously**, while backward goes on with earlier layers. At the end of
 # backward we wait for every bucket and write the averages back into `p.grad`.

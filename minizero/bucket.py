@@ -1,13 +1,19 @@
 """The bucket: a flat buffer with one view per parameter. Taught in lesson 01 (01_ddp).
 
 Every stage of minizero moves data in buckets. A bucket holds a few parameters, in the order their
-gradients become ready in backward (predicted: the reverse of registration order, see
-make_buckets), laid end to end in one flat buffer. One collective per bucket replaces one
-collective per parameter.
+gradients become ready in backward, laid end to end in one flat buffer. One collective per bucket
+replaces one collective per parameter. As torch DDP, the first buckets are cut over a predicted
+order (the reverse of registration order, :func:`make_buckets`), and once more, by the same size
+rule, over the order the first backward really made them ready (minizero/habits/buckets.py): from
+the second iteration on they are torch DDP's buckets. torch puts parameters of different dtypes
+or devices in different buckets; minizero's trainable parameters share one dtype and device.
 
 For ZeRO the flat buffer is padded to a multiple of the world size ``n`` and cut into ``n`` equal
 chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter of a bucket leaves each rank
 exactly the chunk it owns, and an all-gather of the chunks rebuilds the bucket on every rank.
+ZeRO-1/2 keep torch's buckets; where they differ from torch: the padding, not counted against the
+cap, and ownership, which follows the buckets, so that cutting them again moves the fp32 masters
+and the optimizer's states between ranks (torch DDP, which shards nothing, moves no state).
 """
 
 from __future__ import annotations
@@ -106,17 +112,20 @@ def make_buckets(
     """Group ``params`` into buckets by torch DDP's rule (:func:`assign_by_size`; the cap is in
     MiB), last parameter first: bucket 0 holds the first gradients backward makes ready.
 
-    The ready order is predicted here, when the buckets are built, as the reverse of registration
-    order: torch DDP starts with one bucket and rebuilds them in the order the gradients really
-    arrived in its first backward. The two orders differ where a module's backward makes its
+    The ready order is predicted here as the reverse of registration order, as torch DDP predicts
+    it for its first buckets. The prediction is wrong where a module's backward makes its
     parameters ready in registration order (``nn.LayerNorm``: weight, then bias) or where forward
     calls modules in another order than they were registered (minizero's MLP calls its tied
-    layers before layers 1 and 2): there the same rule cuts other buckets, or orders a bucket's
-    parameters otherwise (tests/library/test_ddp_buckets.py shows both). ZeRO (stages 1-2) keeps
-    these buckets and pads each to a multiple of ``world`` (``Bucket.padded``) to cut it into equal
-    chunks; the padding is not counted against the cap.
+    layers before layers 1 and 2); the stages then cut the buckets again over the order recorded
+    in the first backward (:func:`buckets_in_order`, minizero/habits/buckets.py), as torch does.
     """
-    nbytes = [p.numel() * p.element_size() for p in reversed(params)]
-    ready = list(reversed(params))
+    return buckets_in_order(list(reversed(params)), bucket_cap_mb, world)
+
+
+def buckets_in_order(
+    ready: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
+) -> list[Bucket]:
+    """Cut ``ready`` (the order gradients become ready) by :func:`assign_by_size` (MiB)."""
+    nbytes = [p.numel() * p.element_size() for p in ready]
     groups = [[ready[i] for i in idx] for idx in assign_by_size(nbytes, bucket_cap_mb)]
     return [Bucket(g, i, world) for i, g in enumerate(groups)]

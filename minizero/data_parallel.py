@@ -140,6 +140,7 @@ class DataParallel(nn.Module):
         self.grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
+        self.optimizers: list = []  # weak references to the optimizers attach()ed to it
         self.habits = self.extension(self)  # before any hook of the stage (minizero/habits/)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):

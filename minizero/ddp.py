@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.bucket import Bucket, make_buckets, trainable_parameters
+from minizero.bucket import Bucket, buckets_in_order, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
 
@@ -42,6 +42,7 @@ class DDP(DataParallel):
     """
 
     STARTED = -1  # pending[b.index] once bucket b's collective has started
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (minizero/habits/buckets.py)
 
     def __init__(
         self,
@@ -54,22 +55,28 @@ class DDP(DataParallel):
     ):
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
-        self.buckets = self.make_buckets(bucket_cap_mb)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
+        self.cast_working()  # once the fp32 masters are taken
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def lay_out(self, ready: list[nn.Parameter]) -> None:
+        """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
+        self.buckets = self.make_buckets(ready)
         self.bucket_index = {id(p): b for b in self.buckets for p in b.params}
         # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
         # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
         self.masters = [self.take_master(b) for b in self.buckets]
-        self.cast_working()
+        self.fragments, self.fragments_of = [], {}
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         self.next_bucket = 0  # buckets below it are started (reduce_in_order)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
 
     # -- layout ------------------------------------------------------------------------------
-    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
-        return make_buckets(self.params, bucket_cap_mb)
+    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+        return buckets_in_order(ready, self.bucket_cap_mb)
 
     def bucket_of(self, p: nn.Parameter) -> Bucket:
         return self.bucket_index[id(p)]

@@ -20,6 +20,7 @@ habit machinery (minizero/habits/optimizer.py's ``adopt``), through the same ``a
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Protocol
 
 import torch
@@ -115,6 +116,9 @@ class StageStep:
         belong to other elements (torch would load it without a word when the counts match)."""
         saved = state_dict.get("minizero_shard")
         here = shard_record(self._wrapper)
+        if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
+            self._wrapper.habits.buckets.rebuild_as(saved["ready"])  # cut here as there
+            here = shard_record(self._wrapper)
         if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
             other = "" if saved["layout"] == here["layout"] else " with another layout"
             raise RuntimeError(
@@ -171,6 +175,7 @@ def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Op
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     optimizer._wrapper = wrapper
     optimizer._minizero_closure_through = not any(f.is_master for f in wrapper.fragments)
+    wrapper.optimizers.append(weakref.ref(optimizer))  # (a rebuild of the buckets moves its states)
     return optimizer
 
 
@@ -180,6 +185,7 @@ def shard_record(wrapper) -> dict:
     frags = [(f.name, f.start, f.end) for f in wrapper.fragments]
     return {
         "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
+        "ready": wrapper.habits.buckets.order(),  # what DDP's buckets were cut over, or None
         "sharded": wrapper.stage > 0,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip

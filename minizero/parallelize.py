@@ -77,7 +77,8 @@ def parallelize(
     a torch optimizer over its parameters is adopted at its first ``step()``, as if it had been
     passed here (habits/optimizer.py). ``precision``: "fp32", "bf16", "fp16" (adds dynamic loss
     scaling) or a :class:`minizero.Precision` (FSDP2's field names). ``bucket_cap_mb``: gradient
-    bucket size in MiB (stages 0-2), torch DDP's rule (minizero/bucket.py). ``process_group``: the
+    bucket size in MiB (stages 0-2), torch DDP's rule, cut again in ready order after the first
+    backward as torch DDP does (minizero/bucket.py). ``process_group``: the
     ranks to train on (default: the world). ``mesh``: hybrid sharding, a 2-D ``DeviceMesh``
     (minizero/hsdp.py). ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean
     for torch DDP. Stage 3's own options: :func:`stage3_class`. Under NCCL the model is moved to

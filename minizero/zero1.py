@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from minizero import collectives as C
-from minizero.bucket import Bucket, make_buckets
+from minizero.bucket import Bucket, buckets_in_order
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
 
@@ -48,8 +48,8 @@ class ZeRO1(DDP):
     stage = 1
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
-    def make_buckets(self, bucket_cap_mb: float | None) -> list[Bucket]:
-        return self.flatten(make_buckets(self.params, bucket_cap_mb, self.world))
+    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+        return self.flatten(buckets_in_order(ready, self.bucket_cap_mb, self.world))
 
     def flatten(self, buckets: list[Bucket]) -> list[Bucket]:
         """(padded,) flat per bucket; p.data views into it; rank r owns chunk r. Built in the

@@ -126,7 +126,9 @@ class ZeRO3(ZeRO2):
             self.release(i)
 
     # -- layout: one unit per selected module, the root holding the rest --------------------------
-    def make_buckets(self, bucket_cap_mb: float | None = None) -> list[Bucket]:
+    rebuilds_buckets = False  # units are modules, not buckets cut in ready order
+
+    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
         unit_modules = U.select_units(self.module, self._units_arg)
         # self.units_of: unit module -> the units its forward needs (its own, tied ones)
         groups, owners, self.units_of = U.assign_params(self.module, unit_modules)

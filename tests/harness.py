@@ -300,14 +300,15 @@ def drift(got: dict, want: dict, init: dict[str, torch.Tensor]) -> float:
 
 # -- one step under a ledger ------------------------------------------------------------------
 def ledger_step(spec: str, kind: str) -> dict[str, Any]:
-    """On one rank: a warm-up step, a ``no_sync()`` backward where the wrapper has one (ledger
+    """On one rank: two warm-up steps, a ``no_sync()`` backward where the wrapper has one (ledger
     ``quiet``), then one step (backward, step, zero_grad) under a ledger. Returns plain data."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = wrap(spec, build(kind), "adam")
     x, y = local_batch(kind, 0, rank, world, rank_device())
-    model(x, y).backward()  # warm-up: ZeRO-3 records its module order in the first step
-    opt.step()
-    opt.zero_grad()
+    for _ in range(2):  # warm-up: ZeRO-3 records its module order in the first step, and DDP
+        model(x, y).backward()  # cuts its buckets again in ready order before the second (at
+        opt.step()  # zero_grad(), or at the forward for a plain optimizer), once, as torch DDP
+        opt.zero_grad()
     quiet = None
     if spec in ("naive", "ddp", "stage0", "stage1"):
         with CommLedger() as ledger, model.no_sync():

@@ -129,6 +129,7 @@ def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
         "params": {names[id(p)]: info(p) for p in module.parameters()},
         "scaler": model.scaler.state_dict() if model.scaler is not None else None,
         "extra": extra is not None,
+        "ready": model.habits.buckets.order(),  # what DDP's buckets were cut over, or None
     }  # fmt: skip
 
 
@@ -147,6 +148,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     _check_pair(model, optimizer, "load_checkpoint")
     group, rank, world = model.group, model.rank, model.world
+    ready = _everywhere(lambda: open_checkpoint(path)[1].get("ready"), group, "load_checkpoint")
+    if ready is not None:  # cut DDP's buckets as the saved run had cut them
+        model.habits.buckets.rebuild_as(ready)
 
     def validate():
         where, record = open_checkpoint(path)

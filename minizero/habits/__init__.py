@@ -13,6 +13,8 @@ that names the habit and says what works instead.
                      its attributes and its state dict; every rank arriving at a collective
     optimizer.py     the optimizer: elementwise ones only at stages 1-3, no SparseAdam
                      (parallelize asks it; the others are Habits' guards, below)
+    buckets.py       torch DDP's buckets from its second iteration on: cut again in the order
+                     the first backward made the gradients ready
 
 The core (data_parallel.py and the stages) imports none of this: it calls the extension points
 of :class:`~minizero.data_parallel.Extension`, one per moment. :class:`Habits` implements them,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from minizero.data_parallel import DataParallel, Extension
 from minizero.habits import autograd, module
+from minizero.habits.buckets import Rebuild
 from minizero.habits.guards import GradGuards
 from minizero.habits.sharded_grad import GradNorms
 from minizero.precision import full_dtype
@@ -42,6 +45,7 @@ class Habits(Extension):
         self.norms = GradNorms(wrapper)
         self.grads = GradGuards(wrapper, self.norms)  # its hook first: it counts the used ones
         autograd.install(trainable, self.grads.show)
+        self.buckets = Rebuild(wrapper)  # notes the ready order (stages 0-2)
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
         # own load_state_dict refreshes the masters, its state_dict is full fp32
         model.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
@@ -49,6 +53,7 @@ class Habits(Extension):
         model.register_state_dict_post_hook(module.full_module_state_dict(wrapper))
 
     def before_forward(self) -> None:
+        self.buckets.before_forward()  # first: p.grad still says whether gradients are held
         self.flags.check()
         self.grads.show()
 
@@ -60,6 +65,7 @@ class Habits(Extension):
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.grads.zero_grad(set_to_none)
+        self.buckets.at_zero_grad()  # before the stage's reset_grads: on the new buffers
 
     def state_dict(self, destination: dict | None, prefix: str) -> dict:
         return module.full_state_dict(self.wrapper, destination, prefix)

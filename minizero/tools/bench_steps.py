@@ -233,7 +233,7 @@ def _duel_options(prog: str, json_default: str) -> argparse.ArgumentParser:
         "--bucket-cap-mb",
         type=positive_float,
         default=25,
-        help="gradient bucket size in MB, for both contenders (default 25)",
+        help="gradient bucket size in MiB (bucket_cap_mb), for both contenders (default 25)",
     )
     p.add_argument(
         "--timeout",

@@ -2,20 +2,23 @@
 
 torch DDP's buckets are recorded with a comm hook (``GradBucket.parameters()``) over three
 iterations: it starts with one bucket and rebuilds them after the first backward, in the order
-the gradients arrived there, so iterations 1 and 2 hold its buckets. minizero cuts its buckets
-when it is built, by the same size rule (``minizero.bucket.assign_by_size``), over a predicted
-ready order (reverse registration). Where that prediction is right the buckets are equal at
-stages 0-2, for every cap; where it is not (TinyGPT's LayerNorms, the MLP's tied layers), the
-rule still gives torch's buckets from torch's own order, and the difference is stated."""
+the gradients arrived there, so iterations 1 and 2 hold its buckets. minizero cuts its first
+buckets by the same size rule (``minizero.bucket.assign_by_size``) over a predicted ready order
+(reverse registration), records the real order in the first backward and cuts them again at the
+first ``zero_grad()`` (minizero/habits/buckets.py). From the second iteration on its buckets, and
+the collectives it issues for them, are torch's, at stages 0-2, for every cap; TinyGPT's LayerNorms
+and the MLP's tied layers are where the prediction was wrong. The rebuild moves the optimizer's
+states and the fp32 masters: training goes on bit for bit as a run that never rebuilds."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import build, local_batch, run
+from harness import build, local_batch, run, snapshot
 from torch import nn
 
 import minizero
+from minizero.analysis.ledger import CommLedger
 from minizero.bucket import assign_by_size
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,35 +65,65 @@ def batch(kind, step, rank, world):
     return torch.randint(0, 300, (4, 6), generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
-def buckets_rank(kind):
+ITERATIONS = 3
+GRAD_TAGS = ("ddp bucket", "zero1 grads", "zero2 grads")  # a bucket's gradient collective
+
+
+def recorded(ddp, model, world):
+    """torch DDP with a comm hook that notes each bucket's parameters (as names) into the list of
+    the current iteration, the last in the list returned; then averages, as DDP's own hook."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: list[list[list[str]]] = []
+
+    def record(state, bucket):
+        seen[-1].append([names[id(p)] for p in bucket.parameters()])
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer() / world)
+        return fut
+
+    ddp.register_comm_hook(None, record)
+    return seen
+
+
+def torch_buckets(kind, cap, world):
+    """The buckets torch DDP's comm hook sees, per iteration, as names."""
+    model = model_of(kind)
+    kw = {} if cap is None else {"bucket_cap_mb": cap}
+    ddp = nn.parallel.DistributedDataParallel(model, **kw)
+    seen = recorded(ddp, model, world)
+    for step in range(ITERATIONS):
+        seen.append([])
+        ddp(*batch(kind, step, dist.get_rank(), world)).backward()
+    return seen
+
+
+def minizero_buckets(kind, cap, stage, world):
+    """minizero's buckets per iteration of a training loop (forward, backward, step, zero_grad),
+    as names, and the sizes of the gradient collectives each iteration issued."""
+    model = model_of(kind)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    wrapped, opt = minizero.parallelize(model, stage, sgd, bucket_cap_mb=cap)
+    held, sizes = [], []
+    for step in range(ITERATIONS):
+        with CommLedger() as ledger:
+            wrapped(*batch(kind, step, dist.get_rank(), world)).backward()
+            held.append([[names[id(p)] for p in b.params] for b in wrapped.buckets])
+            opt.step()
+        opt.zero_grad()
+        sizes.append([r.numel for r in ledger.records if r.tag.startswith(GRAD_TAGS)])
+    padded = [b.padded for b in wrapped.buckets]
+    return {"held": held, "sizes": sizes, "padded": padded}
+
+
+def buckets_rank(kind, caps=CAPS):
     """torch DDP's buckets per iteration and minizero's at stages 0-2, for every cap, as names."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {"torch": {}, "minizero": {}, "registration": [], "nbytes": {}}
-    for cap in CAPS:
-        model = model_of(kind)
-        names = {id(p): n for n, p in model.named_parameters()}
-        kw = {} if cap is None else {"bucket_cap_mb": cap}
-        ddp = nn.parallel.DistributedDataParallel(model, **kw)
-        seen: list[list[list[str]]] = []
-
-        def record(state, bucket, names=names, seen=seen):
-            seen[-1].append([names[id(p)] for p in bucket.parameters()])
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer() / world)
-            return fut
-
-        ddp.register_comm_hook(None, record)
-        for step in range(3):
-            seen.append([])
-            ddp(*batch(kind, step, rank, world)).backward()
-        out["torch"][cap] = seen
+    world = dist.get_world_size()
+    out = {"torch": {}, "minizero": {}}
+    for cap in caps:
+        out["torch"][cap] = torch_buckets(kind, cap, world)
         for stage in (0, 1, 2):
-            model = model_of(kind)
-            names = {id(p): n for n, p in model.named_parameters()}
-            sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-            wrapped, _ = minizero.parallelize(model, stage, sgd, bucket_cap_mb=cap)
-            held = [[names[id(p)] for p in b.params] for b in wrapped.buckets]
-            out["minizero"][cap, stage] = held
+            out["minizero"][cap, stage] = minizero_buckets(kind, cap, stage, world)
     model = model_of(kind)
     out["registration"] = [n for n, p in model.named_parameters() if p.requires_grad]
     out["nbytes"] = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -108,34 +141,43 @@ def torch_after_rebuild(got, cap):
     return its[1]
 
 
+def assert_torchs_from_the_second_iteration(got, cap, stage):
+    """minizero's buckets in iterations 2 and 3 are torch's, and its gradient collectives there
+    are one per bucket, of its padded size, in bucket order."""
+    want, mine = torch_after_rebuild(got, cap), got["minizero"][cap, stage]
+    assert mine["held"][1:] == [want] * (ITERATIONS - 1), (cap, stage)
+    for sizes in mine["sizes"][1:]:
+        assert sizes == mine["padded"], (cap, stage, sizes)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_buckets_equal_torch_ddps_from_its_second_iteration_on(world):
-    """The mixed model: ready order = reverse registration, so the buckets are torch's, at every
-    cap and stage. Under the old rule (at most the cap) 0.0016 MiB gave 7 buckets here, not 5, and
-    the default one bucket, not 2."""
+    """The mixed model: ready order = reverse registration, so the first buckets are torch's
+    already, at every cap and stage. Under the old rule (at most the cap) 0.0016 MiB gave 7
+    buckets here, not 5, and the default one bucket, not 2."""
     for got in run(buckets_rank, world, "mixed"):
         for cap in CAPS:
-            want = torch_after_rebuild(got, cap)
             for stage in (0, 1, 2):
-                assert got["minizero"][cap, stage] == want, (cap, stage)
-        assert len(got["minizero"][None, 0]) == 2  # default: 1 MiB first bucket, then 25 MiB
-        assert any(len(b) > 1 for b in got["minizero"][0.0016, 0])
+                assert_torchs_from_the_second_iteration(got, cap, stage)
+                assert got["minizero"][cap, stage]["held"][0] == torch_after_rebuild(got, cap)
+        assert len(got["minizero"][None, 0]["held"][1]) == 2  # default: 1 MiB first, then 25 MiB
+        assert any(len(b) > 1 for b in got["minizero"][0.0016, 0]["held"][1])
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
-def test_the_course_models_buckets_and_where_the_ready_order_differs(kind):
-    """The rule over torch's own ready order gives torch's buckets, at every cap. minizero's
-    predicted order differs from torch's: TinyGPT's LayerNorms make weight ready before bias
-    (their registration order), the MLP's forward calls its tied layers before layers 1-2 and
-    reads ``gain`` last. minizero's buckets are the rule over its prediction."""
+def test_the_course_models_buckets_are_rebuilt_in_ready_order(kind):
+    """Where the predicted order is wrong, minizero's first buckets are the rule over the
+    prediction, and from the second iteration on torch's, which are the rule over the real ready
+    order: TinyGPT's LayerNorms make weight ready before bias (their registration order), the
+    MLP's forward calls its tied layers before layers 1-2 and reads ``gain`` last."""
     got = run(buckets_rank, 2, kind)[0]
     nbytes, predicted = got["nbytes"], list(reversed(got["registration"]))
     ready = [n for b in torch_after_rebuild(got, 0) for n in b]  # a bucket per parameter
     for cap in CAPS:
-        want = torch_after_rebuild(got, cap)
-        assert by_rule(ready, nbytes, cap) == want, cap
+        assert by_rule(ready, nbytes, cap) == torch_after_rebuild(got, cap), cap
         for stage in (0, 1, 2):
-            assert got["minizero"][cap, stage] == by_rule(predicted, nbytes, cap), (cap, stage)
+            assert got["minizero"][cap, stage]["held"][0] == by_rule(predicted, nbytes, cap)
+            assert_torchs_from_the_second_iteration(got, cap, stage)
     assert sorted(ready) == sorted(predicted) and ready != predicted
     if kind == "gpt":  # exactly the LayerNorms' (bias, weight) pairs swapped
         swapped = list(predicted)
@@ -144,3 +186,126 @@ def test_the_course_models_buckets_and_where_the_ready_order_differs(kind):
                 if n.endswith(".bias"):
                     swapped[i], swapped[i + 1] = predicted[i + 1], n
         assert swapped == ready
+
+
+def nanogpt_loop_rank(kind, cap):
+    """nanoGPT's loop: two micro-batches, the first under no_sync (torch records nothing there),
+    then step and zero_grad: torch DDP's buckets and stage 0's, per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for impl in ("torch", "minizero"):
+        model = model_of(kind)
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if impl == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+            seen = recorded(ddp, model, world)
+        else:
+            ddp, opt = minizero.parallelize(model, 0, opt, bucket_cap_mb=cap)
+            seen = []
+        for step in range(ITERATIONS):
+            seen.append([])
+            for micro in range(2):
+                ddp.require_backward_grad_sync = micro == 1
+                ddp(*batch(kind, 2 * step + micro, rank, world)).backward()
+            if impl == "minizero":
+                seen[-1] = [[names[id(p)] for p in b.params] for b in ddp.buckets]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[impl] = seen
+    return out
+
+
+def test_no_sync_backwards_do_not_count_as_the_first_iteration():
+    got = run(nanogpt_loop_rank, 2, "gpt", 0.002)[0]
+    assert got["minizero"][1:] == got["torch"][1:]
+    assert got["minizero"][0] != got["torch"][1]  # the rebuild did change them
+
+
+def training_rank(kind, stage, precision, rebuild, opt_name):
+    """A few steps of AdamW (or SGD with momentum) with two backwards per step; the rebuild on,
+    or off (``find_unused_parameters``, with which torch and minizero keep the first buckets).
+    Returns the full parameters and the buckets after every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_of(kind)
+    names = {id(p): n for n, p in model.named_parameters()}
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}[opt_name]  # fmt: skip
+    wrapped, opt = minizero.parallelize(
+        model, stage, make, bucket_cap_mb=0.002, precision=precision,
+        find_unused_parameters=not rebuild,  # torch and minizero: no rebuild then
+    )  # fmt: skip
+    states, layouts = [], []
+    for step in range(4):
+        for micro in range(2):
+            x, y = batch(kind, 2 * step + micro, rank, world)
+            if x.is_floating_point():
+                x, y = x.to(model_dtype(model)), y.to(model_dtype(model))
+            wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(snapshot(wrapped))
+        layouts.append([[names[id(p)] for p in b.params] for b in wrapped.buckets])
+    return {"states": states, "layouts": layouts}
+
+
+def model_dtype(model):
+    return next(model.parameters()).dtype
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind,opt", [("gpt", "adamw"), ("mlp", "sgd")])
+def test_training_after_the_rebuild_is_the_run_without_it(kind, opt, precision):
+    """The rebuild moves the fp32 masters and the optimizer's states (AdamW's moments, SGD's
+    momentum; sharded at stages 1-2, so collective) into the new layout: at 2 ranks, where a sum
+    over ranks does not depend on where an element sits, every step is bit for bit the run that
+    keeps its first buckets (which tests/library/test_ddp.py and test_zero.py compare with one
+    process)."""
+    for stage in (0, 1, 2):
+        on = run(training_rank, 2, kind, stage, precision, True, opt)[0]
+        off = run(training_rank, 2, kind, stage, precision, False, opt)[0]
+        assert on["layouts"][0] != off["layouts"][0], "the rebuild changed nothing here"
+        assert on["layouts"][1:] == on["layouts"][:1] * 3
+        for step, (a, b) in enumerate(zip(on["states"], off["states"], strict=True)):
+            for k in b:
+                assert torch.equal(a[k], b[k]), (stage, precision, step, k)
+
+
+def resumed_rank(kind, stage, path):
+    """Two steps, then a checkpoint and this rank's optimizer state dict; a fresh model resumed
+    from each, before any backward. Returns the buckets of the three, as names."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def fresh():
+        model = model_of(kind)
+        adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+        wrapped, opt = minizero.parallelize(model, stage, adamw, bucket_cap_mb=0.002)
+        names = {id(p): n for n, p in model.named_parameters()}
+        return wrapped, opt, lambda: [[names[id(p)] for p in b.params] for b in wrapped.buckets]
+
+    wrapped, opt, held = fresh()
+    first = held()
+    for step in range(2):
+        wrapped(*batch(kind, step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    minizero.save_checkpoint(path, wrapped, opt)
+    out = {"first": first, "saved": held(), "sd": opt.state_dict()}
+    wrapped, opt, held = fresh()
+    minizero.load_checkpoint(path, wrapped, opt)
+    out["checkpoint"] = held()
+    wrapped, opt, held = fresh()
+    opt.load_state_dict(out.pop("sd"))
+    out["state_dict"] = held()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_resumed_run_cuts_the_saved_runs_buckets(stage, tmp_path):
+    """``load_checkpoint`` and ``optimizer.load_state_dict`` cut a fresh model's buckets as the
+    saved run had cut them, before its first backward: the resumed run goes on in the same
+    layout (with 3 ranks, where a sum's order follows the position in the bucket, bit for bit:
+    tests/library/test_habits_idioms.py)."""
+    for got in run(resumed_rank, 2, "gpt", stage, str(tmp_path / "ckpt")):
+        assert got["saved"] != got["first"]
+        assert got["checkpoint"] == got["saved"] and got["state_dict"] == got["saved"]
