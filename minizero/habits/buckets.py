@@ -13,7 +13,9 @@ the order, not under ``no_sync()``; the buckets are cut again at the first ``zer
 that backward, where no gradient has to move, or at the next synchronised forward if every
 ``p.grad`` is None by then (a plain optimizer's ``zero_grad()`` does not reach the wrapper). What
 moves is what sits on the buckets: the fp32 masters and each optimizer's param groups and states
-(at stages 1-2 a rank owns chunk r of each bucket, so ownership changes: collective). A checkpoint
+(at stages 1-2 a rank owns chunk r of each bucket, so ownership changes: collective). They move
+a parameter at a time, so that beyond its partition a rank holds at most one parameter's master
+and states while they move, never the model's KΨ that stages 1-2 partition. A checkpoint
 and an optimizer state dict record the order, and loading one cuts a fresh model's buckets the
 same way (:meth:`Rebuild.rebuild_as`), so a resumed run goes on in the saved run's layout.
 """
@@ -89,66 +91,83 @@ class Rebuild:
             self.rebuild([named[n] for n in names])
 
     def rebuild(self, ready: list[nn.Parameter]) -> None:
-        """Cut the buckets again over rank 0's ``ready``; the working copy moves as it is, the
-        fp32 masters and each optimizer's groups and states whole, then cut to the new fragments."""
+        """Cut the buckets again over rank 0's ``ready``. The working copy moves as it is; the
+        fp32 masters and each optimizer's states move a parameter at a time (:func:`move`)."""
         w = self.wrapper
         self.recorder = None
         index = {id(p): i for i, p in enumerate(w.params)}
         order = torch.tensor([index[id(p)] for p in ready], device=w.params[0].device)
         w.broadcast_from_rank0(order, "ready order")  # every rank cuts the same, as torch
-        moves = any(m is not None for m in w.masters)  # fp32 DDP: the parameters are the masters
-        full = w.full_params() if moves else {}  # id(p) -> its whole fp32 master
+        if all(m is None for m in w.masters):  # fp32 DDP: the parameters are the masters
+            w.lay_out([w.params[i] for i in order.tolist()])
+            return
+        old = dict(w.fragments_of)  # id(param) -> its fragments here, before the cut
         alive = {id(o): o for o in (ref() for ref in w.optimizers) if o is not None}
-        optimizers = list(alive.values()) if moves else []  # each once
-        for o in optimizers:
-            unshard(o, w)
+        held = {id(o): take_states(o, w) for o in alive.values()}  # before the fragments change
         w.lay_out([w.params[i] for i in order.tolist()])
-        for f in w.fragments:
-            if f.is_master:
-                f.tensor.copy_(full[id(f.param)].reshape(-1)[f.start : f.end])
-        for o in optimizers:
-            regroup(o, w)
+        for o in alive.values():
+            regroup(o, w)  # groups of the new fragments; their states follow, in move()
+        move(w, old, [(o, held[id(o)]) for o in alive.values()])
 
 
-def unshard(optimizer: torch.optim.Optimizer, wrapper: DataParallel) -> None:
-    """The inverse of :func:`~minizero.optimizer.regroup`: each group holds its parameters again
-    and each state is whole, in the parameter's shape, put together from every rank's fragments
-    (collective at stages 1-2, where a rank holds only its own; each element is on one rank)."""
+def take_states(optimizer: torch.optim.Optimizer, wrapper: DataParallel) -> dict:
+    """Give each param group its parameters back in place of this rank's fragments, and take
+    the fragments' states out: ``{param index: (group, states by fragment start)}`` for the
+    parameters this rank holds a fragment of, known on every rank (small: an all-gather of
+    objects at stages 1-2, where a rank holds only its own fragments)."""
     frag = {id(f.tensor): f for f in wrapper.fragments}
     index = {id(p): i for i, p in enumerate(wrapper.params)}
-    mine: dict[int, tuple[int, dict]] = {}  # param index -> (group, {key: scalar, or None})
-    held = []  # (fragment, its state) on this rank
+    mine: dict[int, tuple[int, list]] = {}  # param index -> (group, state keys and scalars)
+    states: dict[int, dict[int, dict]] = {}  # param index -> {fragment start: its state}
     for gi, group in enumerate(optimizer.param_groups):
         for t in [t for t in group["params"] if id(t) in frag]:
             f, st = frag[id(t)], optimizer.state.pop(t, {})
-            each = {k: v.shape == t.shape for k, v in st.items() if isinstance(v, torch.Tensor)}
-            mine[index[id(f.param)]] = (gi, {k: None if each.get(k) else v for k, v in st.items()})
-            held.append((f, st))
+            i = index[id(f.param)]
+            scalars = {k: v for k, v in st.items() if not _elementwise(v, f)}
+            mine[i] = (gi, sorted(k for k in st if k not in scalars), scalars)
+            states.setdefault(i, {})[f.start] = st
         group["params"] = [t for t in group["params"] if id(t) not in frag]
     parts = [mine]
-    if wrapper.stage > 0:  # a rank knows only the parameters it holds fragments of
+    if wrapper.stage > 0:
         parts = [None] * wrapper.world
         dist.all_gather_object(parts, mine, group=wrapper.group)
     info = {i: v for part in parts for i, v in part.items()}
-    at: dict[tuple[int, str], int] = {}  # (param index, key) -> offset in one flat buffer
-    n = 0
-    for i, (_, keys) in sorted(info.items()):
-        for k in [k for k, v in keys.items() if v is None]:
-            at[i, k], n = n, n + wrapper.params[i].numel()
-    like = next(m for m in wrapper.masters if m is not None)
-    flat = torch.zeros(n, dtype=like.dtype, device=like.device)  # (n,) every elementwise state
-    for f, st in held:
-        for k, v in st.items():
-            if (index[id(f.param)], k) in at:
-                o = at[index[id(f.param)], k]
-                flat[o + f.start : o + f.end] = v
-    if wrapper.stage > 0:
-        C.all_reduce(flat, group=wrapper.group, tag="optimizer states, whole")
-    for i, (gi, keys) in sorted(info.items()):
-        p = wrapper.params[i]
-        optimizer.param_groups[gi]["params"].append(p)
-        if keys:  # in the parameter's shape, which regroup cuts (a 0-d parameter's as (1,))
-            optimizer.state[p] = {
-                k: v if v is not None else flat[at[i, k] : at[i, k] + p.numel()].view(p.shape or 1)
-                for k, v in keys.items()
-            }
+    for i, (gi, _, _) in sorted(info.items()):
+        optimizer.param_groups[gi]["params"].append(wrapper.params[i])
+    return {"info": info, "states": states}
+
+
+def _elementwise(v: object, f) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == f.numel
+
+
+def move(wrapper: DataParallel, old: dict, optimizers: list) -> None:
+    """For each parameter in turn: its fp32 master and its elementwise states, put together
+    whole from the old fragments (an all-reduce at stages 1-2, where each element is on one rank),
+    then cut to the new fragments. One parameter at a time: the most a rank holds beyond its
+    partition is one parameter's master and states, never the whole model's KΨ."""
+    w = wrapper
+    like = next(f.tensor for f in w.fragments if f.is_master)
+    for i, p in enumerate(w.params):
+        # rows of flat: 0 the master, then one per (optimizer, state key) this parameter has
+        rows = [(o, h, k) for o, h in optimizers if i in h["info"] for k in h["info"][i][1]]
+        flat = torch.zeros(1 + len(rows), p.numel(), dtype=like.dtype, device=like.device)
+        for f in old.get(id(p), []):  # (1 + rows, numel), this rank's old fragments filled in
+            flat[0, f.start : f.end] = f.tensor
+            for r, (_, h, k) in enumerate(rows, start=1):
+                flat[r, f.start : f.end] = h["states"][i][f.start][k]
+        for _, h in optimizers:
+            h["states"].pop(i, None)  # this parameter's old states: freed as it moves
+        if w.stage > 0:
+            C.all_reduce(flat, group=w.group, tag="masters and optimizer states, one parameter")
+        for f in w.fragments_of.get(id(p), []):
+            f.tensor.copy_(flat[0, f.start : f.end])
+            for o, h in optimizers:
+                _, names, scalars = h["info"].get(i, (None, [], {}))
+                if names or scalars:
+                    st = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in scalars.items()}  # fmt: skip
+                    for r, (oo, _, k) in enumerate(rows, start=1):
+                        if oo is o:
+                            st[k] = flat[r, f.start : f.end].clone()
+                    o.state[f.tensor] = st
