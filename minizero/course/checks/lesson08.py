@@ -199,7 +199,7 @@ def check_hsdp_reduce(fn) -> None:
     """Lesson 08: ``fn(grad, shard_group, replicate_group)`` returns this rank's (numel / N_s,)
     chunk of the gradient averaged over every rank, on 4 ranks as 2 x 2, 1 x 4 and 4 x 1."""
     name = getattr(fn, "__name__", "your function")
-    results = launch_check(_hsdp_rank, 4, fn, timeout=TIMEOUT)
+    results = launch_check(_hsdp_rank, 4, fn, timeout=TIMEOUT, min_world=4)  # its meshes: 4 ranks
     for rank, cases in enumerate(results):
         for case in cases:
             nodes, per_node = case["shape"]

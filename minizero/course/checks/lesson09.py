@@ -9,10 +9,12 @@ check: :mod:`.common`.
 
 Why the comparison holds by construction: every rank's share of an eval batch is the same size,
 so the mean over the ranks of each rank's mean loss IS the mean loss of the whole batch; the three
-results differ only by float32 rounding in the losses' sums. A cross-entropy here sums at most
-12 x 16 = 192 float32 terms per batch and the means add at most 3 + 3 more; the worst case of
-recursive summation, (n - 1) u with u = 2^-24 per addition, is 200 x 6e-8 = 1.2e-5 relative, so
-``RTOL`` = 1e-4 cannot fail a right answer. The mistakes it is there for are far larger: a sum
+results differ only by float32 rounding in the losses' sums. Each eval batch holds ``ROWS`` rows
+per rank, so that any world size splits it evenly (a lab machine's 8 GPUs too). A cross-entropy
+here sums at most 4 x 16 = 64 float32 terms on a rank, one process's at most 64 per rank of the
+world, and the means add the world's and 3 batches' more; the worst case of recursive summation,
+(n - 1) u with u = 2^-24 per addition, stays under 1e-5 relative up to 64 ranks, so ``RTOL`` =
+1e-4 cannot fail a right answer. The mistakes it is there for are far larger: a sum
 not divided is N times the mean, a rank's own mean differs from the others' by percents.
 """
 
@@ -38,7 +40,8 @@ from minizero.course.checks.common import (
 )
 
 RTOL = 1e-4  # see the module's docstring: 8x the worst-case float32 rounding of these sums
-GLOBAL_BATCH, BLOCK, EVAL_ITERS = 12, 16, 3  # 12 rows split over 3 ranks (or the subgroup's 2)
+ROWS, BLOCK, EVAL_ITERS = 4, 16, 3  # each eval batch: 4 rows per rank, 16 characters each
+TRAIN_BATCH = 12  # rows of the one training step that moves the weights off their init
 STAGES = (0, 3)  # DDP; ZeRO-3, where a forward is itself collective
 STAGE_WORDS = {0: "stage 0 (DDP)", 3: "stage 3 (ZeRO-3: each forward gathers the parameters)"}
 
@@ -50,12 +53,15 @@ def _gpt_config(vocab_size: int):
                      bias=False)  # fmt: skip
 
 
-def _batches(rank: int, world: int, dev) -> list:
+def _batches(rank: int, world: int, dev, whole_of: int | None = None) -> list:
+    """This rank's rows of the eval batches of ``ROWS`` x ``world`` rows (``whole_of``: the
+    batches of that many ranks, taken whole by one process: rank 0 of world 1)."""
     from minizero.tools import shakespeare
 
     data = shakespeare.load()
-    return [shakespeare.get_batch(data, "val", GLOBAL_BATCH, BLOCK, -1 - k, rank=rank,
-                                  world=world, device=dev) for k in range(EVAL_ITERS)]  # fmt: skip
+    rows = ROWS * (whole_of or world)
+    return [shakespeare.get_batch(data, "val", rows, BLOCK, -1 - k, rank=rank, world=world,
+                                  device=dev) for k in range(EVAL_ITERS)]  # fmt: skip
 
 
 def _trained():
@@ -67,7 +73,7 @@ def _trained():
     data = shakespeare.load()
     torch.manual_seed(0)
     plain = TinyGPT(_gpt_config(data.vocab_size))
-    x, y = shakespeare.get_batch(data, "train", GLOBAL_BATCH, BLOCK, 0)
+    x, y = shakespeare.get_batch(data, "train", TRAIN_BATCH, BLOCK, 0)
     plain(x, y).backward()
     with torch.no_grad():
         for p in plain.parameters():
@@ -117,7 +123,7 @@ def _rank(fn) -> dict:
         out["cases"][stage] = case
         if case["error"] is not None:
             return out  # the others may now wait in a collective the student skipped
-    out["one"] = _one_process(_batches(0, 1, torch.device("cpu")))
+    out["one"] = _one_process(_batches(0, 1, torch.device("cpu"), whole_of=world))
     out["sub"] = on_subgroup(_sub, fn)
     return out
 
