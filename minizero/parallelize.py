@@ -151,11 +151,13 @@ def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type
 
 def build_optimizer(optimizer: OptimizerFn, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer ``optimizer(params)`` builds over the trainable parameters."""
-    if not callable(optimizer):
+    if not callable(optimizer) or isinstance(optimizer, nn.Module):  # (a module is callable)
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters or a function "
             f"params -> optimizer, got {type(optimizer).__name__}"
-        )
+            + (" (a list of optimizers is not supported: put every parameter in one optimizer, "
+               "with param groups)" if isinstance(optimizer, list | tuple) else "")
+        )  # fmt: skip
     built = optimizer([p for p in model.parameters() if p.requires_grad])
     if not isinstance(built, torch.optim.Optimizer):
         raise TypeError(

@@ -147,7 +147,7 @@ def move(wrapper: DataParallel, old: dict, optimizers: list) -> None:
     then cut to the new fragments. One parameter at a time: the most a rank holds beyond its
     partition is one parameter's master and states, never the whole model's KΨ."""
     w = wrapper
-    like = next(f.tensor for f in w.fragments if f.is_master)
+    like = next(m for m in w.masters if m is not None)  # the masters' dtype and device
     for i, p in enumerate(w.params):
         # rows of flat: 0 the master, then one per (optimizer, state key) this parameter has
         rows = [(o, h, k) for o, h in optimizers if i in h["info"] for k in h["info"][i][1]]

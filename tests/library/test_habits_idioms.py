@@ -235,3 +235,19 @@ def test_loading_into_a_deepcopy_of_the_wrapped_model_leaves_the_wrapper_alone()
     working copy (a rounding of every master)."""
     for got in run(deepcopy_rank, 2):
         assert got == [True, True, True]
+
+
+@pytest.mark.parametrize("given", ["list", "module"])
+def test_an_optimizer_argument_of_another_kind_says_what_to_pass(given):
+    """Not an optimizer nor a function making one: refused before any rank is touched, by type;
+    a list of optimizers (one per param group, a habit from other frameworks) is told to use one
+    optimizer with param groups."""
+    from minizero.parallelize import build_optimizer
+
+    model = torch.nn.Linear(2, 2)
+    arg = [torch.optim.SGD(model.parameters(), lr=0.1)] if given == "list" else model
+    with pytest.raises(TypeError) as e:
+        build_optimizer(arg, model)
+    msg = str(e.value)
+    assert msg.startswith("optimizer must be a torch.optim.Optimizer over the model's parameters")
+    assert ("one optimizer, with param groups" in msg) == (given == "list"), msg
