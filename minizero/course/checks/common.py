@@ -167,7 +167,7 @@ def graded_launch(fn, nprocs: int, *args, **kwargs) -> list:
         return launch(fn, nprocs, *args, **kwargs)
     reports = launch(own_code.in_rank, nprocs, wires, fn, *args, **kwargs)
     for r in reports:
-        own_code.TRIPS.extend(t for t in r.trips if t not in own_code.TRIPS)
+        own_code.TRIPS.extend(r.trips)
         own_code.RANK_TAMPERED.extend(t for t in r.tampered if t not in own_code.RANK_TAMPERED)
     return [r.result for r in reports]
 
