@@ -107,9 +107,7 @@ def plan(nb, lesson: kit.Lesson, token: str, verdicts: str) -> Plan:
             continue
         if g in where:
             after.setdefault(where[g], []).extend([kit_cell, capture])
-            what = (
-                f"you edited given cell {where[g]}, which the check reads {', '.join(names)} from"
-            )
+            what = f"you edited given cell {where[g]} (the check reads {', '.join(names)} from it)"
             ran = "the kit's version ran after yours"
         else:
             place = _next_place(lesson, g, where, n)

@@ -4,10 +4,10 @@ file; bad arguments end in one line."""
 from __future__ import annotations
 
 import csv
-import shutil
 from pathlib import Path
 
 import pytest
+from cheats import L08, cut, monkeypatches, structural_cheats, write
 
 from minizero.course import gradebook
 
@@ -25,18 +25,20 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     (subs / "alice").mkdir(parents=True)
     (subs / "bob").mkdir()
     (subs / "carol").mkdir()
-    shutil.copy(ROOT / "solutions" / f"{LESSON}.ipynb", subs / "alice")
-    shutil.copy(ROOT / "lessons" / f"{LESSON}.ipynb", subs / "bob")
+    write(cut(LESSON, "solutions"), subs / "alice" / f"{LESSON}.ipynb")
+    write(cut(LESSON, "lessons"), subs / "bob" / f"{LESSON}.ipynb")
     (subs / "carol" / f"{LESSON}.ipynb").write_text('{"cells": [{"cell_type": "co')
+    write(monkeypatches(solved=True), subs / "gina" / f"{LESSON}.ipynb")
+    write(structural_cheats(), subs / "hank" / f"{L08}.ipynb")
     before = snapshot(subs)
     out = tmp_path / "grades.csv"
-    assert gradebook.main([str(subs), "--out", str(out), "--jobs", "1"]) == 0
+    assert gradebook.main([str(subs), "--out", str(out), "--jobs", "2"]) == 0
     assert snapshot(subs) == before  # nothing written, nothing added, in any student's folder
     with out.open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["student", "lesson", "exercise", "status", "message"]
     by = {(r["student"], r["exercise"]): r for r in rows}
-    assert {r["student"] for r in rows} == {"alice", "bob", "carol"}
+    assert {r["student"] for r in rows} == {"alice", "bob", "carol", "gina", "hank"}
     alice = by["alice", "all_reduce_via_rs_ag"]
     assert alice["lesson"] == LESSON and alice["status"] == "passed" and alice["message"] == ""
     assert [r["status"] for r in rows if r["student"] == "alice"] == ["passed"]
@@ -45,6 +47,19 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     carol = [r for r in rows if r["student"] == "carol"]
     assert len(carol) == 1 and carol[0]["status"] == "error" and carol[0]["lesson"] == LESSON
     assert carol[0]["message"].startswith("not a notebook: not JSON")
+    # issue 31: the kit's checks, whatever the notebook did; what was put back is named
+    gina = by["gina", "all_reduce_via_rs_ag"]  # her own right answer: the verdict stands
+    assert gina["status"] == "passed" and "torch.equal" in gina["message"]
+    assert gina["message"].startswith("note: the check cell was edited")
+    hank = {e: by["hank", e] for e in ("hsdp_reduce", "quantize", "predict_step_time", "choose")}
+    assert {e: r["status"] for e, r in hank.items()} == dict.fromkeys(hank, "failed")
+    for r in hank.values():
+        assert "NotImplementedError: TODO: write" in r["message"]
+    assert "lost its tag" in hank["hsdp_reduce"]["message"]
+    assert "was edited" in hank["quantize"]["message"]
+    assert "was deleted" in hank["predict_step_time"]["message"]
+    assert "rebound minizero.course.checks.lesson08.check_choose" in hank["choose"]["message"]
+    assert len([r for r in rows if r["student"] == "hank"]) == 4  # a row per exercise, no other
     printed = capsys.readouterr().out
     table = printed.split("student", 1)[1].splitlines()
     assert any(ln.split()[:4] == ["alice", "1", "0", "0"] for ln in table)
