@@ -1,9 +1,16 @@
 """Grading: ``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``.
 
 Each notebook runs top to bottom in a fresh kernel (nbclient; the student's file is read, never
-written) with errors allowed; every check cell (``metadata.minizero.check``, see
-:mod:`minizero.course.build`) reports PASS or FAIL with its check's message, and any other cell
-that raised is reported as an ERROR.
+written) with errors allowed. A notebook of one of the kit's lessons (:mod:`minizero.course.kit`)
+runs with the kit's own check cells and the given cells they rely on put back
+(:mod:`minizero.course.restore`), each check with the grader's own references
+(:mod:`minizero.course.grading`): every exercise of the lesson reports PASS or FAIL with its
+check's message, and a note naming what was put back (an edited, moved, deleted or untagged check
+cell; a function a check relies on that the notebook rebound). An exercise whose code hands its
+work to minizero's own implementation fails (:mod:`minizero.course.checks.own_code`). Any other
+cell that raised is reported as an ERROR. A notebook that is none of the kit's lessons runs as
+written: its check cells (``metadata.minizero.check``) report PASS or FAIL. ``grade`` exits 0 only
+when every exercise of every notebook passed.
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
     with tempfile.TemporaryDirectory(prefix="minizero-grade-") as tmp:
         verdicts = Path(tmp) / "verdicts.jsonl"
         if stem is None:
-            steps = [restore.Step(c, i) for i, c in enumerate(nb.cells)]
+            steps = [restore.Step(c, i, check=restore.check_of(c)) for i, c in enumerate(nb.cells)]
             plan = restore.Plan(steps)
         else:
             plan = restore.plan(nb, kit.lesson(stem, root), secrets.token_hex(8), str(verdicts))
@@ -155,7 +162,7 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
             continue
         err = next((o for o in cell.outputs if o.output_type == "error"), None)
         msg = f"{err.ename}: {err.evalue}" if err else None
-        if step.check is not None:
+        if step.check is not None and stem is not None:  # a kit lesson: the grader's verdict
             v = verdict.get(step.check)
             if v is None:
                 msg = f"the check did not finish: {msg or 'no verdict'}"

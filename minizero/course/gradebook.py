@@ -10,7 +10,10 @@ launcher and the row says where they were; each cell has ``--timeout`` seconds.
 
 The CSV has one row per student, lesson and exercise (columns :data:`COLUMNS`); ``status`` is
 ``passed``, ``failed`` (the check raised: its message), or ``error`` (the notebook could not be
-read or run, or a cell that is not a check raised; ``exercise`` then names the cell).
+read or run, or a cell that is not a check raised; ``exercise`` then names the cell). A lesson of
+the kit gets a row for every one of its exercises, graded with the kit's own check cells
+(:mod:`minizero.course.grade`); what grading put back (an edited, moved, deleted or untagged check
+cell, a rebound function) follows the message as ``note: ...``, whatever the status.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def grade_notebook(student: str, path: Path, timeout: float) -> list[Row]:
     status = {"PASS": "passed", "FAIL": "failed", "ERROR": "error"}
     for o in outcomes(ran.runs, ran.notes):  # as `grade` scores
         label = o.label.removesuffix(" (not a check)")
-        message = " | ".join(m for m in (o.message, o.note and f"note: {o.note}") if m)
+        note = o.note if ran.lesson else "not one of the kit's lessons: its cells ran as written"
+        message = " | ".join(m for m in (o.message, note and f"note: {note}") if m)
         rows.append(Row(student, lesson, label, status[o.status], message))
     if not rows:
         rows.append(Row(student, lesson, "", "error", NO_CHECKS))

@@ -119,7 +119,7 @@ def plan(nb, lesson: kit.Lesson, token: str, verdicts: str) -> Plan:
             notes.setdefault(u, []).append(f"{what}: {ran}")
     for e in lesson.exercises:
         k = lesson.cells[e.check]
-        tagged = [i for i, c in enumerate(cells) if _check_of(c) == e.name]
+        tagged = [i for i, c in enumerate(cells) if check_of(c) == e.name]
         mine = tagged[0] if tagged else where.get(e.check)
         prev = max((where[j] for j in range(e.check) if j in where and
                     lesson.cells[j].kind == "code"), default=-1)  # fmt: skip
@@ -129,7 +129,7 @@ def plan(nb, lesson: kit.Lesson, token: str, verdicts: str) -> Plan:
         if mine is None:
             found.append("the check cell was deleted")
         else:
-            if _check_of(cells[mine]) != e.name:
+            if check_of(cells[mine]) != e.name:
                 found.append("the check cell lost its tag (metadata.minizero.check)")
             if cells[mine].source.strip() != k.source.strip():
                 found.append("the check cell was edited")
@@ -153,7 +153,7 @@ def plan(nb, lesson: kit.Lesson, token: str, verdicts: str) -> Plan:
         if i in replaced:
             steps.append(replaced[i])
         elif i not in dropped:
-            if _check_of(c) is not None:  # a copy of a check: a plain cell now
+            if check_of(c) is not None:  # a copy of a check: a plain cell now
                 c = nbformat.from_dict(dict(c, metadata={}))
             steps.append(Step(c, i))
         steps += after.get(i, [])
@@ -161,5 +161,5 @@ def plan(nb, lesson: kit.Lesson, token: str, verdicts: str) -> Plan:
     return Plan(steps, notes)
 
 
-def _check_of(cell) -> str | None:
+def check_of(cell) -> str | None:
     return cell.get("metadata", {}).get("minizero", {}).get("check")
