@@ -119,7 +119,7 @@ def plan(parts: list[str], delegates: list[str], ns: dict) -> tuple[list[Wire], 
 
 def _codes(fn) -> list:
     """``fn``'s code and every code object nested in it."""
-    code = getattr(_unwrap(fn), "__code__", None)
+    code = getattr(_unwrap(fn), "__code__", None) if not isinstance(fn, property) else None
     out, todo = [], [code] if code is not None else []
     while todo:
         c = todo.pop()
@@ -134,31 +134,39 @@ def _reads_global(fn, lib) -> bool:
     return any(_same(g[n], lib) for n in names if n in g and callable(g[n]))
 
 
+def _student_codes(student) -> set:
+    """The code a student wrote: a function's, or every method's of a class and of its bases that
+    are not minizero's."""
+    if not inspect.isclass(student):
+        return set(_codes(student))
+    out = set()
+    for c in student.__mro__:
+        if c is object or _library(c):
+            continue
+        for v in vars(c).values():
+            v = getattr(v, "__func__", v)  # staticmethod, classmethod
+            out.update(_codes(v) if callable(v) else [])
+    return out
+
+
 def _wrap(w: Wire, original):
-    student = w.student
-    if inspect.isclass(student):
+    """``original`` that records ``w.message`` when called with the student's code on the stack
+    (for a method: on an instance of the student's class), e.g. not when the check calls it."""
+    student, codes = w.student, _student_codes(w.student)
 
-        def wired_method(self, *args, **kwargs):
-            if isinstance(self, student) and w.message not in TRIPS:
-                TRIPS.append(w.message)
-            return original(self, *args, **kwargs)
-
-        wired_method.__wrapped_by_grader__ = original
-        return wired_method
-    codes = set(_codes(student))
-
-    def wired_function(*args, **kwargs):
-        f = sys._getframe(1)
-        while f is not None:
-            if f.f_code in codes:
-                if w.message not in TRIPS:
-                    TRIPS.append(w.message)
-                break
-            f = f.f_back
+    def wired(*args, **kwargs):
+        if not inspect.isclass(student) or (args and isinstance(args[0], student)):
+            f = sys._getframe(1)
+            while f is not None:
+                if f.f_code in codes:
+                    if w.message not in TRIPS:
+                        TRIPS.append(w.message)
+                    break
+                f = f.f_back
         return original(*args, **kwargs)
 
-    wired_function.__wrapped_by_grader__ = original
-    return wired_function
+    wired.__wrapped_by_grader__ = original
+    return wired
 
 
 @contextlib.contextmanager
