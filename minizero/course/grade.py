@@ -152,10 +152,21 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
         else:
             plan = restore.plan(nb, kit.lesson(stem, root), secrets.token_hex(8), str(verdicts))
         ran = nbformat.v4.new_notebook(cells=[s.cell for s in plan.steps], metadata=nb.metadata)
-        _execute(ran, path, timeout)
+        crash = None
+        try:
+            _execute(ran, path, timeout)
+        except Exception as e:  # a cell past --timeout, a kernel that died
+            if stem is None:
+                raise
+            crash = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
         found = [json.loads(ln) for ln in verdicts.read_text().splitlines()] if (
             verdicts.exists()) else []  # fmt: skip
-    verdict = {v["exercise"]: v for v in found}  # the last one of each exercise
+    verdict = {v["exercise"]: v for v in found}
+    for name in {v["exercise"] for v in found}:  # run_check writes one per exercise, no more
+        if sum(v["exercise"] == name for v in found) > 1:
+            verdict[name] = dict(
+                verdict[name], fails=["the notebook wrote to the grader's verdicts"]
+            )
     result = Run([], stem, plan.notes)
     for step, cell in zip(plan.steps, ran.cells):
         if cell.cell_type != "code":
@@ -165,7 +176,7 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
         if step.check is not None and stem is not None:  # a kit lesson: the grader's verdict
             v = verdict.get(step.check)
             if v is None:
-                msg = f"the check did not finish: {msg or 'no verdict'}"
+                msg = f"the check did not finish: {msg or crash or 'no verdict'}"
             else:
                 result.fails[step.check] = v["fails"]
                 result.notes.setdefault(step.check, []).extend(v["notes"])

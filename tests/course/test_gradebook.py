@@ -121,6 +121,9 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
     spin = [nbformat.v4.new_code_cell("while True:\n    pass")]
     nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
+    lesson = cut(LESSON, "solutions")  # a lesson of the kit: every exercise still gets its row
+    lesson.cells.insert(0, spin[0])
+    write(lesson, subs / "erin" / f"{LESSON}.ipynb")
     out = tmp_path / "g.csv"
     argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "30"]
     assert gradebook.main(argv) == 0
@@ -133,3 +136,6 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     spin = rows["02_spin"]
     assert spin["status"] == "error" and spin["exercise"] == ""
     assert spin["message"].startswith("CellTimeoutError")
+    spun = rows[LESSON]
+    assert spun["exercise"] == "all_reduce_via_rs_ag" and spun["status"] == "failed"
+    assert "the check did not finish: CellTimeoutError" in spun["message"]
