@@ -20,6 +20,7 @@ import builtins
 import copy
 import inspect
 import sys
+import warnings
 from types import ModuleType
 
 _TORCH = ("torch", "torch.Tensor", "torch.distributed", "torch.distributed.distributed_c10d",
@@ -58,6 +59,11 @@ class Seal:
     """The objects checks rely on, as they are now."""
 
     def __init__(self) -> None:
+        with warnings.catch_warnings():  # looking at a deprecated name (dist.reduce_op) warns
+            warnings.simplefilter("ignore")
+            self._take()
+
+    def _take(self) -> None:
         self.scopes = _scopes()
         self.saved: dict[str, dict[str, tuple[object, object]]] = {}
         for where, ns in self.scopes.items():

@@ -114,3 +114,32 @@ def test_a_rank_whose_code_rebinds_torch_equal_is_reported():
     assert torch.equal(torch.zeros(1), torch.zeros(1)) and not torch.equal(
         torch.zeros(1), torch.ones(1)
     )  # this process never saw it: ranks are forked
+
+
+def _rank(cls):
+    p = torch.nn.Parameter(torch.zeros(3))
+    cls([p], 0, 1).view(torch.zeros(3), p)
+    torch.equal = lambda a, b: True
+    return "done"
+
+
+def test_a_rank_started_fresh_gets_the_wires_and_its_own_seal_through_cloudpickle():
+    """What a torchrun rank (NCCL) receives: the wires and the student's class, pickled by value
+    as a notebook's class is, in one piece; it installs them itself and reports back."""
+    import cloudpickle
+
+    class MyBucket(Bucket):  # local: pickled by value, as a notebook's class
+        def view(self, flat, p):
+            return super().view(flat, p)
+
+    wires, _ = own_code.plan(["MyBucket.view"], [], {"MyBucket": MyBucket})
+    wires, fn, cls = cloudpickle.loads(cloudpickle.dumps((wires, _rank, MyBucket)))
+    assert wires[0].student is cls  # one pickle: the wire's class is the one the rank runs
+    equal = torch.equal
+    try:
+        report = own_code.in_rank(wires, fn, cls)
+    finally:
+        torch.equal = equal
+    assert report.result == "done" and report.tampered == ["torch.equal"]
+    assert report.trips == ["MyBucket.view calls minizero's Bucket.view: write it yourself"]
+    assert not hasattr(vars(Bucket)["view"], "__wrapped_by_grader__")  # unwired after the rank
