@@ -37,6 +37,9 @@ def structural_cheats() -> nbformat.NotebookNode:
     cell_of(nb, exercise="choose").source += (  # row 2: the check rebound from the exercise
         "\nlesson08.check_choose = lambda fn: print('PASS  choose')"
     )
+    cell_of(nb, exercise="quantize").source += (  # and the module the check cell names
+        "\nimport types\nlesson08 = types.SimpleNamespace(check_quantize=print)"
+    )
     nb.cells.remove(cell_of(nb, check="predict_step_time"))  # row 3: deleted
     cell_of(nb, check="hsdp_reduce").metadata = {}  # row 3: untagged
     return nb

@@ -71,13 +71,15 @@ class Grading:
         before = self.seal.changes()
         self.seal.restore()
         ns = dict(_user_ns())
+        swapped = [n for n in ex["names"] if n in self.imports and ns.get(n) is not self.imports[n]]
         ns.update({n: _copy(self.captured[n]) for n in self.captured})
         ns.update(self.imports)
         ns["__builtins__"] = builtins
         notes, fails = [], []
-        if before:
+        if before or swapped:
             notes.append(
-                f"your notebook rebound {describe(before)}: the check ran with the originals"
+                f"your notebook rebound {describe(swapped + before)}: the check ran with the "
+                "originals"
             )
         error, found = None, []
         try:

@@ -118,6 +118,7 @@ def spec(lesson: Lesson) -> dict:
                 "source": lesson.cells[e.check].source,
                 "parts": e.parts,
                 "delegates": e.delegates,
+                "names": e.imports,
             }
             for e in lesson.exercises
         },
