@@ -34,11 +34,9 @@ def structural_cheats() -> nbformat.NotebookNode:
     """Lesson 08 unsolved, one cheat per exercise: the issue's table, rows 1 to 3."""
     nb = cut(L08, "lessons")
     cell_of(nb, check="quantize").source = 'print("PASS  quantize")'  # row 1
-    cell_of(nb, exercise="choose").source += (  # row 2: the check rebound from the exercise
-        "\nlesson08.check_choose = lambda fn: print('PASS  choose')"
-    )
-    cell_of(nb, exercise="quantize").source += (  # and the module the check cell names
-        "\nimport types\nlesson08 = types.SimpleNamespace(check_quantize=print)"
+    cell_of(nb, exercise="choose").source += (  # row 2: the check rebound from the exercise,
+        "\nlesson08.check_choose = lambda fn: print('PASS  choose')"  # and the module the check
+        "\nimport types\nlesson08 = types.SimpleNamespace(check_choose=print)"  # cell names
     )
     nb.cells.remove(cell_of(nb, check="predict_step_time"))  # row 3: deleted
     cell_of(nb, check="hsdp_reduce").metadata = {}  # row 3: untagged
