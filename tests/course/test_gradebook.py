@@ -30,6 +30,7 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     (subs / "carol" / f"{LESSON}.ipynb").write_text('{"cells": [{"cell_type": "co')
     write(monkeypatches(solved=True), subs / "gina" / f"{LESSON}.ipynb")
     write(structural_cheats(), subs / "hank" / f"{L08}.ipynb")
+    write(monkeypatches(solved=False), subs / "mallory" / f"{LESSON}.ipynb")
     before = snapshot(subs)
     out = tmp_path / "grades.csv"
     assert gradebook.main([str(subs), "--out", str(out), "--jobs", "2"]) == 0
@@ -38,7 +39,7 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["student", "lesson", "exercise", "status", "message"]
     by = {(r["student"], r["exercise"]): r for r in rows}
-    assert {r["student"] for r in rows} == {"alice", "bob", "carol", "gina", "hank"}
+    assert {r["student"] for r in rows} == {"alice", "bob", "carol", "gina", "hank", "mallory"}
     alice = by["alice", "all_reduce_via_rs_ag"]
     assert alice["lesson"] == LESSON and alice["status"] == "passed" and alice["message"] == ""
     assert [r["status"] for r in rows if r["student"] == "alice"] == ["passed"]
@@ -61,6 +62,11 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     said = "rebound lesson08, minizero.course.checks.lesson08.check_choose: the check ran with"
     assert said in hank["choose"]["message"]
     assert len([r for r in rows if r["student"] == "hank"]) == 4  # a row per exercise, no other
+    mallory = by["mallory", "all_reduce_via_rs_ag"]  # a wrong answer and every primitive rebound
+    assert mallory["status"] == "failed"
+    assert mallory["message"].startswith("CheckFailed: wrong sum for a tensor of shape (1,)")
+    for name in ("builtins.print", "torch.equal", "torch.allclose", "minizero.launch"):
+        assert name in mallory["message"].split("| note: ")[1]
     printed = capsys.readouterr().out
     table = printed.split("student", 1)[1].splitlines()
     assert any(ln.split()[:4] == ["alice", "1", "0", "0"] for ln in table)
