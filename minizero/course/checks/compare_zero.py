@@ -207,7 +207,7 @@ def _scale_of(got, want, precision: str, ref_name: str, world: int, hint: str) -
         return f"of shape {tuple(got.shape)}, {ref_name}'s {tuple(want.shape)} (this rank's chunk)"
     ratio = float((got * want).sum() / (want * want).sum().clamp_min(1e-30))
     diff = float((got - want).abs().nan_to_num(nan=math.inf).max())
-    head = f"{ratio:.2f}x {ref_name}'s"
+    head = f"{ratio:.2f}x minizero's"
     if abs(ratio * world - 1) < 0.05:
         return (
             f"{head} (1/{world}): divided by the world twice? In fp16 the bucket is divided by "
