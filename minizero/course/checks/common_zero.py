@@ -33,11 +33,11 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    raised_hint,
     rank_device,
     run_info,
     strict_ledger,
     subgroup_failure,
-    two_ranks_hint,
 )
 from minizero.course.checks.compare_zero import compare
 from minizero.models import MLP, count_params, synthetic_batch
@@ -302,6 +302,6 @@ def results(rank_fn, nprocs, student, *args) -> tuple[list[dict], int, str]:
         if r["error"]:
             raise CheckFailed(
                 f"{name} raised on rank {rank} (world size {world}): {r['error']}."
-                f"{two_ranks_hint(world)}"
+                f"{raised_hint(world, r['error'])}"
             )
     return res, world, name

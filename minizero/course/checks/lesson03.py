@@ -36,11 +36,11 @@ from minizero.course.checks.common import (
     launch_check,
     on_subgroup,
     on_world_and_subgroup,
+    raised_hint,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
-    two_ranks_hint,
     within,
 )
 from minizero.course.checks.common_zero import (
@@ -312,7 +312,9 @@ def _check_clip(per_rank: list[dict], world: int, name: str) -> None:
         for case in res["cases"]:
             where = f"on rank {rank} of {world}, max_norm {case['max_norm']:.4g}"
             if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}.{two_ranks_hint(world)}")
+                raise CheckFailed(
+                    f"{name} raised {where}: {case['error']}.{raised_hint(world, case['error'])}"
+                )
             if case["ops"] != ["all_reduce"]:
                 raise CheckFailed(
                     f"{name} issued {case['ops'] or 'no collective'} {where}: add up the squares "
