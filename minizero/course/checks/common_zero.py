@@ -46,10 +46,11 @@ from minizero.precision import POLICIES, Precision
 from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
-# The 16-bit policies every ZeRO check also trains the student's class in, each against
-# minizero's own class in the same policy: bf16 and fp16 as minizero names them, and bf16
-# reduced in fp32 (FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as
-# production bf16 training runs), where a bucket made in the gradient's dtype is the wrong one.
+# The 16-bit policies the ZeRO checks also train the student's class in, each against
+# minizero's own class in the same policy: bf16 and fp16 as minizero names them, and (lesson 03,
+# whose exercise makes the bucket) bf16 reduced in fp32 (FSDP2's MixedPrecisionPolicy(
+# param_dtype=bf16, reduce_dtype=fp32), as production bf16 training runs), where a bucket made
+# in the gradient's dtype is the wrong one.
 # One SGD step over 2 micro-batches (accumulation included): SGD's update is lr times the
 # gradient, so a gradient scaled by a constant shows in the update (Adam's m / sqrt(v) would
 # divide it out). One step: the float64 run already checks what later steps add.
@@ -241,13 +242,16 @@ def run_all(refs: dict, student, rank: int, world: int, dev, **kw) -> dict:
     return out
 
 
-def precision_runs(ref_cls, student, rank: int, world: int, dev, wrap=None, **kw) -> dict:
-    """Under each of :data:`PRECISIONS`: minizero's ``ref_cls``, then the student's class
+def precision_runs(
+    ref_cls, student, rank: int, world: int, dev, wrap=None, policies=("bf16", "fp16"), **kw
+) -> dict:
+    """Under each of ``policies`` (names of :data:`PRECISIONS`; "bf16 reduced in fp32" where the
+    exercise makes a gradient buffer, lesson 03): minizero's ``ref_cls``, then the student's class
     (guarded), both wrapped by ``wrap(build)`` if given, PRECISION_MICRO steps of SGD. Returns
     ``{"prec": {name: {"ref": run, "mine": run}}, "error": the student's error or None}``."""
     wrap = wrap or (lambda build: build)
     out: dict = {"prec": {}, "error": None}
-    for name in PRECISIONS:
+    for name in policies:
         args = dict(kw, micro=PRECISION_MICRO, precision=name)
         ref = train(wrap(minizero_build(ref_cls, name)), rank, world, dev, **args)
         mine, err = guard(train, wrap(minizero_build(student, name)), rank, world, dev, **args)

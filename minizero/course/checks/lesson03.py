@@ -44,6 +44,7 @@ from minizero.course.checks.common import (
     within,
 )
 from minizero.course.checks.common_zero import (
+    PRECISIONS,
     STEPS,
     check_subgroup,
     fsdp2,
@@ -111,7 +112,16 @@ def _zero2_rank(student) -> dict:
     out = run_all(refs, mine, rank, world, dev, micro=MICRO, observe=_observe)
     if out["error"] is None:  # 16-bit: the buckets in the reduce dtype, bit for bit
         out.update(
-            precision_runs(ZeRO2, student, rank, world, dev, _with_live_count, observe=_observe)
+            precision_runs(
+                ZeRO2,
+                student,
+                rank,
+                world,
+                dev,
+                _with_live_count,
+                tuple(PRECISIONS),
+                observe=_observe,
+            )  # fmt: skip
         )
     return with_subgroup(out, ZeRO2, student, micro=MICRO)
 

@@ -1,12 +1,11 @@
 """What the check cells of lesson 04 (04_zero3) call: ``check_zero3_gather``, ``..._prefetch``.
 
 The student's ``ZeRO3`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO3`` (:mod:`.common_zero`), and bit for bit against minizero's ``ZeRO3`` in each 16-bit
-policy (bf16, fp16, bf16 reduced in fp32). The gather check also probes ``gather`` and ``free``
-one unit at a time against an all-gather that is still in flight (a stand-in work object that
-records whether it was waited for): no training run is guaranteed to free a unit whose prefetch has
-not completed, and a ``free`` that drops the storage under a running all-gather lets the backend
-write into freed memory.
+``ZeRO3`` (:mod:`.common_zero`), and bit for bit against minizero's ``ZeRO3`` in bf16 and in
+fp16. The gather check also probes ``gather`` and ``free`` one unit at a time against an all-gather
+that is still in flight (a stand-in work object that records whether it was waited for): no training
+run is guaranteed to free a unit whose prefetch has not completed, and a ``free`` that drops the
+storage under a running all-gather lets the backend write into freed memory.
 """
 
 from __future__ import annotations
