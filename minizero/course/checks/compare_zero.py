@@ -39,7 +39,7 @@ def close(got: float, want: float, rtol: float, atol: float) -> bool:
 FP32_HINT = (
     " A difference this small is float32's rounding: this check trains in float64 (see "
     "common_zero.RTOL), and a tensor made without dtype= (torch.zeros(n)) is float32: make your "
-    "buffers in the gradient's dtype (p.grad.dtype)."
+    "buffers in the policy's reduce dtype (self.precision.reduce_dtype)."
 )
 
 

@@ -147,8 +147,8 @@ def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
     if got > want:
         raise CheckFailed(
             f"{precision}, rank {rank}: your bucket buffers held up to {got} bytes at once during "
-            f"backward, minizero's ZeRO2 {want}: allocate each (padded,) buffer in the gradient's "
-            "dtype (p.grad.dtype) and forget it once its reduce-scatter is done."
+            f"backward, minizero's ZeRO2 {want}: allocate each (padded,) buffer in the reduce "
+            "dtype (self.precision.reduce_dtype) and forget it once its reduce-scatter is done."
         )
 
 
