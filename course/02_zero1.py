@@ -328,8 +328,9 @@ class MyZeRO1(ZeRO1):
 # %% check="MyZeRO1"
 # 3 Adam steps of the MLP (3 buckets, padded) on max(NPROCS, 3) ranks, step by step: the gradient
 # chunks your optimizer steps with against minizero's ZeRO1, the parameters against one process on
-# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
-# bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
+# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1; then one SGD step in bf16 and in
+# fp16 against ZeRO1 in the same precision, gradient chunks and parameters equal bit for bit; one
+# reduce-scatter + one all-gather per bucket (2Ψ).
 lesson02.check_zero1(MyZeRO1, NPROCS)
 
 # %% [markdown]

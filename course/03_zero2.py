@@ -187,7 +187,8 @@ class MyZeRO2(ZeRO2):
 # %% check="MyZeRO2"
 # 3 Adam steps of the MLP (3 buckets), the second over 2 micro-batches: gradient chunks against
 # minizero's ZeRO2, parameters against one process, FSDP2 (reshard_after_forward=False) and
-# ZeRO2, then again in bf16 against ZeRO2 in bf16; no p.grad after backward, every
+# ZeRO2; then one SGD step over 2 micro-batches in bf16, fp16 and bf16 reduced in fp32 against
+# ZeRO2 in the same precision, bit for bit; no p.grad after backward, every
 # reduce-scatter started during backward, no more full bucket buffers (two), nor bytes of them,
 # alive at once than ZeRO2; one reduce-scatter per bucket per backward and one all-gather.
 lesson03.check_zero2(MyZeRO2, NPROCS)
