@@ -16,7 +16,9 @@ model, and what it assumes:
   that leave the node (k of n). ``node_bytes``: what one node sends to the others: each ring
   leaves each node once, and node_size / p such groups run at once on a node (a flat ring: 1;
   HSDP's replicate groups, one rank per node: node_size). An all-to-all sends S/n to each rank
-  straight. α is the inter link's when the group crosses nodes, the intra link's otherwise.
+  straight. α per round as NCCL's tuner charges a ring (src/graph/tuning.cc): the inter link's
+  on the rounds that cross nodes (2(k-1) for an all-reduce, k-1 for the others), the intra
+  link's on the rest.
 * Rings only: NCCL also runs trees, NVLS (NVLink SHARP) and CollNet, with other busbw. A step's
   collectives run one after another (NCCL issues them on one stream), each alone on the links;
   compute and communication do not slow each other (``overlap`` says how much is hidden).
@@ -78,6 +80,24 @@ class Comm:
     def rounds(self, emulated_rs: bool = False) -> int:
         return ring(self.op, self.nbytes, self.n, emulated_rs=emulated_rs)[0]
 
+    def inter_rounds(self, emulated_rs: bool = False) -> int:
+        """The rounds charged the inter link's α, as NCCL's tuner charges a ring
+        (src/graph/tuning.cc, ``nInterSteps``): none inside a node; 2(nodes - 1) for an
+        all-reduce, nodes - 1 for the others; an all-to-all: one per peer on another node."""
+        if self.nodes == 1 or self.n == 1:
+            return 0
+        if self.op == "all_to_all":
+            return self.n - self.n // self.nodes
+        twice = self.op == "all_reduce" or (self.op == "reduce_scatter" and emulated_rs)
+        return (2 if twice else 1) * (self.nodes - 1)
+
+    def latency(self, links: "Links", emulated_rs: bool = False) -> float:
+        """α of one call: the inter link's on :meth:`inter_rounds`, the intra link's on the
+        other rounds."""
+        inter = self.inter_rounds(emulated_rs)
+        intra = self.rounds(emulated_rs) - inter
+        return links.inter.alpha * inter + links.intra.alpha * intra
+
     def wire(self, emulated_rs: bool = False) -> float:
         """Bytes each rank sends per step for this collective (the ring model)."""
         return self.times * ring(self.op, self.nbytes, self.n, emulated_rs=emulated_rs)[1]
@@ -102,13 +122,13 @@ class Comm:
         return (self.node_size // per_node) * sent  # each group's ring leaves the node once
 
     def seconds(self, links: Links, emulated_rs: bool = False) -> float:
-        """One call's time: α · rounds + the slower of NVLink and the node's NICs."""
+        """One call's time: α per round (:meth:`latency`) + the slower of NVLink and the node's
+        NICs."""
         if self.n == 1:
             return 0.0
-        alpha = (links.inter if self.nodes > 1 else links.intra).alpha
         nvlink = self.gpu_bytes(emulated_rs) / links.intra.beta
         nics = self.node_bytes(emulated_rs) / (links.nics * links.inter.beta)
-        return alpha * self.rounds(emulated_rs) + max(nvlink, nics)
+        return self.latency(links, emulated_rs) + max(nvlink, nics)
 
 
 @dataclass(kw_only=True)

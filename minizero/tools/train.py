@@ -162,9 +162,11 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
     """nanoGPT's loop on this rank: evaluate every ``eval_interval`` iterations and after the last
     step, else one step on this rank's rows of global batch ``it``. ``history`` (from a
     checkpoint: its evaluations, and its curve as "prior") is continued. Returns the history:
-    the loss of this rank's rows at each iteration of this run, the evaluations, this rank's step
-    times, the model-state bytes at the end of a backward."""
+    the loss of this rank's rows at each iteration of this run, the evaluations, the loss over the
+    whole validation split after the last step ("val_full", ``tools/full_split.py``), this rank's
+    step times, the model-state bytes at the end of a backward."""
     from minizero.analysis.memory import model_state_bytes
+    from minizero.tools.full_split import eval_full
 
     device = device or torch.device("cpu")
     data = shakespeare.load()
@@ -177,7 +179,9 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
             h["evals"].append([it, losses["train"], losses["val"]])
             if on_eval is not None:
                 on_eval(it, h)
-        if it == cfg.max_iters:
+        if it == cfg.max_iters:  # and the whole validation split, beside the estimate
+            h["val_full"] = eval_full(model, data.val, cfg.block_size, rank=rank, world=world,
+                                      group=group, device=device)  # fmt: skip
             break
         lr = get_lr(it, cfg)
         for g in opt.param_groups:
