@@ -91,7 +91,7 @@ class Comm:
         twice = self.op == "all_reduce" or (self.op == "reduce_scatter" and emulated_rs)
         return (2 if twice else 1) * (self.nodes - 1)
 
-    def latency(self, links: "Links", emulated_rs: bool = False) -> float:
+    def latency(self, links: Links, emulated_rs: bool = False) -> float:
         """α of one call: the inter link's on :meth:`inter_rounds`, the intra link's on the
         other rounds."""
         inter = self.inter_rounds(emulated_rs)
@@ -129,6 +129,19 @@ class Comm:
         nvlink = self.gpu_bytes(emulated_rs) / links.intra.beta
         nics = self.node_bytes(emulated_rs) / (links.nics * links.inter.beta)
         return self.latency(links, emulated_rs) + max(nvlink, nics)
+
+
+NVLS_EFFICIENCY_HOPPER = 0.85  # NCCL's tuner: nvlsEfficiency for compute capability 9.0
+
+
+def nvls_busbw(n: int, beta_nvlink: float, efficiency: float = NVLS_EFFICIENCY_HOPPER) -> tuple:
+    """(links' bound, NCCL's estimate) of an NVLS all-reduce's nccl-tests busbw on one node of
+    ``n`` GPUs, in ``beta_nvlink``'s unit. NVIDIA gives NVLS's algbw as the NVLink bandwidth
+    times n/(n+1) (a GPU moves S(n+1)/n: nccl-tests#212, #239); nccl-tests reports busbw =
+    algbw x 2(n-1)/n whatever the algorithm; NCCL's tuner scales NVLS by ``efficiency`` (0.85 on
+    Hopper, src/graph/tuning.cc). Not used by :func:`predict`, which prices rings only."""
+    bound = beta_nvlink * n / (n + 1) * 2 * (n - 1) / n
+    return bound, bound * efficiency
 
 
 @dataclass(kw_only=True)

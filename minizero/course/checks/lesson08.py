@@ -5,10 +5,10 @@
 4 x 1: a size hard-coded for 2 x 2 fails the other two); ``check_quantize`` compares the
 student's int8 block quantiser with minizero.precision's. The last two run in the notebook's own
 process (no ranks): the student's prediction of a step (α per round as NCCL charges a ring, the
-slower of NVLink and the node's NICs) against ``minizero.analysis.cost.predict`` (no overlap) on configurations that differ where
-a plausible mistake shows (micro-batches, NICs per node, max or sum, α, HSDP, hpZ, qwZ), and the
-student's choice of a configuration against the rule the lesson states. The contract of every
-check: :mod:`.common`.
+slower of NVLink and the node's NICs) against ``minizero.analysis.cost.predict`` (no overlap) on
+configurations that differ where a plausible mistake shows (micro-batches, NICs per node, max
+or sum, α, HSDP, hpZ, qwZ), and the student's choice of a configuration against the rule the
+lesson states. The contract of every check: :mod:`.common`.
 """
 
 from __future__ import annotations
