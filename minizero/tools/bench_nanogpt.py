@@ -1,12 +1,17 @@
 """``python -m minizero bench nanogpt``: nanoGPT's own ``train.py`` beside ``minizero train``.
 
-The same run both ways on this machine: nanoGPT's CPU "baby GPT" (its README's command line:
+The same run both ways on this machine: nanoGPT's README's CPU run (its command line, which
+shrinks the "baby GPT" of ``config/train_shakespeare_char.py`` for a CPU:
 ``config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 --log_interval=1
 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
 --lr_decay_iters=2000 --dropout=0.0``), one process, then ``python -m minizero train`` with the
-same configuration at stages 0 and 3 on 2 gloo ranks. Printed: the validation loss at the last
-iteration (nanoGPT's README reports 1.88 at 2,000), the wall time of each as a ratio to
-nanoGPT's, the median iteration time and the peak resident memory of the largest process.
+same configuration at stages 0 and 3 on 2 gloo ranks, and one process in plain PyTorch (the
+reference). Printed: the validation loss at the last iteration, the 20-batch estimate both print
+(nanoGPT's README reports 1.88 at 2,000) and the final model over the whole validation split
+(``minizero/tools/full_split.py``); each run's largest difference from one process; the wall
+time of each as a ratio to nanoGPT's, the median iteration time, the peak resident memory of the
+largest process and minizero's model states per rank. ``--seeds``: every run at each seed, then
+each run's mean and spread and Welch's t against nanoGPT's own runs.
 
 The two draw their batches differently (nanoGPT from torch's global generator, its evaluations
 too; minizero each global batch from a stream of its own, and the same eval batches every time),
@@ -39,7 +44,7 @@ from pathlib import Path
 
 NEEDED = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
 REPO = "https://github.com/karpathy/nanoGPT"
-PUBLISHED_VAL = 1.88  # nanoGPT's README, the CPU baby GPT at 2,000 iterations
+PUBLISHED_VAL = 1.88  # nanoGPT's README, its CPU run at 2,000 iterations
 # maximum RSS of the largest descendant that has exited (Linux: ru_maxrss in KiB)
 PEAK = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
         "print('MINIZERO_PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "

@@ -86,7 +86,7 @@ def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
     refs = {r["seed"]: r for r in rows if r.get("reference")}
     cores = os.cpu_count()
     threads = a.nanogpt_threads or "torch's default"
-    print(f"\nnanoGPT's baby GPT, its README's CPU run (4 layers, 4 heads, n_embd 128, block 64), "
+    print(f"\nnanoGPT's README's CPU run (4 layers, 4 heads, n_embd 128, block 64), "
           f"on Tiny Shakespeare, {a.max_iters} iterations, CPU ({cores} cores); threads: nanoGPT "
           f"{threads}, minizero 1 per rank")  # fmt: skip
     head = (f"{'run':<38}{'seed':>5}{'val':>8}{'val all':>8}{'train':>8}{'diff':>9}"

@@ -1,9 +1,11 @@
-"""``python -m minizero train``: nanoGPT's baby GPT learns Tiny Shakespeare at any ZeRO stage.
+"""``python -m minizero train``: nanoGPT's Shakespeare model learns Tiny Shakespeare at any stage.
 
-The loop a nanoGPT user knows (github.com/karpathy/nanoGPT, ``train.py``), with its CPU "baby GPT"
-defaults from its README: 4 layers, 4 heads, n_embd 128, block 64, batch 12, 2,000 iterations,
-AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices only), 100 warm-up iterations then
-a cosine decay to 1e-4 at iteration 2,000, gradient clipping at 1.0, dropout 0. What distributed
+The loop a nanoGPT user knows (github.com/karpathy/nanoGPT, ``train.py``), with the defaults of
+its README's CPU command line, which shrinks its "baby GPT" (``config/train_shakespeare_char.py``:
+6 layers, n_embd 384, block 256) for a CPU: 4 layers, 4 heads, n_embd 128, block 64, batch 12,
+2,000 iterations, AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices only), 100
+warm-up iterations then a cosine decay to 1e-4 at iteration 2,000, gradient clipping at 1.0,
+dropout 0. What distributed
 training changes, and nothing else:
 
 - the model and optimizer go through ``minizero.parallelize(model, stage, optimizer)``;
@@ -35,7 +37,7 @@ from minizero.tools import shakespeare
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """One training run; the defaults are nanoGPT's baby GPT on a CPU (its README)."""
+    """One training run; the defaults are nanoGPT's README's CPU command line."""
 
     stage: int = 0  # 0: DDP, 1-3: ZeRO P_os, P_os+g, P_os+g+p
     n_layer: int = 4

@@ -1,6 +1,6 @@
 """The ``train`` command: options, a progress bar with the live loss, the report, the loss plot.
 
-    python -m minizero train                        # nanoGPT's baby GPT, stage 0, 2 CPU ranks
+    python -m minizero train                        # nanoGPT's CPU run, stage 0, 2 CPU ranks
     python -m minizero train --stage 3 --nprocs 2   # the same at ZeRO-3
     python -m minizero train --stage 2 --nprocs 3 --resume runs/train/ckpt --max-iters 3000
     python -m minizero run -m minizero train --stage 3   # under torchrun (multi-node: its options)
@@ -211,11 +211,11 @@ def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = Parser(
         prog="minizero train",
-        description="Train nanoGPT's baby GPT on Tiny Shakespeare (characters, shipped with "
-        "minizero) at a ZeRO stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress "
-        "bar with the live loss, train and val loss at each evaluation, a checkpoint to resume "
+        description="Train nanoGPT's character-level Shakespeare model (its README's CPU "
+        "configuration) on Tiny Shakespeare (characters, shipped with minizero) at a ZeRO "
+        "stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress bar with the live loss, train and val loss at each evaluation, a checkpoint to resume "
         "from at any stage or world size, generated text at the end, and the loss plot in "
-        "--out-dir. The defaults are nanoGPT's CPU configuration (its README).",
+        "--out-dir; at the end, the loss over the whole validation split.",
     )
     add_nprocs(p)
     p.add_argument(
