@@ -213,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
         prog="minizero train",
         description="Train nanoGPT's character-level Shakespeare model (its README's CPU "
         "configuration) on Tiny Shakespeare (characters, shipped with minizero) at a ZeRO "
-        "stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress bar with the live loss, train and val loss at each evaluation, a checkpoint to resume "
+        "stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress bar with the live "
+        "loss, train and val loss at each evaluation, a checkpoint to resume "
         "from at any stage or world size, generated text at the end, and the loss plot in "
         "--out-dir; at the end, the loss over the whole validation split.",
     )
