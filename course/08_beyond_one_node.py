@@ -27,8 +27,7 @@
 
 # %%
 import functools
-import statistics
-import time
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -121,16 +120,11 @@ def on_nodes(progress):
         if key in MORE:
             out["more"][key] = res
             continue
-        times = []
-        for _ in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        step_s = step_parts.fastest_seconds(step)  # the fastest of 5, each after a barrier
         # section 5: the same step with its collectives replaced by local stand-ins (last: the
         # model's numbers are wrong after it)
         local_s = step_parts.local_step_seconds(step)
-        out["stages"][stage] = dict(res, step_s=statistics.median(times), local_s=local_s)
+        out["stages"][stage] = dict(res, step_s=step_s, local_s=local_s)
         progress.tick()
     progress.tick()
     plain = TinyGPT(GPT)  # section 5: what the cost model is fed, timed on every rank at once
@@ -145,6 +139,7 @@ def on_nodes(progress):
     progress.tick()
     out["inter"] = cost.sweep(sizes, repeats=3)  # the ring over both nodes
     progress.tick()
+    out["load"] = os.getloadavg()[0]  # the 1-minute load average: other work on this machine
     return out
 
 
@@ -711,8 +706,9 @@ lesson08.check_predict_step_time(predict_step_time)
 # ## 5. Predicted against measured, on this machine
 #
 # The same model, fed with this machine's fits, its measured compute and the buckets the stages
-# made, against the step times section 1 measured (the slowest rank's). gloo's reduce-scatter is
-# costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's prediction:
+# made, against the step times section 1 measured (the slowest rank's; every time in this section
+# is the fastest of 5, each after a barrier: on a shared machine noise only adds). gloo's
+# reduce-scatter is costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's prediction:
 # `MICRO` forward + backward passes of the plain model, then the collectives. It leaves out
 # three things a step does, which section 1 measured on every rank at once (4 ranks share this
 # machine's cores, as they do in a step; minizero/analysis/step_parts.py):
@@ -748,7 +744,8 @@ for s in range(4):
           f"{optimizer * 1e3:>10.1f}{(local - MICRO * compute_s - optimizer) * 1e3:>9.1f}"
           f"{local * 1e3:>8.1f}{comm * 1e3:>7.1f}{full * 1e3:>11.1f}{full / measured - 1:>+7.0%}")
 print(f"compute (forward + backward) {compute_s * 1e3:.1f} ms × {MICRO} micro-batches; "
-      f"{checks.describe(INFO)}")  # fmt: skip
+      f"{checks.describe(INFO)}; load average {RUN[0]['load']:.1f} on {os.cpu_count()} cores "
+      "as section 1 ended (above the cores: other work shared the machine)")  # fmt: skip
 
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 for k, label in enumerate(("measured", "no overlap (exercise 3)", "local step + comm")):
