@@ -271,13 +271,22 @@ def main(argv: list[str]) -> int:
         print(f"minizero bench nanogpt: skipped: {why}")
         return 0
     rows = []
+
+    def done(row: dict | None) -> None:  # a long bench says what it has as it goes
+        if row is not None:
+            rows.append(row)
+            print(
+                f"  {row['name']}, seed {row['seed']}: val {row['val']:.4f} (20 batches), "
+                f"{row['val_full']:.4f} (whole split), {row['wall_s']:.0f} s",
+                flush=True,
+            )
+
     with tempfile.TemporaryDirectory(prefix="minizero-nanogpt-") as tmp:
         work = Path(tmp)
         for seed in a.seeds:
             print(f"seed {seed}: nanoGPT ({src}), {a.max_iters} iterations, 1 process ...",
                   flush=True)  # fmt: skip
-            rows.append(run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads,
-                                    seed=seed))  # fmt: skip
+            done(run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads, seed=seed))
             if a.fed:
                 print("nanoGPT again, drawing minizero's batches ...", flush=True)
                 fed = run_nanogpt(src, work, a.max_iters, a.timeout, a.nanogpt_threads, fed=True,
@@ -285,13 +294,13 @@ def main(argv: list[str]) -> int:
                 if fed is None:
                     print("  skipped: this train.py lacks the lines that draw its batches")
                 else:
-                    rows.append(fed)
+                    done(fed)
             if a.reference:
                 print("one process, plain PyTorch (the reference) ...", flush=True)
-                rows.append(run_reference(work, a.max_iters, a.timeout, seed))
+                done(run_reference(work, a.max_iters, a.timeout, seed))
             for s in a.stages:
                 print(f"minizero train --stage {s} --nprocs {a.nprocs} ...", flush=True)
-                rows.append(run_minizero(s, a.nprocs, work, a.max_iters, a.timeout, seed))
+                done(run_minizero(s, a.nprocs, work, a.max_iters, a.timeout, seed))
     print_rows(rows, a)
     if len(a.seeds) > 1:
         print_seeds(rows)

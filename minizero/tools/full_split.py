@@ -44,14 +44,12 @@ def windows(ids: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def full_split_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
-                    block_size: int, *, rank: int = 0, world: int = 1, group=None,
-                    device=None, batch: int = 64) -> float:  # fmt: skip
-    """The mean cross-entropy (nats per character) over every target of ``ids``. Each rank scores
-    its share of the windows in ``batch``-window forwards; every rank runs the same number of
-    forwards (a rank short of windows pads with unscored ones), since a ZeRO-3 forward gathers from
-    every rank. The sums and counts are all-reduced over ``group`` in float64: collective where a
-    process group is initialised and ``world`` > 1."""
+def split_sums(logits_fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
+               block_size: int, *, rank: int = 0, world: int = 1, device=None,
+               batch: int = 64) -> torch.Tensor:  # fmt: skip
+    """(2,) float64: this rank's sum of cross-entropies and its number of targets. The windows
+    are dealt in equal contiguous shares (padded with unscored copies); every rank runs the same
+    number of ``batch``-window forwards, since a ZeRO-3 forward gathers from every rank."""
     device = device or torch.device("cpu")
     x, y = windows(ids, block_size)  # (W, T)
     per = -(-len(x) // world)  # windows per rank, rounded up
@@ -64,12 +62,21 @@ def full_split_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], ids: torc
     for c in range(calls):
         xb = x[c * batch : (c + 1) * batch].to(device)
         yb = y[c * batch : (c + 1) * batch].to(device)
-        if len(xb) == 0:  # this rank has run out: one unscored window keeps the forwards in step
-            xb, yb = x[:1].to(device), torch.full_like(y[:1], IGNORE).to(device)
         logits = logits_fn(xb).float()  # (b, T, V)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), yb.reshape(-1),
                                ignore_index=IGNORE, reduction="sum")  # fmt: skip
         total += torch.stack([loss.double(), (yb != IGNORE).sum().double()])
+    return total
+
+
+def full_split_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
+                    block_size: int, *, rank: int = 0, world: int = 1, group=None,
+                    device=None, batch: int = 64) -> float:  # fmt: skip
+    """The mean cross-entropy (nats per character) over every target of ``ids``: each rank's
+    :func:`split_sums`, all-reduced over ``group`` in float64 (collective where a process group
+    is initialised and ``world`` > 1)."""
+    total = split_sums(logits_fn, ids, block_size, rank=rank, world=world, device=device,
+                       batch=batch)  # fmt: skip
     if world > 1 and dist.is_initialized():
         dist.all_reduce(total, group=group)
     return float(total[0] / total[1])
