@@ -759,11 +759,15 @@ plt.show()
 
 # %% [markdown]
 # Read the columns as what exercise 3's model leaves out. The optimizer step and the wrappers'
-# work are not in `compute_s`, and on this machine they are not small beside a model this size:
-# the "no overlap" line sits far below the measurement. With them measured ("local"), the
-# prediction comes close at every stage; what remains is the interaction the model does not
-# price (a rank waiting for a core while its peers compute looks like latency, and gloo's threads
-# compete with the compute for the same cores). On a GPU the balance differs: the optimizer and
+# work are not in `compute_s`, and with a model this small they are not small beside it: the
+# "no overlap" line sits far below the measurement at every stage. "local" is the whole step
+# without its collectives, measured, so "local + comm" leaves out only how communication and
+# compute slow each other on shared cores (a rank waiting for a core looks like latency to its
+# peers, and gloo's threads compete with the compute). Its error is what the α-β model of the
+# collectives gets wrong on this machine; the "wrappers" column is what a model of the step
+# would have to add. Every figure here moves with what else the machine runs: the line under
+# the table gives the load average, and above the core count (other work on the machine) rerun
+# the section 1 cell before reading the errors. On a GPU the balance differs: the optimizer and
 # the copies are fast kernels, and the overlap is real but partial: NCCL's collectives run on
 # their own stream, yet they are kernels on the same SMs and take SMs and memory bandwidth from
 # the compute beside them (lesson 01 measured it), so a real step sits between no overlap and

@@ -8,8 +8,10 @@ model, and what it assumes:
 
 * NCCL runs a collective as several rings at once (channels) spread over all of a node's NICs,
   NVLink carrying each GPU's share to the GPU beside the NIC. So a ring that crosses nodes is not
-  as slow as one NIC: every NIC of the node works on it (NVIDIA's figures:
-  github.com/NVIDIA/nccl-tests/issues/212 and /290; lesson 08 prints them beside the model's).
+  as slow as one NIC: every NIC of the node works on it. The inputs: β_NVLink from
+  github.com/NVIDIA/nccl-tests/issues/212 (~370 GB/s ring busbw) and β_NIC from /290 (46-48
+  GB/s per NDR NIC); the one multi-node measurement held against the model: /309, 365.84 GB/s
+  on 4 nodes x 8 GPUs, 8 NICs each, where the model gives 376 (lesson 08 prints them).
 * A collective on a group of n ranks spread over k nodes, p = n/k on each, costs
   ``α · rounds + max(gpu_bytes / β_intra, node_bytes / (nics · β_inter))``, its bottleneck.
   ``gpu_bytes``: what one GPU sends over NVLink, its ring bytes less the share of the ring's hops
