@@ -13,7 +13,7 @@ model, and what it assumes:
   GB/s per NDR NIC); the one multi-node measurement held against the model: /309, 365.84 GB/s
   on 4 nodes x 8 GPUs, 8 NICs each, where the model gives 376 (lesson 08 prints them).
 * A collective on a group of n ranks spread over k nodes, p = n/k on each, costs
-  ``α · rounds + max(gpu_bytes / β_intra, node_bytes / (nics · β_inter))``, its bottleneck.
+  ``latency + max(gpu_bytes / β_intra, node_bytes / (nics · β_inter))``, its bottleneck.
   ``gpu_bytes``: what one GPU sends over NVLink, its ring bytes less the share of the ring's hops
   that leave the node (k of n). ``node_bytes``: what one node sends to the others: each ring
   leaves each node once, and node_size / p such groups run at once on a node (a flat ring: 1;
