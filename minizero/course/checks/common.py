@@ -184,12 +184,24 @@ def report_pass(msg: str) -> None:
 
 # -- a wrong world and a dropped group -------------------------------------------------------------
 def two_ranks_hint(world: int) -> str:
-    """What to say when a result is off by world/2 (or the code raised) on ``world`` ranks."""
+    """What to say when a result is off by world/2 on ``world`` ranks: the evidence of a 2."""
     if world == 2:
         return ""
     return (
         f" This check runs on {world} ranks: your code assumed 2 ranks: use self.world / "
         "dist.get_world_size(group)."
+    )
+
+
+def raised_hint(world: int, error: str) -> str:
+    """What to add to the student's exception ``error`` (:func:`guard`'s text) on ``world``
+    ranks. Nothing for an exercise not written yet (its TODO's NotImplementedError names it), nor
+    on 2 ranks. Otherwise a question, not a diagnosis: an exception is no evidence of a 2."""
+    if world == 2 or error.startswith("NotImplementedError") or " NotImplementedError:" in error:
+        return ""
+    return (
+        f" (This check runs on {world} ranks: if your code assumes 2, use self.world / "
+        "dist.get_world_size(group).)"
     )
 
 
