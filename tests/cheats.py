@@ -86,3 +86,21 @@ def write(nb, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path
+
+
+def solution(stem: str, exercise: str) -> dict:
+    """The namespace the kit's solution of ``exercise`` defines (its lesson's imports first):
+    always the current solution, whatever the lesson became."""
+    import ast
+
+    lesson = kit.lesson(stem)
+    cell = next(c for c in lesson.cells if c.exercise == exercise)
+    nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    ns: dict = {}
+    for c in lesson.cells[: cell.index]:
+        if c.kind == "code":
+            tree = ast.parse(c.source)
+            imports = [s for s in tree.body if isinstance(s, ast.Import | ast.ImportFrom)]
+            exec(compile(ast.Module(imports, []), c.id, "exec"), ns)
+    exec(compile(nb.cells[cell.index].source, cell.id, "exec"), ns)
+    return ns
