@@ -35,8 +35,8 @@ PASS_THROUGH = {
                  "stage code on meta tensors"),
     "bench": ("tools.bench:main", "benchmarks: collectives, ddp, stages (each against PyTorch's "
               "own), checkpoints, zeropp"),
-    "train": ("tools.train_cli:main", "nanoGPT's baby GPT learns Tiny Shakespeare at a ZeRO "
-              "stage: live loss, evaluations, checkpoint, samples, loss plot"),
+    "train": ("tools.train_cli:main", "nanoGPT's CPU Shakespeare model learns Tiny "
+              "Shakespeare at a ZeRO stage: live loss, evaluations, checkpoint, samples, plot"),
     "run": ("tools.run:torchrun_main", "run a script under torchrun (one rank per GPU, "
             "multi-node)"),
     "start": ("course.workflow:start_main", "copy the lessons into a folder of your own "

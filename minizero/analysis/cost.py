@@ -8,15 +8,19 @@ model, and what it assumes:
 
 * NCCL runs a collective as several rings at once (channels) spread over all of a node's NICs,
   NVLink carrying each GPU's share to the GPU beside the NIC. So a ring that crosses nodes is not
-  as slow as one NIC: every NIC of the node works on it (NVIDIA's figures:
-  github.com/NVIDIA/nccl-tests/issues/212 and /290; lesson 08 prints them beside the model's).
+  as slow as one NIC: every NIC of the node works on it. The inputs: β_NVLink from
+  github.com/NVIDIA/nccl-tests/issues/212 (~370 GB/s ring busbw) and β_NIC from /290 (46-48
+  GB/s per NDR NIC); the one multi-node measurement held against the model: /309, 365.84 GB/s
+  on 4 nodes x 8 GPUs, 8 NICs each, where the model gives 376 (lesson 08 prints them).
 * A collective on a group of n ranks spread over k nodes, p = n/k on each, costs
-  ``α · rounds + max(gpu_bytes / β_intra, node_bytes / (nics · β_inter))``, its bottleneck.
+  ``latency + max(gpu_bytes / β_intra, node_bytes / (nics · β_inter))``, its bottleneck.
   ``gpu_bytes``: what one GPU sends over NVLink, its ring bytes less the share of the ring's hops
   that leave the node (k of n). ``node_bytes``: what one node sends to the others: each ring
   leaves each node once, and node_size / p such groups run at once on a node (a flat ring: 1;
   HSDP's replicate groups, one rank per node: node_size). An all-to-all sends S/n to each rank
-  straight. α is the inter link's when the group crosses nodes, the intra link's otherwise.
+  straight. α per round as NCCL's tuner charges a ring (src/graph/tuning.cc): the inter link's
+  on the rounds that cross nodes (2(k-1) for an all-reduce, k-1 for the others), the intra
+  link's on the rest.
 * Rings only: NCCL also runs trees, NVLS (NVLink SHARP) and CollNet, with other busbw. A step's
   collectives run one after another (NCCL issues them on one stream), each alone on the links;
   compute and communication do not slow each other (``overlap`` says how much is hidden).
@@ -78,6 +82,24 @@ class Comm:
     def rounds(self, emulated_rs: bool = False) -> int:
         return ring(self.op, self.nbytes, self.n, emulated_rs=emulated_rs)[0]
 
+    def inter_rounds(self, emulated_rs: bool = False) -> int:
+        """The rounds charged the inter link's α, as NCCL's tuner charges a ring
+        (src/graph/tuning.cc, ``nInterSteps``): none inside a node; 2(nodes - 1) for an
+        all-reduce, nodes - 1 for the others; an all-to-all: one per peer on another node."""
+        if self.nodes == 1 or self.n == 1:
+            return 0
+        if self.op == "all_to_all":
+            return self.n - self.n // self.nodes
+        twice = self.op == "all_reduce" or (self.op == "reduce_scatter" and emulated_rs)
+        return (2 if twice else 1) * (self.nodes - 1)
+
+    def latency(self, links: Links, emulated_rs: bool = False) -> float:
+        """α of one call: the inter link's on :meth:`inter_rounds`, the intra link's on the
+        other rounds."""
+        inter = self.inter_rounds(emulated_rs)
+        intra = self.rounds(emulated_rs) - inter
+        return links.inter.alpha * inter + links.intra.alpha * intra
+
     def wire(self, emulated_rs: bool = False) -> float:
         """Bytes each rank sends per step for this collective (the ring model)."""
         return self.times * ring(self.op, self.nbytes, self.n, emulated_rs=emulated_rs)[1]
@@ -102,13 +124,26 @@ class Comm:
         return (self.node_size // per_node) * sent  # each group's ring leaves the node once
 
     def seconds(self, links: Links, emulated_rs: bool = False) -> float:
-        """One call's time: α · rounds + the slower of NVLink and the node's NICs."""
+        """One call's time: α per round (:meth:`latency`) + the slower of NVLink and the node's
+        NICs."""
         if self.n == 1:
             return 0.0
-        alpha = (links.inter if self.nodes > 1 else links.intra).alpha
         nvlink = self.gpu_bytes(emulated_rs) / links.intra.beta
         nics = self.node_bytes(emulated_rs) / (links.nics * links.inter.beta)
-        return alpha * self.rounds(emulated_rs) + max(nvlink, nics)
+        return self.latency(links, emulated_rs) + max(nvlink, nics)
+
+
+NVLS_EFFICIENCY_HOPPER = 0.85  # NCCL's tuner: nvlsEfficiency for compute capability 9.0
+
+
+def nvls_busbw(n: int, beta_nvlink: float, efficiency: float = NVLS_EFFICIENCY_HOPPER) -> tuple:
+    """(links' bound, NCCL's estimate) of an NVLS all-reduce's nccl-tests busbw on one node of
+    ``n`` GPUs, in ``beta_nvlink``'s unit. NVIDIA gives NVLS's algbw as the NVLink bandwidth
+    times n/(n+1) (a GPU moves S(n+1)/n: nccl-tests#212, #239); nccl-tests reports busbw =
+    algbw x 2(n-1)/n whatever the algorithm; NCCL's tuner scales NVLS by ``efficiency`` (0.85 on
+    Hopper, src/graph/tuning.cc). Not used by :func:`predict`, which prices rings only."""
+    bound = beta_nvlink * n / (n + 1) * 2 * (n - 1) / n
+    return bound, bound * efficiency
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""Tiny Shakespeare, character level: the text nanoGPT's baby GPT learns. ``train`` and lesson 09.
+"""Tiny Shakespeare, character level: what nanoGPT's Shakespeare model learns. ``train``, lesson 09.
 
 The text ships inside the package (``minizero/data/shakespeare_char/``, its source and licence in
 the README there): nothing is downloaded. The split and the vocabulary are nanoGPT's

@@ -1,9 +1,11 @@
-"""``python -m minizero train``: nanoGPT's baby GPT learns Tiny Shakespeare at any ZeRO stage.
+"""``python -m minizero train``: nanoGPT's Shakespeare model learns Tiny Shakespeare at any stage.
 
-The loop a nanoGPT user knows (github.com/karpathy/nanoGPT, ``train.py``), with its CPU "baby GPT"
-defaults from its README: 4 layers, 4 heads, n_embd 128, block 64, batch 12, 2,000 iterations,
-AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices only), 100 warm-up iterations then
-a cosine decay to 1e-4 at iteration 2,000, gradient clipping at 1.0, dropout 0. What distributed
+The loop a nanoGPT user knows (github.com/karpathy/nanoGPT, ``train.py``), with the defaults of
+its README's CPU command line, which shrinks its "baby GPT" (``config/train_shakespeare_char.py``:
+6 layers, n_embd 384, block 256) for a CPU: 4 layers, 4 heads, n_embd 128, block 64, batch 12,
+2,000 iterations, AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices only), 100
+warm-up iterations then a cosine decay to 1e-4 at iteration 2,000, gradient clipping at 1.0,
+dropout 0. What distributed
 training changes, and nothing else:
 
 - the model and optimizer go through ``minizero.parallelize(model, stage, optimizer)``;
@@ -35,7 +37,7 @@ from minizero.tools import shakespeare
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """One training run; the defaults are nanoGPT's baby GPT on a CPU (its README)."""
+    """One training run; the defaults are nanoGPT's README's CPU command line."""
 
     stage: int = 0  # 0: DDP, 1-3: ZeRO P_os, P_os+g, P_os+g+p
     n_layer: int = 4
@@ -162,9 +164,11 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
     """nanoGPT's loop on this rank: evaluate every ``eval_interval`` iterations and after the last
     step, else one step on this rank's rows of global batch ``it``. ``history`` (from a
     checkpoint: its evaluations, and its curve as "prior") is continued. Returns the history:
-    the loss of this rank's rows at each iteration of this run, the evaluations, this rank's step
-    times, the model-state bytes at the end of a backward."""
+    the loss of this rank's rows at each iteration of this run, the evaluations, the loss over the
+    whole validation split after the last step ("val_full", ``tools/full_split.py``), this rank's
+    step times, the model-state bytes at the end of a backward."""
     from minizero.analysis.memory import model_state_bytes
+    from minizero.tools.full_split import eval_full
 
     device = device or torch.device("cpu")
     data = shakespeare.load()
@@ -177,7 +181,9 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
             h["evals"].append([it, losses["train"], losses["val"]])
             if on_eval is not None:
                 on_eval(it, h)
-        if it == cfg.max_iters:
+        if it == cfg.max_iters:  # and the whole validation split, beside the estimate
+            h["val_full"] = eval_full(model, data.val, cfg.block_size, rank=rank, world=world,
+                                      group=group, device=device)  # fmt: skip
             break
         lr = get_lr(it, cfg)
         for g in opt.param_groups:

@@ -1,6 +1,6 @@
 """The ``train`` command: options, a progress bar with the live loss, the report, the loss plot.
 
-    python -m minizero train                        # nanoGPT's baby GPT, stage 0, 2 CPU ranks
+    python -m minizero train                        # nanoGPT's CPU run, stage 0, 2 CPU ranks
     python -m minizero train --stage 3 --nprocs 2   # the same at ZeRO-3
     python -m minizero train --stage 2 --nprocs 3 --resume runs/train/ckpt --max-iters 3000
     python -m minizero run -m minizero train --stage 3   # under torchrun (multi-node: its options)
@@ -111,6 +111,13 @@ def curve(results: list) -> list[float]:
     return results[0].get("prior", []) + mine
 
 
+def cfg_val_targets() -> int:
+    """The characters the whole-split loss predicts: every one of the split but the first."""
+    from minizero.tools import shakespeare
+
+    return len(shakespeare.load().val) - 1
+
+
 def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
     """Print the evaluations, memory, step time and sample; write the plot and the JSON."""
     from minizero.analysis.memory import format_bytes
@@ -122,6 +129,11 @@ def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
           + (f", mesh {cfg.mesh} (replicate, shard)" if cfg.mesh else ""))  # fmt: skip
     for it, tr, va in r0["evals"]:
         print(f"step {it}: train loss {tr:.4f}, val loss {va:.4f}")
+    if "val_full" in r0:
+        n_val = cfg_val_targets()
+        print(f"val loss over the whole validation split ({n_val:,} characters, each predicted "
+              f"once): {r0['val_full']:.4f} (the estimate above: {cfg.eval_iters} batches of "
+              f"{cfg.batch_size} x {cfg.block_size})")  # fmt: skip
     steps = [max(r["step_s"][i] for r in results) for i in range(len(r0["step_s"]))]
     step_ms = 1e3 * statistics.median(steps[1:] or steps) if steps else float("nan")
     print(f"time: {r0['seconds']:.1f} s for iterations {r0['start']}-{cfg.max_iters} "
@@ -143,6 +155,7 @@ def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
     if r0.get("checkpoint"):
         print(f"checkpoint: {r0['checkpoint']} (resume at any stage or world size: --resume)")
     summary = {"config": asdict(cfg), "world": world, "where": where, "evals": r0["evals"],
+               "val_full": r0.get("val_full"),
                "loss": curve(results), "step_ms": step_ms, "sample": r0.get("sample"),
                "states": [r.get("states") for r in results],
                "rss": [r["rss"] for r in results]}  # fmt: skip
@@ -198,11 +211,12 @@ def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = Parser(
         prog="minizero train",
-        description="Train nanoGPT's baby GPT on Tiny Shakespeare (characters, shipped with "
-        "minizero) at a ZeRO stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress "
-        "bar with the live loss, train and val loss at each evaluation, a checkpoint to resume "
+        description="Train nanoGPT's character-level Shakespeare model (its README's CPU "
+        "configuration) on Tiny Shakespeare (characters, shipped with minizero) at a ZeRO "
+        "stage, on gloo CPU ranks or one rank per GPU over NCCL: a progress bar with the live "
+        "loss, train and val loss at each evaluation, a checkpoint to resume "
         "from at any stage or world size, generated text at the end, and the loss plot in "
-        "--out-dir. The defaults are nanoGPT's CPU configuration (its README).",
+        "--out-dir; at the end, the loss over the whole validation split.",
     )
     add_nprocs(p)
     p.add_argument(

@@ -14,11 +14,19 @@ def _step(cfg, links, compute_s, psi, *, times=True, per_micro=True, nics=None, 
           alpha=None, compute=True):  # fmt: skip
     total = (cfg.micro_batches if per_micro else 1) * compute_s if compute else 0.0
     for c in cost.step_collectives(cfg, [psi]):
-        a = alpha if alpha is not None else (links.inter if c.nodes > 1 else links.intra).alpha
+        if alpha == "crossing":  # the old model: the inter α on every round of a crossing group
+            lat = (links.inter if c.nodes > 1 else links.intra).alpha * c.rounds()
+        elif alpha is not None:
+            lat = alpha * c.rounds()
+        else:  # NCCL's ring (src/graph/tuning.cc): inter α on 2(k-1) or k-1 rounds
+            per = {"all_reduce": 2}.get(c.op, 1)
+            inter = 0 if c.nodes == 1 else (c.n - c.n // c.nodes if c.op == "all_to_all"
+                                             else per * (c.nodes - 1))  # fmt: skip
+            lat = links.inter.alpha * inter + links.intra.alpha * (c.rounds() - inter)
         nvlink = c.gpu_bytes() / links.intra.beta
         network = c.node_bytes() / ((nics or links.nics) * links.inter.beta)
         slowest = nvlink + network if summed else max(nvlink, network)
-        total += (c.times if times else 1) * (a * c.rounds() + slowest)
+        total += (c.times if times else 1) * (lat + slowest)
     return total
 
 
@@ -34,9 +42,10 @@ def test_the_right_prediction_passes(capsys):
         (lambda *a: _step(*a, per_micro=False), "compute runs once per micro-batch"),
         (lambda *a: _step(*a, nics=1), "on all its NICs at once"),
         (lambda *a: _step(*a, summed=True), "the slower of the two (max), not their sum"),
-        (lambda *a: _step(*a, alpha=a[1].intra.alpha), "α is the inter link's"),
+        (lambda *a: _step(*a, alpha=a[1].intra.alpha), "α as NCCL charges a ring"),
+        (lambda *a: _step(*a, alpha="crossing"), "the inter link's on the c.inter_rounds()"),
         (lambda *a: _step(*a, compute=False), "add the compute"),
-        (lambda cfg, links, c, psi: _step(cfg, links, c, psi) * 1.01, "α · c.rounds() + max("),
+        (lambda cfg, links, c, psi: _step(cfg, links, c, psi) * 1.01, "α_inter · c.inter_rounds()"),
         (lambda *a: None, "return seconds"),
     ],
 )

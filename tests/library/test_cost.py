@@ -140,23 +140,38 @@ def _busbw(op: str, n: int, nodes: int, node_size: int = 8) -> float:
     return c.wire() / c.seconds(H100)
 
 
-@pytest.mark.parametrize(
-    "what, n, nodes, low, high",
-    [
-        # one node of 8 H100s, ring: NCCL's effective NVLink rate, ~370 GB/s (nccl-tests#212)
-        ("one node, ring", 8, 1, 370e9, 370e9),
-        # two nodes of 8 NDR NICs, ring: "46-48 GB/s per NIC" (nccl-tests#290), 8 NICs a node
-        ("two nodes, ring", 16, 2, 8 * 46e9, 8 * 48e9),
-        # 64 nodes: still the node's 8 NICs, not one NIC's 47 GB/s
-        ("64 nodes, ring", 512, 64, 8 * 46e9, 8 * 48e9),
-    ],
-)
-def test_the_link_model_gives_the_published_busbw(what, n, nodes, low, high):
+def test_the_link_model_against_measured_busbw():
+    """Measured all-reduce busbw on H100s with 8 NDR 400G NICs a node (nccl-tests#309): 368.76 GB/s
+    on one node with NVLS disabled (a ring), 365.84 GB/s on 4 nodes x 8. The one-node figure is
+    the input β_NVLink (370); the 4-node one is a prediction: 8 NICs x 47 GB/s (nccl-tests#290's
+    per-NIC figure) = 376 GB/s, within 3%. Beyond 4 nodes no measurement is cited: the model's
+    busbw stays 8 x β_NIC, arithmetic on its inputs."""
+    one, four = _busbw("all_reduce", 8, 1), _busbw("all_reduce", 32, 4)
+    assert one == pytest.approx(NVLINK)
+    assert four == pytest.approx(8 * NIC) and abs(four / 365.84e9 - 1) < 0.03
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        got = _busbw(op, n, nodes)
-        print(f"{what:16} {op:15} model {got / 1e9:6.1f} GB/s, published "
-              f"{low / 1e9:.0f}-{high / 1e9:.0f} GB/s")  # fmt: skip
-        assert low <= got <= high, (what, op, got)
+        assert _busbw(op, 512, 64) == pytest.approx(8 * NIC), op
+
+
+def test_alpha_is_charged_as_nccls_ring():
+    """NCCL's tuner (src/graph/tuning.cc): a ring's latency is nInterSteps x the inter-node
+    latency + (nsteps - nInterSteps) x the intra-node one, nInterSteps = 2(nNodes - 1) for an
+    all-reduce and nNodes - 1 for the others, 0 on one node."""
+    links = cost.Links(intra=cost.Link(1.0, 1e30), inter=cost.Link(100.0, 1e30), nics=8)
+    cases = [  # op, n, nodes, inter rounds, intra rounds
+        ("all_reduce", 16, 2, 2, 28),
+        ("all_reduce", 512, 64, 126, 896),
+        ("reduce_scatter", 16, 2, 1, 14),
+        ("all_gather", 32, 4, 3, 28),
+        ("all_reduce", 8, 1, 0, 14),
+        ("all_reduce", 64, 64, 126, 0),  # HSDP's replicate ring: every round crosses
+    ]
+    for op, n, nodes, inter, intra in cases:
+        c = cost.Comm(op, 1.0, n, nodes, 8, "world", "grads")
+        assert (c.inter_rounds(), c.rounds() - c.inter_rounds()) == (inter, intra), (op, n)
+        assert c.seconds(links) == pytest.approx(100.0 * inter + 1.0 * intra)
+    gloo = cost.Comm("reduce_scatter", 1.0, 4, 2, 2, "world", "grads")  # emulated: an all-reduce
+    assert gloo.inter_rounds(emulated_rs=True) == 2 and gloo.rounds(emulated_rs=True) == 6
 
 
 def test_replicate_groups_share_the_nodes_nics():

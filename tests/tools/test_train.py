@@ -9,15 +9,19 @@ takes seconds; the 2,000-iteration runs are measurements (``bench nanogpt``), no
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minizero.__main__ import main
 from minizero.launcher import gpu_count
+from minizero.models import GPTConfig, TinyGPT
 from minizero.tools import shakespeare
 from minizero.tools.bench_nanogpt import find_nanogpt
+from minizero.tools.full_split import IGNORE, full_split_loss, split_sums, windows
 from minizero.tools.train import TrainConfig, get_lr, single_process
 from minizero.tools.train_cli import curve, train
 
@@ -55,6 +59,51 @@ def test_the_data_is_nanogpts_character_split():
         shakespeare.get_batch(data, "train", 12, 16, 0, rank=0, world=5)
 
 
+@pytest.mark.parametrize("n, block", [(50, 7), (50, 49), (57, 8), (10, 3)])
+def test_full_split_windows_score_every_character_once(n, block):
+    ids = torch.arange(n) % 251
+    x, y = windows(ids, block)
+    assert x.shape == y.shape == (-(-(n - 1) // block), block)
+    assert torch.equal(y[y != IGNORE], ids[1:])  # every target once, in order
+    kept = y != IGNORE
+    assert torch.equal(x[kept], ids[:-1])  # each target's input is the character before it
+    with pytest.raises(ValueError, match="longer than the split"):
+        windows(torch.arange(5), 5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_full_split_loss_is_every_targets_cross_entropy(world):
+    """Each rank's share, summed (as the all-reduce sums them), is the mean cross-entropy of
+    every target: against a direct loop over the split, one window at a time."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=1, n_embd=8)
+    model = TinyGPT(cfg).eval()
+    ids = torch.randint(11, (40,))
+    want, count = 0.0, 0
+    for i in range(0, 39, 6):  # a window at a time: context from its start
+        start = min(i, 39 - 6)
+        xs, ys = ids[start : start + 6], ids[start + 1 : start + 7]
+        logits = model(xs[None])[0]
+        first = i - start  # the positions an earlier window scored
+        want += F.cross_entropy(logits[first:], ys[first:], reduction="sum").item()
+        count += 6 - first
+    calls = []
+
+    def logits_fn(x):
+        calls.append(len(x))
+        return model(x)
+
+    with torch.no_grad():
+        parts = [split_sums(logits_fn, ids, 6, rank=r, world=world, batch=2) for r in range(world)]
+    total = sum(parts)  # what the all-reduce sums
+    assert count == 39 and total[1] == 39
+    assert float(total[0] / total[1]) == pytest.approx(float(want) / count, rel=1e-6)
+    per_rank = math.ceil(math.ceil(7 / world) / 2)  # 7 windows, dealt; 2 windows a forward
+    assert len(calls) == world * per_rank  # every rank: the same number of forwards
+    if world == 1:
+        assert full_split_loss(model, ids, 6, batch=2) == pytest.approx(float(want) / count)
+
+
 def test_the_schedule_is_nanogpts_warmup_then_cosine():
     cfg = TrainConfig()
     assert get_lr(0, cfg) == pytest.approx(1e-3 / 101)
@@ -76,6 +125,9 @@ def test_every_stage_on_two_ranks_trains_one_process_curve():
         assert all(r["evals"] == evals for r in results)  # every rank: the same average
         for a, b in zip(evals, one["evals"], strict=True):
             assert _close(a[1:], b[1:]) <= RTOL, (stage, a, b)
+        # the whole validation split, each rank its share of the windows (stage 3: collective)
+        assert all(r["val_full"] == results[0]["val_full"] for r in results)
+        assert _close([results[0]["val_full"]], [one["val_full"]]) <= RTOL, stage
         assert len(results[0]["sample"]) == SMALL.sample_tokens
 
 

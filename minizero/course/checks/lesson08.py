@@ -4,11 +4,11 @@
 ``check_hsdp_reduce`` runs the student's HSDP reduction on 4 ranks as three meshes (2 x 2, 1 x 4,
 4 x 1: a size hard-coded for 2 x 2 fails the other two); ``check_quantize`` compares the
 student's int8 block quantiser with minizero.precision's. The last two run in the notebook's own
-process (no ranks): the student's prediction of a step (α-β, the slower of NVLink and the node's
-NICs) against ``minizero.analysis.cost.predict`` (no overlap) on configurations that differ where
-a plausible mistake shows (micro-batches, NICs per node, max or sum, α, HSDP, hpZ, qwZ), and the
-student's choice of a configuration against the rule the lesson states. The contract of every
-check: :mod:`.common`.
+process (no ranks): the student's prediction of a step (α per round as NCCL charges a ring, the
+slower of NVLink and the node's NICs) against ``minizero.analysis.cost.predict`` (no overlap) on
+configurations that differ where a plausible mistake shows (micro-batches, NICs per node, max
+or sum, α, HSDP, hpZ, qwZ), and the student's choice of a configuration against the rule the
+lesson states. The contract of every check: :mod:`.common`.
 """
 
 from __future__ import annotations
@@ -44,14 +44,21 @@ CASES = [
 def _variant(
     cfg: cost.Config, *, times=True, per_micro=True, nics=None, summed=False, alpha=None
 ) -> float:
-    """The prediction with one plausible mistake, to name it when a student's answer matches."""
+    """The prediction with one plausible mistake, to name it when a student's answer matches.
+    ``alpha``: "crossing" charges the inter link's α on every round of a group that crosses
+    nodes; a float, that α on every round."""
     total = (cfg.micro_batches if per_micro else 1) * COMPUTE_S
     for c in cost.step_collectives(cfg, [PSI]):
-        a = alpha or (LINKS.inter if c.nodes > 1 else LINKS.intra).alpha
+        if alpha is None:
+            lat = c.latency(LINKS)
+        elif alpha == "crossing":
+            lat = (LINKS.inter if c.nodes > 1 else LINKS.intra).alpha * c.rounds()
+        else:
+            lat = alpha * c.rounds()
         nvlink = c.gpu_bytes() / LINKS.intra.beta
         network = c.node_bytes() / ((nics or LINKS.nics) * LINKS.inter.beta)
         slowest = nvlink + network if summed else max(nvlink, network)
-        total += (c.times if times else 1) * (a * c.rounds() + slowest)
+        total += (c.times if times else 1) * (lat + slowest)
     return total
 
 
@@ -94,14 +101,20 @@ def check_predict_step_time(fn) -> None:
                 "NVLink and the NICs carry their bytes at the same time: the collective takes "
                 "the slower of the two (max), not their sum"
             )
-        elif any(close(_variant(cfg, alpha=link.alpha)) for link in (LINKS.intra, LINKS.inter)):
-            hint = "α is the inter link's when a group crosses nodes (c.nodes > 1), else intra's"
+        elif close(_variant(cfg, alpha="crossing")) or any(
+            close(_variant(cfg, alpha=link.alpha)) for link in (LINKS.intra, LINKS.inter)
+        ):
+            hint = (
+                "α as NCCL charges a ring: the inter link's on the c.inter_rounds() rounds that "
+                "cross nodes, the intra link's on the other c.rounds() - c.inter_rounds()"
+            )
         elif close(want - cfg.micro_batches * COMPUTE_S):
             hint = "add the compute: the prediction is compute + communication (no overlap)"
         else:
             hint = (
-                "a collective costs α · c.rounds() + max(c.gpu_bytes() / β_intra, "
-                "c.node_bytes() / (nics · β_inter))"
+                "a collective costs α_inter · c.inter_rounds() + α_intra · (c.rounds() - "
+                "c.inter_rounds()) + max(c.gpu_bytes() / β_intra, c.node_bytes() / "
+                "(nics · β_inter))"
             )
         raise CheckFailed(f"{name} gave {got:.6g} s {where}, the model gives {want:.6g} s: {hint}")
     report_pass(f"{name}: the step time of {len(CASES)} configurations (stages 0-3, HSDP, "
