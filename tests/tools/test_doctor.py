@@ -121,10 +121,10 @@ def test_one_gpu_runs_the_lessons_on_gloo(monkeypatch):
 
 
 def test_a_torch_older_than_the_floor_is_a_problem(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
     f = next(f for f in doctor.torch_findings() if f.label == "torch")
-    assert f.problem.startswith("minizero needs torch >= 2.7") and "2.13.0" in f.fix
-    monkeypatch.setattr(torch, "__version__", "2.7.0+cpu")
+    assert f.problem.startswith("minizero needs torch >= 2.9") and "2.13.0" in f.fix
+    monkeypatch.setattr(torch, "__version__", "2.9.0+cpu")
     assert next(f for f in doctor.torch_findings() if f.label == "torch").problem == ""
 
 
