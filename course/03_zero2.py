@@ -35,6 +35,7 @@ from minizero.collectives import all_reduce
 from minizero.course import checks, hint
 from minizero.course.checks import lesson03
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
+from minizero.precision import divides_before_sum
 from minizero.zero2 import ZeRO2
 
 NPROCS = checks.default_nprocs()
@@ -86,7 +87,9 @@ print(
 # is what the gradient hook does. Per bucket `b`:
 #
 # 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
-#    `self.grad_buffers[b.index]` (None while `b` is not filling);
+#    `self.grad_buffers[b.index]` (None while `b` is not filling), in the policy's reduce dtype
+#    `self.precision.reduce_dtype` (bf16 gradients may be reduced in fp32: then it is not
+#    `p.grad`'s dtype);
 # 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
 #    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
 # 3. `self.pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
@@ -98,6 +101,11 @@ print(
 #    **adds** it into `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps; then
 #    forgets the buffer, which frees it. It **adds** so that several backwards before one
 #    step (gradient accumulation) sum up in the chunk.
+#
+# One exception to "divides the output by N": in fp16, `reduce_bucket` (given) has already divided
+# the buffer by N *before* the sum, so that N loss-scaled fp16 gradients cannot overflow
+# (`minizero.precision.divides_before_sum(out)` is True); dividing again would halve a 2-rank
+# gradient. Every other dtype is divided after the sum: one rounding fewer.
 #
 # `reduce_bucket` (given) first calls `finish_in_flight()`, so at most one reduce-scatter is in
 # flight and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
@@ -124,7 +132,8 @@ class MyZeRO2(ZeRO2):
         # TODO: p's gradient lives only in its bucket's buffer; a complete bucket is reduced
         # HINT: self.grad_buffers[b.index] is the (padded,) buffer b fills in this backward; it is
         #       None until b's first gradient arrives. That one allocates it: zeros (padding must
-        #       add nothing), with p.grad's dtype and device, stored in self.grad_buffers[b.index].
+        #       add nothing), in the reduce dtype self.precision.reduce_dtype (not always p.grad's)
+        #       on p.grad's device, stored in self.grad_buffers[b.index].
         # HINT: Copy p.grad into p's slot, b.view(buf, p), then drop it: p.grad = None. Stage 2
         #       keeps no full gradient outside its bucket (the check looks for a p.grad after
         #       backward).
@@ -133,14 +142,15 @@ class MyZeRO2(ZeRO2):
         #       flight).
         # HINT: buf = self.grad_buffers[b.index]
         #       if buf is None:
-        #           buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+        #           buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype,
+        #                             device=p.grad.device)
         #           self.grad_buffers[b.index] = buf
         #       b.view(buf, p).copy_(p.grad)
         #       p.grad = None
         #       ...  # one fewer pending; at 0, reduce b
         buf = self.grad_buffers[b.index]
-        if buf is None:  # (padded,) zero-padded; b's first gradient of this backward
-            buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
+        if buf is None:  # (padded,) zero-padded, reduce dtype; b's first gradient of this backward
+            buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype, device=p.grad.device)
             self.grad_buffers[b.index] = buf
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient of p now lives only in the bucket
@@ -156,16 +166,20 @@ class MyZeRO2(ZeRO2):
         # HINT: self.in_flight is None or (b, work, buf, out): out, a (shard,) view of buf, holds
         #       this rank's chunk of the sum once work.wait() returns.
         # HINT: Add, do not copy (micro-batches accumulate); forgetting the tuple drops the last
-        #       reference to buf, which frees it:
+        #       reference to buf, which frees it. In fp16 reduce_bucket divided before the sum:
         #       if self.in_flight is not None:
         #           b, work, _buf, out = self.in_flight
         #           work.wait()
-        #           self.grad_shards[b.index].add_(...)  # the average: out / self.world
+        #           if not divides_before_sum(out):
+        #               ...  # the sum -> the average: out divided by self.world, in place
+        #           self.grad_shards[b.index].add_(out)
         #           self.in_flight = None
         if self.in_flight is not None:
             b, work, _buf, out = self.in_flight
             work.wait()
-            self.grad_shards[b.index].add_(out.div_(self.world))  # (shard,) += average
+            if not divides_before_sum(out):  # fp16: reduce_bucket divided before the sum
+                out.div_(self.world)
+            self.grad_shards[b.index].add_(out)  # (shard,) += average
             self.in_flight = None  # the last reference to buf (out is a view of it): freed
         # END SOLUTION
 
@@ -173,7 +187,8 @@ class MyZeRO2(ZeRO2):
 # %% check="MyZeRO2"
 # 3 Adam steps of the MLP (3 buckets), the second over 2 micro-batches: gradient chunks against
 # minizero's ZeRO2, parameters against one process, FSDP2 (reshard_after_forward=False) and
-# ZeRO2, then again in bf16 against ZeRO2 in bf16; no p.grad after backward, every
+# ZeRO2; then one SGD step over 2 micro-batches in bf16, fp16 and bf16 reduced in fp32 against
+# ZeRO2 in the same precision, bit for bit; no p.grad after backward, every
 # reduce-scatter started during backward, no more full bucket buffers (two), nor bytes of them,
 # alive at once than ZeRO2; one reduce-scatter per bucket per backward and one all-gather.
 lesson03.check_zero2(MyZeRO2, NPROCS)

@@ -203,7 +203,8 @@ class MyZeRO3(ZeRO3):
 # ZeRO3, parameters against one process, FSDP2 and ZeRO3; no full parameters held after backward;
 # the same all-gathers as ZeRO3 and one reduce-scatter per unit; then, unit by unit, free and
 # gather(wait=True) handed an all-gather still in flight must wait for it; every all-gather
-# asynchronous; then again on a subgroup (ranks 0 and 1 of the 3).
+# asynchronous; one SGD step in bf16 and in fp16 against ZeRO3 in the same precision, bit for bit;
+# then again on a subgroup (ranks 0 and 1 of the 3).
 lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]

@@ -1,9 +1,16 @@
 """Grading: ``python -m minizero grade [NOTEBOOK_OR_FOLDER ...]``.
 
 Each notebook runs top to bottom in a fresh kernel (nbclient; the student's file is read, never
-written) with errors allowed; every check cell (``metadata.minizero.check``, see
-:mod:`minizero.course.build`) reports PASS or FAIL with its check's message, and any other cell
-that raised is reported as an ERROR.
+written) with errors allowed. A notebook of one of the kit's lessons (:mod:`minizero.course.kit`)
+runs with the kit's own check cells and the given cells they rely on put back
+(:mod:`minizero.course.restore`), each check with the grader's own references
+(:mod:`minizero.course.grading`): every exercise of the lesson reports PASS or FAIL with its
+check's message, and a note naming what was put back (an edited, moved, deleted or untagged check
+cell; a function a check relies on that the notebook rebound). An exercise whose code hands its
+work to minizero's own implementation fails (:mod:`minizero.course.checks.own_code`). Any other
+cell that raised is reported as an ERROR. A notebook that is none of the kit's lessons runs as
+written: its check cells (``metadata.minizero.check``) report PASS or FAIL. ``grade`` exits 0 only
+when every exercise of every notebook passed.
 """
 
 from __future__ import annotations
@@ -11,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minizero.course.build import ROOT
@@ -37,16 +46,18 @@ class Outcome:
     status: str  # "PASS" | "FAIL" | "ERROR"
     label: str  # the exercise's name, or "cell N (not a check)"
     message: str | None  # why it failed, None for a PASS
+    note: str | None = None  # what grading put back or found (the verdict is the kit's check's)
 
 
 _SYNTAX = ("SyntaxError", "IndentationError", "TabError")
 
 
-def outcomes(runs: list[CellRun]) -> list[Outcome]:
+def outcomes(runs: list[CellRun], notes: dict[str, list[str]] | None = None) -> list[Outcome]:
     """What grading reports, one point per line. A cell that raised after the previous check and
     before a check that then failed is that exercise's failure, reported once with its own error
     (a syntax error named as such): the check's NameError only echoes it. Cells that raised
-    before a check that passed, or after the last check, are ERRORs of their own."""
+    before a check that passed, or after the last check, are ERRORs of their own. ``notes``:
+    exercise -> what grading put back for it (:class:`Run`), joined into its line's note."""
     out: list[Outcome] = []
     before: list[CellRun] = []  # cells that raised since the previous check cell
     for r in runs:
@@ -70,6 +81,7 @@ def outcomes(runs: list[CellRun]) -> list[Outcome]:
         else:
             out += [Outcome("ERROR", f"cell {b.index} (not a check)", b.error) for b in before]
             out.append(Outcome("PASS" if r.error is None else "FAIL", r.check, r.error))
+        out[-1].note = "; ".join((notes or {}).get(r.check, [])) or None
         before = []
     out += [Outcome("ERROR", f"cell {b.index} (not a check)", b.error) for b in before]
     return out
@@ -106,13 +118,99 @@ def read_notebook(path: Path):
     return nb
 
 
-def execute(path: Path, timeout: float = 600) -> list[CellRun]:
-    """Run every code cell of ``path`` in a fresh kernel (cwd: its folder), errors allowed.
-    Raises :class:`Unreadable` for a file that is not a notebook."""
-    from nbclient import NotebookClient
+@dataclass
+class Run:
+    """What running one notebook gave: its cells' runs, and how it was graded."""
+
+    runs: list[CellRun]
+    lesson: str | None  # the kit's lesson it was graded as; None: not one, its cells ran as written
+    notes: dict[str, list[str]] = field(default_factory=dict)  # exercise -> what was put back
+    fails: dict[str, list[str]] = field(default_factory=dict)  # exercise -> why it fails anyway
+
+
+def execute(path: Path, timeout: float = 600, root: Path = ROOT) -> list[CellRun]:
+    """Run ``path`` in a fresh kernel (cwd: its folder), errors allowed; see :func:`run`."""
+    return run(path, timeout, root).runs
+
+
+def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
+    """Run ``path`` in a fresh kernel (cwd: its folder), errors allowed. A notebook of one of the
+    kit's lessons runs with the kit's check cells and the given cells they rely on put back
+    (:mod:`minizero.course.restore`); its checks' verdicts come from the grader's own file. Any
+    other notebook runs as written. Raises :class:`Unreadable` for a file that is not a notebook."""
+    import nbformat
+
+    from minizero.course import kit, restore
 
     nb = read_notebook(path)
-    client = NotebookClient(
+    stem = kit.identify(nb, path, root)
+    with tempfile.TemporaryDirectory(prefix="minizero-grade-") as tmp:
+        verdicts = Path(tmp) / "verdicts.jsonl"
+        if stem is None:
+            steps = [restore.Step(c, i, check=restore.check_of(c)) for i, c in enumerate(nb.cells)]
+            plan = restore.Plan(steps)
+        else:
+            plan = restore.plan(nb, kit.lesson(stem, root), secrets.token_hex(8), str(verdicts))
+        ran = nbformat.v4.new_notebook(cells=[s.cell for s in plan.steps], metadata=nb.metadata)
+        crash = None
+        try:
+            _execute(ran, path, timeout)
+        except Exception as e:  # a cell past --timeout, a kernel that died
+            if stem is None:
+                raise
+            crash = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+        found = [json.loads(ln) for ln in verdicts.read_text().splitlines()] if (
+            verdicts.exists()) else []  # fmt: skip
+    verdict = {v["exercise"]: v for v in found}
+    for name in {v["exercise"] for v in found}:  # run_check writes one per exercise, no more
+        if sum(v["exercise"] == name for v in found) > 1:
+            verdict[name] = dict(
+                verdict[name], fails=["the notebook wrote to the grader's verdicts"]
+            )
+    result = Run([], stem, plan.notes)
+    for step, cell in zip(plan.steps, ran.cells):
+        if cell.cell_type != "code":
+            continue
+        err = next((o for o in cell.outputs if o.output_type == "error"), None)
+        msg = f"{err.ename}: {err.evalue}" if err else None
+        if step.check is not None and stem is not None:  # a kit lesson: the grader's verdict
+            v = verdict.get(step.check)
+            if v is None:
+                msg = f"the check did not finish: {msg or crash or 'no verdict'}"
+            else:
+                result.fails[step.check] = v["fails"]
+                result.notes.setdefault(step.check, []).extend(v["notes"])
+                msg = "; ".join(v["fails"] + ([f"the check: {v['error']}"] if v["error"] else []))
+                msg = (msg if v["fails"] else v["error"]) or None
+        elif msg and step.label:
+            msg = f"{step.label} raised {msg}"
+        if step.check is None and cell.metadata.get(restore.GRADER) and not msg:
+            continue
+        result.runs.append(CellRun(step.origin, step.check, msg, _seconds(cell)))
+    return result
+
+
+class _Client:
+    """nbclient's NotebookClient, running the grader's own cells without kernel history."""
+
+    def __new__(cls, *args, **kwargs):
+        from nbclient import NotebookClient
+
+        from minizero.course.restore import GRADER
+
+        class Client(NotebookClient):
+            async def async_execute_cell(self, cell, cell_index, execution_count=None,
+                                         store_history=True):  # fmt: skip
+                hidden = bool(cell.metadata.get(GRADER))
+                return await super().async_execute_cell(
+                    cell, cell_index, execution_count, store_history and not hidden
+                )
+
+        return Client(*args, **kwargs)
+
+
+def _execute(nb, path: Path, timeout: float) -> None:
+    client = _Client(
         nb,
         timeout=int(-(-timeout // 1)),
         allow_errors=True,
@@ -124,14 +222,6 @@ def execute(path: Path, timeout: float = 600) -> list[CellRun]:
     # miss a cell's reply and wait out the whole --timeout, jupyter/nbclient#312).
     env = dict(os.environ, MINIZERO_WIDGETS="0")
     client.execute(stderr=subprocess.DEVNULL, env=env)
-    runs = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        err = next((o for o in cell.outputs if o.output_type == "error"), None)
-        msg = f"{err.ename}: {err.evalue}" if err else None
-        runs.append(CellRun(i, cell.metadata.get("minizero", {}).get("check"), msg, _seconds(cell)))
-    return runs
 
 
 def _seconds(cell) -> float:
@@ -209,22 +299,31 @@ def grade_main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         print(f"{path}: running ...", flush=True)
         try:
-            runs = execute(path, args.timeout)
+            ran = run(path, args.timeout)
         except Unreadable as e:
             total += 1
             print(f"  ERROR {path}: {e}")
             continue
-        for o in outcomes(runs):
+        if ran.lesson is None:
+            print("  (not one of the kit's lessons: its cells ran as written)")
+        found = outcomes(ran.runs, ran.notes)
+        if not found:
+            found = [Outcome("ERROR", str(path), NO_CHECKS)]
+        for o in found:
             total += 1
             passed += o.status == "PASS"
             if o.status == "ERROR":
                 print(f"  ERROR {o.label}: {_indent(o.message)}")
             else:
                 why = f"\n        {_indent(o.message)}" if o.message else ""
-                print(f"  {o.status}  {o.label}{why}")
+                note = f"\n        note: {_indent(o.note)}" if o.note else ""
+                print(f"  {o.status}  {o.label}{why}{note}")
         print(f"  ({time.perf_counter() - t0:.0f} s)")
     print(f"{passed}/{total} passed")
     return 0 if passed == total else 1
+
+
+NO_CHECKS = "no check cells: not a lesson notebook (nothing graded)"
 
 
 def positive_seconds(text: str) -> float:

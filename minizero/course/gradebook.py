@@ -10,7 +10,10 @@ launcher and the row says where they were; each cell has ``--timeout`` seconds.
 
 The CSV has one row per student, lesson and exercise (columns :data:`COLUMNS`); ``status`` is
 ``passed``, ``failed`` (the check raised: its message), or ``error`` (the notebook could not be
-read or run, or a cell that is not a check raised; ``exercise`` then names the cell).
+read or run, or a cell that is not a check raised; ``exercise`` then names the cell). A lesson of
+the kit gets a row for every one of its exercises, graded with the kit's own check cells
+(:mod:`minizero.course.grade`); what grading put back (an edited, moved, deleted or untagged check
+cell, a rebound function) follows the message as ``note: ...``, whatever the status.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from dataclasses import astuple, dataclass, fields
 from multiprocessing import get_context
 from pathlib import Path
 
-from minizero.course.grade import TIMEOUT_ENV, Unreadable, execute, outcomes, positive_seconds
+from minizero.course.grade import (
+    NO_CHECKS,
+    TIMEOUT_ENV,
+    Unreadable,
+    outcomes,
+    positive_seconds,
+    run,
+)
 from minizero.tools.cli import Parser, positive_int
 
 
@@ -54,19 +64,22 @@ def grade_notebook(student: str, path: Path, timeout: float) -> list[Row]:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         try:
-            runs = execute(copy, timeout)
+            ran = run(copy, timeout)
         except Unreadable as e:
             return [Row(student, lesson, "", "error", str(e))]
         except Exception as e:  # a cell past --timeout, a kernel that died: the notebook's fault
             first = (str(e).strip().splitlines() or [""])[0]
             return [Row(student, lesson, "", "error", f"{type(e).__name__}: {first}"[:500])]
+    lesson = ran.lesson or lesson
     rows = []
     status = {"PASS": "passed", "FAIL": "failed", "ERROR": "error"}
-    for o in outcomes(runs):  # as `grade` scores: an error before a failed check is its failure
+    for o in outcomes(ran.runs, ran.notes):  # as `grade` scores
         label = o.label.removesuffix(" (not a check)")
-        rows.append(Row(student, lesson, label, status[o.status], o.message or ""))
+        note = o.note if ran.lesson else "not one of the kit's lessons: its cells ran as written"
+        message = " | ".join(m for m in (o.message, note and f"note: {note}") if m)
+        rows.append(Row(student, lesson, label, status[o.status], message))
     if not rows:
-        rows.append(Row(student, lesson, "", "error", "no check cells: is it a lesson notebook?"))
+        rows.append(Row(student, lesson, "", "error", NO_CHECKS))
     return rows
 
 

@@ -350,7 +350,7 @@ def test_zero2_rejects_copy_for_add_a_kept_grad_and_fp32_buffers_in_bf16():
     _rejects(  # float64 gradients through float32 buffers: off by float32's rounding
         lesson03.check_zero2,
         _Fp32Buffers,
-        has=("float32's rounding", "in the gradient's dtype (p.grad.dtype)"),  # (fp64, then bf16)
+        has=("float32's rounding", "in the policy's reduce dtype (self.precision.reduce_dtype)"),
     )
 
 

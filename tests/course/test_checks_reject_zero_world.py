@@ -12,6 +12,7 @@ import torch
 
 from minizero.collectives import all_gather, reduce_scatter
 from minizero.course.checks import CheckFailed, lesson02, lesson03, lesson04
+from minizero.precision import divides_before_sum
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -46,8 +47,12 @@ class _ZeRO1(ZeRO1):
     def reduce_gradients(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
+            before = divides_before_sum(flat)  # fp16
+            if before:
+                flat.div_(self.world_())
             reduce_scatter(chunk, flat, **self.rs_group())
-            chunk.div_(self.world_())
+            if not before:
+                chunk.div_(self.world_())
         return chunks
 
     def after_step(self):
@@ -116,7 +121,9 @@ class _ZeRO2(ZeRO2):
         if self.in_flight is not None:
             b, work, _buf, out = self.in_flight
             work.wait()
-            self.grad_shards[b.index].add_(out.div_(self.world))
+            if not divides_before_sum(out):  # fp16: reduce_bucket divided before the sum
+                out.div_(self.world)
+            self.grad_shards[b.index].add_(out)
             self.in_flight = None
 
 

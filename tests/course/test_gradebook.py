@@ -4,10 +4,10 @@ file; bad arguments end in one line."""
 from __future__ import annotations
 
 import csv
-import shutil
 from pathlib import Path
 
 import pytest
+from cheats import L08, cut, monkeypatches, structural_cheats, write
 
 from minizero.course import gradebook
 
@@ -25,18 +25,21 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     (subs / "alice").mkdir(parents=True)
     (subs / "bob").mkdir()
     (subs / "carol").mkdir()
-    shutil.copy(ROOT / "solutions" / f"{LESSON}.ipynb", subs / "alice")
-    shutil.copy(ROOT / "lessons" / f"{LESSON}.ipynb", subs / "bob")
+    write(cut(LESSON, "solutions"), subs / "alice" / f"{LESSON}.ipynb")
+    write(cut(LESSON, "lessons"), subs / "bob" / f"{LESSON}.ipynb")
     (subs / "carol" / f"{LESSON}.ipynb").write_text('{"cells": [{"cell_type": "co')
+    write(monkeypatches(solved=True), subs / "gina" / f"{LESSON}.ipynb")
+    write(structural_cheats(), subs / "hank" / f"{L08}.ipynb")
+    write(monkeypatches(solved=False), subs / "mallory" / f"{LESSON}.ipynb")
     before = snapshot(subs)
     out = tmp_path / "grades.csv"
-    assert gradebook.main([str(subs), "--out", str(out), "--jobs", "1"]) == 0
+    assert gradebook.main([str(subs), "--out", str(out), "--jobs", "2"]) == 0
     assert snapshot(subs) == before  # nothing written, nothing added, in any student's folder
     with out.open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["student", "lesson", "exercise", "status", "message"]
     by = {(r["student"], r["exercise"]): r for r in rows}
-    assert {r["student"] for r in rows} == {"alice", "bob", "carol"}
+    assert {r["student"] for r in rows} == {"alice", "bob", "carol", "gina", "hank", "mallory"}
     alice = by["alice", "all_reduce_via_rs_ag"]
     assert alice["lesson"] == LESSON and alice["status"] == "passed" and alice["message"] == ""
     assert [r["status"] for r in rows if r["student"] == "alice"] == ["passed"]
@@ -45,6 +48,25 @@ def test_gradebook_grades_solved_unsolved_and_broken_without_touching_them(tmp_p
     carol = [r for r in rows if r["student"] == "carol"]
     assert len(carol) == 1 and carol[0]["status"] == "error" and carol[0]["lesson"] == LESSON
     assert carol[0]["message"].startswith("not a notebook: not JSON")
+    # issue 31: the kit's checks, whatever the notebook did; what was put back is named
+    gina = by["gina", "all_reduce_via_rs_ag"]  # her own right answer: the verdict stands
+    assert gina["status"] == "passed" and "torch.equal" in gina["message"]
+    assert gina["message"].startswith("note: the check cell was edited")
+    hank = {e: by["hank", e] for e in ("hsdp_reduce", "quantize", "predict_step_time", "choose")}
+    assert {e: r["status"] for e, r in hank.items()} == dict.fromkeys(hank, "failed")
+    for r in hank.values():
+        assert "NotImplementedError: TODO: write" in r["message"]
+    assert "lost its tag" in hank["hsdp_reduce"]["message"]
+    assert "was edited" in hank["quantize"]["message"]
+    assert "was deleted" in hank["predict_step_time"]["message"]
+    said = "rebound lesson08, minizero.course.checks.lesson08.check_choose: the check ran with"
+    assert said in hank["choose"]["message"]
+    assert len([r for r in rows if r["student"] == "hank"]) == 4  # a row per exercise, no other
+    mallory = by["mallory", "all_reduce_via_rs_ag"]  # a wrong answer and every primitive rebound
+    assert mallory["status"] == "failed"
+    assert mallory["message"].startswith("CheckFailed: wrong sum for a tensor of shape (1,)")
+    for name in ("builtins.print", "torch.equal", "torch.allclose", "minizero.launch"):
+        assert name in mallory["message"].split("| note: ")[1]
     printed = capsys.readouterr().out
     table = printed.split("student", 1)[1].splitlines()
     assert any(ln.split()[:4] == ["alice", "1", "0", "0"] for ln in table)
@@ -106,6 +128,9 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
     spin = [nbformat.v4.new_code_cell("while True:\n    pass")]
     nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
+    lesson = cut(LESSON, "solutions")  # a lesson of the kit: every exercise still gets its row
+    lesson.cells.insert(0, spin[0])
+    write(lesson, subs / "erin" / f"{LESSON}.ipynb")
     out = tmp_path / "g.csv"
     argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "30"]
     assert gradebook.main(argv) == 0
@@ -118,3 +143,6 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     spin = rows["02_spin"]
     assert spin["status"] == "error" and spin["exercise"] == ""
     assert spin["message"].startswith("CellTimeoutError")
+    spun = rows[LESSON]
+    assert spun["exercise"] == "all_reduce_via_rs_ag" and spun["status"] == "failed"
+    assert "the check did not finish: CellTimeoutError" in spun["message"]

@@ -120,6 +120,14 @@ def test_one_gpu_runs_the_lessons_on_gloo(monkeypatch):
     assert (n, backend) == (2, "gloo") and values(plan)["mechanism"] == "fork"
 
 
+def test_a_torch_older_than_the_floor_is_a_problem(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    f = next(f for f in doctor.torch_findings() if f.label == "torch")
+    assert f.problem.startswith("minizero needs torch >= 2.7") and "2.13.0" in f.fix
+    monkeypatch.setattr(torch, "__version__", "2.7.0+cpu")
+    assert next(f for f in doctor.torch_findings() if f.label == "torch").problem == ""
+
+
 def test_render_prints_problem_and_fix_under_the_finding():
     f = doctor.Finding("torch", "2.4.0", "minizero needs torch >= 2.6", "pip install torch==2.13.0")
     assert doctor.render("python and torch", [f]).splitlines() == [

@@ -24,6 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401  imported once here: forked ranks inherit it (else seconds each)
 import torch.distributed as dist
 
+from minizero.course.checks import own_code
 from minizero.launcher import LaunchError, default_nprocs, launch, rank_device
 
 # Every check runs on at least 3 ranks: a hard-coded 2 and the world size differ. (More with
@@ -146,7 +147,7 @@ def launch_check(
     if threads:
         fn, args = _with_threads, (threads, fn, *args)
     try:
-        return launch(fn, nprocs, *args, timeout=timeout, verbose=False)
+        return graded_launch(fn, nprocs, *args, timeout=timeout, verbose=False)
     except LaunchError as e:
         raise CheckFailed(
             f"the ranks did not finish: {e}\nEvery rank must issue the same collectives in the "
@@ -156,6 +157,19 @@ def launch_check(
             f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or "
             f"{TIMEOUT_ENV}=600."
         ) from e
+
+
+def graded_launch(fn, nprocs: int, *args, **kwargs) -> list:
+    """``launch(fn, nprocs, *args, **kwargs)``; while grading checks an exercise, each rank also
+    runs the exercise's wires and seal (:mod:`.own_code`), whose findings join the kernel's."""
+    wires = own_code.ACTIVE
+    if wires is None:
+        return launch(fn, nprocs, *args, **kwargs)
+    reports = launch(own_code.in_rank, nprocs, wires, fn, *args, **kwargs)
+    for r in reports:
+        own_code.TRIPS.extend(r.trips)
+        own_code.RANK_TAMPERED.extend(t for t in r.tampered if t not in own_code.RANK_TAMPERED)
+    return [r.result for r in reports]
 
 
 def _with_threads(threads: int, fn, *args):
@@ -170,12 +184,24 @@ def report_pass(msg: str) -> None:
 
 # -- a wrong world and a dropped group -------------------------------------------------------------
 def two_ranks_hint(world: int) -> str:
-    """What to say when a result is off by world/2 (or the code raised) on ``world`` ranks."""
+    """What to say when a result is off by world/2 on ``world`` ranks: the evidence of a 2."""
     if world == 2:
         return ""
     return (
         f" This check runs on {world} ranks: your code assumed 2 ranks: use self.world / "
         "dist.get_world_size(group)."
+    )
+
+
+def raised_hint(world: int, error: str) -> str:
+    """What to add to the student's exception ``error`` (:func:`guard`'s text) on ``world``
+    ranks. Nothing for an exercise not written yet (its TODO's NotImplementedError names it), nor
+    on 2 ranks. Otherwise a question, not a diagnosis: an exception is no evidence of a 2."""
+    if world == 2 or error.startswith("NotImplementedError") or " NotImplementedError:" in error:
+        return ""
+    return (
+        f" (This check runs on {world} ranks: if your code assumes 2, use self.world / "
+        "dist.get_world_size(group).)"
     )
 
 

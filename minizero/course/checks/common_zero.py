@@ -33,18 +33,37 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    raised_hint,
     rank_device,
     run_info,
     strict_ledger,
     subgroup_failure,
-    two_ranks_hint,
 )
 from minizero.course.checks.compare_zero import compare
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
+from minizero.precision import POLICIES, Precision
 from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
+# The 16-bit policies the ZeRO checks also train the student's class in, each against
+# minizero's own class in the same policy: bf16 and fp16 as minizero names them, and (lesson 03,
+# whose exercise makes the bucket) bf16 reduced in fp32 (FSDP2's MixedPrecisionPolicy(
+# param_dtype=bf16, reduce_dtype=fp32), as production bf16 training runs), where a bucket made
+# in the gradient's dtype is the wrong one.
+# One SGD step over 2 micro-batches (accumulation included): SGD's update is lr times the
+# gradient, so a gradient scaled by a constant shows in the update (Adam's m / sqrt(v) would
+# divide it out). One step: the float64 run already checks what later steps add.
+# Compared bit for bit: see compare_zero.compare_precision.
+PRECISIONS = {
+    "bf16": POLICIES["bf16"],
+    "fp16": POLICIES["fp16"],
+    "bf16 reduced in fp32": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+}
+PRECISION_MICRO = (2,)
+# The fp16 runs' first loss scale: at LossScaler's 2^16 an fp16 backward of this MLP overflows,
+# and the step is skipped (nothing to compare); at 2^10 none overflows, every step steps.
+FP16_SCALE = 2.0**10
 ROWS = 4  # rows per rank: global batch 4 N, two equal micro-batches per rank when accumulating
 CAP_MB = 0.002  # 2 KiB, torch DDP's rule: the MLP's 7 parameters in 2 buckets in fp32, 3 in fp64
 
@@ -55,12 +74,13 @@ def mlp(dev: torch.device, precision: str = "fp32") -> nn.Module:
     for the "fp32" runs (see RTOL), float32 under a 16-bit ``precision`` (its masters)."""
     torch.manual_seed(check_seed())
     module = MLP().to(dev)
-    return module if precision in ("bf16", "fp16") else module.double()
+    return module if precision in PRECISIONS else module.double()
 
 
-def lib_precision(precision: str) -> str:
-    """The ``precision=`` minizero's classes get: "fp32" runs are float64 runs (see RTOL)."""
-    return "fp64" if precision == "fp32" else precision
+def lib_precision(precision: str) -> str | Precision:
+    """The ``precision=`` minizero's classes get: "fp32" runs are float64 runs (see RTOL); a name
+    of :data:`PRECISIONS`, its policy."""
+    return "fp64" if precision == "fp32" else PRECISIONS.get(precision, precision)
 
 
 def named_params(module: nn.Module):
@@ -74,12 +94,14 @@ def one_process(module: nn.Module):
 
 
 def minizero_build(cls, precision: str = "fp32", **kw):
-    """``cls(module, ...)`` with Adam on what it says to optimize, as ``minizero.parallelize``."""
+    """``cls(module, ...)`` with Adam on what it says to optimize, as ``minizero.parallelize``
+    (SGD under the 16-bit :data:`PRECISIONS`)."""
 
     def build(module: nn.Module):
         cap = {} if issubclass(cls, ZeRO3) else {"bucket_cap_mb": CAP_MB}  # stage 3: units
         model = cls(module, precision=lib_precision(precision), **cap, **kw)
-        opt = attach(torch.optim.Adam(model.optimizer_params(), lr=LR), model)
+        optim = torch.optim.SGD if precision in PRECISIONS else torch.optim.Adam
+        opt = attach(optim(model.optimizer_params(), lr=LR), model)
         if isinstance(model, ZeRO3):  # full parameters live only while gathered: ask the masters
             return (
                 model,
@@ -138,19 +160,20 @@ def layout(model, module: nn.Module) -> list[dict]:
     ]
 
 
-# -- one run: STEPS steps of Adam on the MLP -------------------------------------------------------
+# -- one run: a step per entry of micro (STEPS of Adam; 16-bit: 2 of SGD) on the MLP ---------
 def train(
     build,
     rank: int,
     world: int,
     dev: torch.device,
     *,
-    micro=(1, 1, 1),
+    micro=(1,) * STEPS,
     precision="fp32",
     observe=None,
     after=None,
 ) -> dict:
-    """Train a fresh MLP wrapped by ``build`` for STEPS steps; step s takes ``micro[s]`` backwards
+    """Train a fresh MLP wrapped by ``build``, one step per entry of ``micro``: step s takes
+    ``micro[s]`` backwards
     over equal micro-batches of this rank's slice. Records per step: the local loss, the full
     parameters after the step, the gradients the optimizer stepped with (minizero: flat shards),
     the collectives and marks of the step, and ``observe(model, module)`` after each backward.
@@ -158,6 +181,8 @@ def train(
     included); what it returns is ``out["after"]``."""
     module = mlp(dev, precision)
     model, opt, params = build(module)
+    if getattr(model, "scaler", None) is not None:  # fp16: see FP16_SCALE
+        model.scaler.scale = FP16_SCALE
     seen: list = []
     if hasattr(model, "buckets"):  # minizero: the flat (shard,) gradients of this rank's chunks
 
@@ -166,10 +191,11 @@ def train(
             seen.append([t.detach().double().cpu().clone() for t in grads])
 
         opt.register_step_pre_hook(record)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float64
+    dtype = torch.float32 if precision in PRECISIONS else torch.float64  # 16-bit: the policy casts
     out = {"loss": [], "params": [], "seen": seen, "records": [], "marks": [], "observed": []}
     out["masters"] = []  # per step: (name, start, end, the fp32 master) of this rank's fragments
-    for step in range(STEPS):
+    out["param_dtype"] = next(module.parameters()).dtype  # the working copy's
+    for step in range(len(micro)):
         batch = ROWS * dist.get_world_size()  # the same global batch in every run, references too
         x, y = synthetic_batch("mlp", batch, step, rank=rank, world=world, seed=check_seed(),
                                device=dev)  # fmt: skip
@@ -185,6 +211,8 @@ def train(
                     out["observed"].append(observe(model, module))
             C.mark("step")
             opt.step()
+            if hasattr(model, "buckets") and len(seen) == step:  # skipped (an fp16 inf): none
+                seen.append([])
             opt.zero_grad()
         out["loss"].append(loss_sum)
         out["params"].append(params())
@@ -211,6 +239,26 @@ def run_all(refs: dict, student, rank: int, world: int, dev, **kw) -> dict:
         one = name.startswith("one process")
         out["refs"][name] = train(build, 0 if one else rank, 1 if one else world, dev, **kw)
     out["mine"], out["error"] = guard(train, student, rank, world, dev, **kw)
+    return out
+
+
+def precision_runs(
+    ref_cls, student, rank: int, world: int, dev, wrap=None, policies=("bf16", "fp16"), **kw
+) -> dict:
+    """Under each of ``policies`` (names of :data:`PRECISIONS`; "bf16 reduced in fp32" where the
+    exercise makes a gradient buffer, lesson 03): minizero's ``ref_cls``, then the student's class
+    (guarded), both wrapped by ``wrap(build)`` if given, PRECISION_MICRO steps of SGD. Returns
+    ``{"prec": {name: {"ref": run, "mine": run}}, "error": the student's error or None}``."""
+    wrap = wrap or (lambda build: build)
+    out: dict = {"prec": {}, "error": None}
+    for name in policies:
+        args = dict(kw, micro=PRECISION_MICRO, precision=name)
+        ref = train(wrap(minizero_build(ref_cls, name)), rank, world, dev, **args)
+        mine, err = guard(train, wrap(minizero_build(student, name)), rank, world, dev, **args)
+        if err is not None:
+            out["error"] = f"under precision={name!r}: {err}"
+            break
+        out["prec"][name] = {"ref": ref, "mine": mine}
     return out
 
 
@@ -258,6 +306,6 @@ def results(rank_fn, nprocs, student, *args) -> tuple[list[dict], int, str]:
         if r["error"]:
             raise CheckFailed(
                 f"{name} raised on rank {rank} (world size {world}): {r['error']}."
-                f"{two_ranks_hint(world)}"
+                f"{raised_hint(world, r['error'])}"
             )
     return res, world, name

@@ -1,6 +1,7 @@
 """How the ZeRO checks of lessons 02-04 compare a student's run with its references: the
 tolerances (and why each holds on any machine), step by step comparison of losses, gradient
-shards and parameters, the bf16 runs' structure, and the ledger's volume. The runs themselves are
+shards and parameters, the 16-bit runs (bit for bit, and their masters' structure), and the
+ledger's volume. The runs themselves are
 built in :mod:`.common_zero`."""
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ RTOL, ATOL = 1e-8, 1e-8  # float64 parameters after the step, against every refe
 # The gradients themselves are sums, off by < 100 * 1.1e-16 * (terms < 1) = 1.1e-14: 1e-12. (A
 # float32 buffer in between rounds them by 6e-8 of their size: it fails here, named.)
 GRAD_RTOL, GRAD_ATOL = 1e-12, 1e-12
-# The bf16 runs check what only bf16 has, by structure (compare_bf16): the optimizer's fp32
-# masters, cast to bf16, ARE the working copy, on every rank, after every step. Their numbers are
-# not compared with a tolerance: a right answer that orders its bf16 sums otherwise differs by
-# 2^-8 of the terms, and Adam turns that into anything up to lr; the float64 run above already
-# holds the arithmetic to 1e-8.
+# The 16-bit runs (bf16, fp16, bf16 reduced in fp32) are compared bit for bit against minizero's
+# class in the same policy, trained with SGD (compare_precision, below, says why bit for bit), and
+# by structure (compare_masters): the optimizer's fp32 masters, cast to the working dtype, ARE the
+# working copy, on every rank, after every step.
 
 
 # -- comparing -------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def close(got: float, want: float, rtol: float, atol: float) -> bool:
 FP32_HINT = (
     " A difference this small is float32's rounding: this check trains in float64 (see "
     "common_zero.RTOL), and a tensor made without dtype= (torch.zeros(n)) is float32: make your "
-    "buffers in the gradient's dtype (p.grad.dtype)."
+    "buffers in the policy's reduce dtype (self.precision.reduce_dtype)."
 )
 
 
@@ -106,10 +106,11 @@ def compare(
                     )
 
 
-def compare_bf16(per_rank: list[dict], ref_name: str, hint: str) -> None:
-    """The bf16 runs (``train(..., precision="bf16")`` of every rank): the gradients the optimizer
-    stepped have the reference's shapes; after every step each rank's bf16 working copy is the
-    same, and equals, over this rank's range, its fp32 masters cast to bf16, bit for bit."""
+def compare_masters(per_rank: list[dict], precision: str, ref_name: str, hint: str) -> None:
+    """A 16-bit run (``train(..., precision=precision)`` of every rank, as ``{"mine", "ref"}``):
+    the gradients the optimizer stepped have the reference's shapes; after every step each rank's
+    16-bit working copy is the same, and equals, over this rank's range, its fp32 masters cast to
+    the working dtype, bit for bit."""
     for step in range(len(per_rank[0]["mine"]["params"])):
         for rank, res in enumerate(per_rank):
             mine = res["mine"]
@@ -117,26 +118,117 @@ def compare_bf16(per_rank: list[dict], ref_name: str, hint: str) -> None:
             want = [tuple(t.shape) for t in res["ref"]["seen"][step]]
             if got != want:
                 raise CheckFailed(
-                    f"bf16, step {step}, rank {rank}: the optimizer stepped with gradients of "
-                    f"shapes {got}, {ref_name} with {want} (one (shard,) per bucket)"
+                    f"{precision}, step {step}, rank {rank}: the optimizer stepped with gradients "
+                    f"of shapes {got}, {ref_name} with {want} (one (shard,) per bucket)"
                 )
             first = per_rank[0]["mine"]["params"][step]
             for name, t in mine["params"][step].items():
                 if not torch.equal(t, first[name]):
                     raise CheckFailed(
-                        f"bf16, step {step}: parameter {name!r} differs between rank 0 and rank "
-                        f"{rank} after the step: every rank must end the step with the same "
+                        f"{precision}, step {step}: parameter {name!r} differs between rank 0 and "
+                        f"rank {rank} after the step: every rank must end the step with the same "
                         f"working copy (all-gather every rank's chunk).{hint}"
                     )
             for name, lo, hi, master in mine["masters"][step]:
                 working = mine["params"][step][name].reshape(-1)[lo:hi]
-                if not torch.equal(working, master.to(torch.bfloat16).double()):
+                if not torch.equal(working, master.to(mine["param_dtype"]).double()):
                     diff = (working - master).abs().max().item()
                     raise CheckFailed(
-                        f"bf16, step {step}, rank {rank}: parameter {name!r}, elements [{lo}, "
-                        f"{hi}) (this rank's) differ by up to {diff:.3g} from the fp32 master the "
-                        f"optimizer stepped, cast to bf16.{hint}"
+                        f"{precision}, step {step}, rank {rank}: parameter {name!r}, elements "
+                        f"[{lo}, {hi}) (this rank's) differ by up to {diff:.3g} from the fp32 "
+                        f"master the optimizer stepped, cast to {mine['param_dtype']}.{hint}"
                     )
+
+
+# The 16-bit runs (common_zero.PRECISIONS) are compared bit for bit, by construction. The
+# student's class is a subclass of minizero's with one or two methods rewritten, trained in the
+# same process right after minizero's, from the same weights, on the same data, by the same
+# kernels: every local gradient is the same bits. What the exercises write is the reduction, and
+# minizero's is one fixed sequence: copy the gradients into a bucket in the policy's reduce_dtype,
+# divide by N before the sum in fp16 (so that N scaled gradients cannot overflow) or after it
+# otherwise (precision.divides_before_sum), let the backend sum (gloo's and NCCL's order depends
+# only on the sizes and the ranks, the same for both), add into the shard. A right answer does
+# exactly that, so every gradient shard, every loss and every parameter after the step is equal.
+# A tolerance could not do better: a different order of a 16-bit sum moves a result by 2^-8 (bf16)
+# or 2^-11 (fp16) of its terms, and the nearest wrong answer, a factor of 2 or N, by 1/2; no
+# bound sits 100x from both. A difference is therefore either a wrong factor, named below, or a
+# different arithmetic (a bucket in the wrong dtype, a division on the wrong side of the sum).
+def compare_precision(
+    mine: dict, ref: dict, precision: str, ref_name: str, rank: int, world: int, hint: str
+) -> None:
+    """Step by step, the loss, then the gradient shards the (SGD) optimizer stepped with, then
+    every parameter after the step, each equal to ``ref``'s bit for bit. ``hint``: what the
+    lesson's arithmetic is, for a difference of rounding."""
+    where = f"under precision={precision!r}"
+    for step in range(len(ref["params"])):
+        got, want = mine["loss"][step], ref["loss"][step]
+        if not within(_bits(torch.tensor(got), torch.tensor(want)), 0.0, f"ZeRO {precision} loss"):
+            raise CheckFailed(
+                f"{where}, step {step}, rank {rank}: the forward gave loss {got:.7g}, {ref_name} "
+                f"{want:.7g}: the parameters used in forward were not the same"
+            )
+        got_all, want_all = mine["seen"][step], ref["seen"][step]
+        for i, (g, w) in enumerate(zip(got_all, want_all, strict=False)):
+            err = _bits(g, w) if g.shape == w.shape else math.inf
+            if not within(err, 0.0, f"ZeRO {precision} grad shards (bit-equal)"):
+                raise CheckFailed(
+                    f"{where}, step {step}, rank {rank}, bucket {i}: your gradient shards are "
+                    f"{_scale_of(g, w, precision, ref_name, world, hint)}"
+                )
+        if len(got_all) != len(want_all):
+            raise CheckFailed(
+                f"{where}, step {step}, rank {rank}: the optimizer stepped with {len(got_all)} "
+                f"gradients, {ref_name} with {len(want_all)} (one flat shard per bucket)"
+            )
+        for name, w in ref["params"][step].items():
+            g = mine["params"][step].get(name)
+            err = math.inf if g is None or g.shape != w.shape else _bits(g, w)
+            if not within(err, 0.0, f"ZeRO {precision} params (bit-equal)"):
+                raise CheckFailed(
+                    f"{where}, step {step}, rank {rank}: parameter {name!r} after the SGD step "
+                    f"differs from {ref_name}'s by up to {err:.3g} (the gradient shards were the "
+                    f"same): the update must be the reference's, bit for bit.{hint}"
+                )
+
+
+def _bits(got: torch.Tensor, want: torch.Tensor) -> float:
+    """0.0 when ``got`` and ``want`` hold the same values (NaN where NaN), else the largest
+    difference (infinite where only one is NaN or infinite)."""
+    same = (got == want) | (got.isnan() & want.isnan())
+    if bool(same.all()):
+        return 0.0
+    diff = (got - want).abs()[~same].nan_to_num(nan=math.inf)
+    return float(diff.max())
+
+
+def _scale_of(got, want, precision: str, ref_name: str, world: int, hint: str) -> str:
+    """How ``got`` relates to ``want``: a factor that names the usual mistake, or rounding."""
+    if got.shape != want.shape:
+        return f"of shape {tuple(got.shape)}, {ref_name}'s {tuple(want.shape)} (this rank's chunk)"
+    ratio = float((got * want).sum() / (want * want).sum().clamp_min(1e-30))
+    diff = float((got - want).abs().nan_to_num(nan=math.inf).max())
+    head = f"{ratio:.2f}x minizero's"
+    if abs(ratio * world - 1) < 0.05:
+        return (
+            f"{head} (1/{world}): divided by the world twice? In fp16 the bucket is divided by "
+            "N before the sum (minizero.precision.divides_before_sum(buffer) is True): then not "
+            f"again after it.{hint}"
+        )
+    if abs(ratio - world) < 0.05 * world:
+        return (
+            f"{head}: divided by the world never? The collective sums; divide by N once, before "
+            f"the sum in fp16 (minizero.precision.divides_before_sum), after it otherwise.{hint}"
+        )
+    if abs(ratio - 1) < 0.05:
+        dtype = {"fp16": "fp16"}.get(precision, "bf16")
+        return (
+            f"{head}, but not bit for bit (max difference {diff:.3g}, {dtype}'s rounding): "
+            f"minizero's arithmetic is the same in every policy, and yours must be too: the "
+            f"bucket in the policy's reduce dtype (self.precision.reduce_dtype, which need not "
+            f"be p.grad's), divided by N before the sum in fp16 "
+            f"(minizero.precision.divides_before_sum(buffer)), after it otherwise.{hint}"
+        )
+    return f"{head} (max difference {diff:.3g}).{hint}"
 
 
 def compare_shards(
@@ -202,3 +294,25 @@ def check_volume(
                 f"{ref_name} {want}: {what}. {hint}".rstrip()
             )
     return sum(by_op(mine["records"][-1]).values())
+
+
+def check_precisions(
+    per_rank: list[dict], ref_name: str, world: int, master_hint: str | None = "", hint: str = ""
+) -> list[str]:
+    """Every rank's 16-bit runs (``r["prec"]``, :func:`.common_zero.precision_runs`): their
+    structure (:func:`compare_masters`; not with ``master_hint=None``: stage 3, whose recorded
+    parameters are the masters themselves), then bit for bit (:func:`compare_precision`).
+    Returns the policies compared."""
+    names = list(per_rank[0]["prec"])
+    for precision in names:
+        runs = [r["prec"][precision] for r in per_rank]
+        if any(not seen for r in runs for seen in r["ref"]["seen"]):  # the check's own fault
+            raise RuntimeError(
+                f"under {precision!r} minizero's class skipped a step (an fp16 inf): nothing to "
+                "compare; lower common_zero.FP16_SCALE"
+            )
+        if master_hint is not None:
+            compare_masters(runs, precision, ref_name, master_hint)
+        for rank, run in enumerate(runs):
+            compare_precision(run["mine"], run["ref"], precision, ref_name, rank, world, hint)
+    return names

@@ -19,6 +19,7 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    raised_hint,
     rank_device,
     report_pass,
     run_info,
@@ -87,7 +88,9 @@ def check_all_reduce_via_rs_ag(fn, nprocs: int | None = None) -> None:
             n = torch.Size(shape).numel()
             where = f"for a tensor of shape {shape} on rank {rank} (world size {world})"
             if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}.{two_ranks_hint(world)}")
+                raise CheckFailed(
+                    f"{name} raised {where}: {case['error']}.{raised_hint(world, case['error'])}"
+                )
             got, want = case["got"], case["want"]
             if not torch.equal(got, want):
                 if case["ret_ok"]:

@@ -24,12 +24,12 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    raised_hint,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
     subgroup_failure,
-    two_ranks_hint,
 )
 
 STEPS, ROWS_PER_RANK, LR = 3, 4, 0.1  # global batch: ROWS_PER_RANK * world
@@ -208,7 +208,7 @@ def _check_ddp(student, kind: str, nprocs: int | None, bucket_cap_mb: float) -> 
         if res["error"]:
             raise CheckFailed(
                 f"{name} raised on rank {rank} (world size {world}): {res['error']}."
-                f"{two_ranks_hint(world)}"
+                f"{raised_hint(world, res['error'])}"
             )
         _compare(res["mine"], res["refs"], res["local"], rank, world)
     res = results[0]

@@ -41,13 +41,13 @@ from minizero.course.checks.common_zero import (
     check_subgroup,
     minizero_build,
     one_process,
+    precision_runs,
     results,
     run_all,
     torch_zero,
-    train,
     with_subgroup,
 )
-from minizero.course.checks.compare_zero import check_volume, compare, compare_bf16
+from minizero.course.checks.compare_zero import check_precisions, check_volume, compare
 from minizero.zero1 import ZeRO1
 
 # (parameter shapes, world size): the MLP's 1,837 elements over 3 ranks; fewer elements than
@@ -197,18 +197,16 @@ def _zero1_rank(student) -> dict:
         "minizero.zero1.ZeRO1": minizero_build(ZeRO1),
     }
     out = run_all(refs, minizero_build(student), rank, world, dev)
-    if out["error"] is None:  # mixed precision: fp32 masters apart from the bf16 working copy
-        out["bf16_ref"] = train(minizero_build(ZeRO1, "bf16"), rank, world, dev, precision="bf16")
-        out["bf16"], out["error"] = guard(
-            train, minizero_build(student, "bf16"), rank, world, dev, precision="bf16"
-        )
+    if out["error"] is None:  # 16-bit: fp32 masters apart from the working copy, bit for bit
+        out.update(precision_runs(ZeRO1, student, rank, world, dev))
     return with_subgroup(out, ZeRO1, student)
 
 
 def check_zero1(cls, nprocs: int | None = None) -> None:
     """Lesson 02: ``cls`` (a ZeRO1 subclass) must train as one process, torch's
-    ZeroRedundancyOptimizer and minizero's ZeRO1 do (fp32 and bf16), with one reduce-scatter and
-    one all-gather per bucket per step (2Ψ)."""
+    ZeroRedundancyOptimizer and minizero's ZeRO1 do (float64), with one reduce-scatter and
+    one all-gather per bucket per step (2Ψ); and under each 16-bit policy, bit for bit as
+    minizero's ZeRO1 in the same policy."""
     res_all, world, name = results(_zero1_rank, nprocs, cls)
     for rank, res in enumerate(res_all):
         mine, refs = res["mine"], res["refs"]
@@ -222,11 +220,14 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
             params=" The gradients were right: after the step, all-gather every rank's updated "
             "chunk into the bucket's flat buffer (self.flat_params[i]).",
         )
-    compare_bf16(
-        [{"mine": r["bf16"], "ref": r["bf16_ref"]} for r in res_all],
-        "minizero ZeRO1 in bf16",
-        " In bf16 the optimizer steps a separate fp32 master (self.masters[i]): copy it into your "
-        "bf16 chunk before the all-gather (when self.precision.master).",
+    policies = check_precisions(
+        res_all,
+        "minizero's ZeRO1",
+        world,
+        " In 16 bits the optimizer steps a separate fp32 master (self.masters[i]): copy it into "
+        "your 16-bit chunk before the all-gather (when self.precision.master).",
+        " In reduce_gradients: if divides_before_sum(flat), flat.div_(self.world) before the "
+        "reduce-scatter; else chunk.div_(self.world) after it.",
     )
     res = res_all[0]
     volume = check_volume(
@@ -239,7 +240,8 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
     check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
-        f"Adam steps on {world} ranks ({describe(res['info'])}), and minizero's ZeRO1 in bf16; "
+        f"Adam steps on {world} ranks ({describe(res['info'])}); bit for bit minizero's ZeRO1 "
+        f"under {', '.join(policies)} (SGD); "
         f"moved {volume} elements per step = {volume / psi:.3f} Ψ (2Ψ, Ψ = {psi}, plus padding)"
     )
 

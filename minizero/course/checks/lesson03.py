@@ -1,10 +1,11 @@
 """What the check cells of lesson 03 (03_zero2) call: stage 2, and clipping on shards.
 
 The student's ``ZeRO2`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO2`` (:mod:`.common_zero`), in fp32 and again in bf16 against minizero's ``ZeRO2`` in
-bf16, with gradient accumulation in one step. Beyond the numbers it checks the structure: no full
-``p.grad`` after backward, every reduce-scatter issued during backward, and no more full bucket
-buffers, nor bytes of them, alive at once than minizero's ``ZeRO2`` keeps. The references and
+``ZeRO2`` (:mod:`.common_zero`), in fp32, and bit for bit against minizero's ``ZeRO2`` in each
+16-bit policy (bf16, fp16, bf16 reduced in fp32), with gradient accumulation in one step.
+Beyond the numbers it checks the structure: no full ``p.grad`` after backward, every
+reduce-scatter issued during backward, and no more full bucket buffers, nor bytes of them, alive
+at once than minizero's ``ZeRO2`` keeps. The references and
 the step-by-step comparison: :mod:`.common_zero`.
 
 ``check_clip_grad_norm`` runs the student's ``clip_grad_norm_(shards, valid, max_norm, group)``, a
@@ -35,25 +36,26 @@ from minizero.course.checks.common import (
     launch_check,
     on_subgroup,
     on_world_and_subgroup,
+    raised_hint,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
-    two_ranks_hint,
     within,
 )
 from minizero.course.checks.common_zero import (
+    PRECISIONS,
     STEPS,
     check_subgroup,
     fsdp2,
     minizero_build,
     one_process,
+    precision_runs,
     results,
     run_all,
-    train,
     with_subgroup,
 )
-from minizero.course.checks.compare_zero import check_volume, compare, compare_bf16
+from minizero.course.checks.compare_zero import check_precisions, check_volume, compare
 from minizero.zero2 import ZeRO2
 
 MICRO = (1, 2, 1)  # step 1 accumulates two backwards into the gradient shards
@@ -108,12 +110,19 @@ def _zero2_rank(student) -> dict:
     }
     mine = _with_live_count(minizero_build(student))
     out = run_all(refs, mine, rank, world, dev, micro=MICRO, observe=_observe)
-    if out["error"] is None:  # bf16: the buckets hold bf16 gradients, the shards too
-        kw = dict(micro=MICRO, observe=_observe, precision="bf16")
-        ref = _with_live_count(minizero_build(ZeRO2, "bf16"))
-        out["bf16_ref"] = train(ref, rank, world, dev, **kw)
-        bf16 = _with_live_count(minizero_build(student, "bf16"))
-        out["bf16"], out["error"] = guard(train, bf16, rank, world, dev, **kw)
+    if out["error"] is None:  # 16-bit: the buckets in the reduce dtype, bit for bit
+        out.update(
+            precision_runs(
+                ZeRO2,
+                student,
+                rank,
+                world,
+                dev,
+                _with_live_count,
+                tuple(PRECISIONS),
+                observe=_observe,
+            )  # fmt: skip
+        )
     return with_subgroup(out, ZeRO2, student, micro=MICRO)
 
 
@@ -138,14 +147,14 @@ def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
     if got > want:
         raise CheckFailed(
             f"{precision}, rank {rank}: your bucket buffers held up to {got} bytes at once during "
-            f"backward, minizero's ZeRO2 {want}: allocate each (padded,) buffer in the gradient's "
-            "dtype (p.grad.dtype) and forget it once its reduce-scatter is done."
+            f"backward, minizero's ZeRO2 {want}: allocate each (padded,) buffer in the reduce "
+            "dtype (self.precision.reduce_dtype) and forget it once its reduce-scatter is done."
         )
 
 
 def check_zero2(cls, nprocs: int | None = None) -> None:
     """Lesson 03: ``cls`` (a ZeRO2 subclass) must train as one process, FSDP2 and minizero's
-    ZeRO2 (gradient accumulation included; bf16 too, against ZeRO2 in bf16), keep no full
+    ZeRO2 (gradient accumulation included; bit for bit ZeRO2 under each 16-bit policy), keep no full
     ``p.grad`` after backward, start each bucket's reduce-scatter during backward, and keep no
     more full bucket buffers (two: one filling, one in flight), nor bytes, than ZeRO2 keeps."""
     res_all, world, name = results(_zero2_rank, nprocs, cls)
@@ -157,9 +166,15 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         mine, refs = res["mine"], res["refs"]
         _check_structure(mine, refs["minizero.zero2.ZeRO2"], rank, "fp32")
         compare(mine, refs, "minizero.zero2.ZeRO2", rank, world, shards=shards)
-        _check_structure(res["bf16"], res["bf16_ref"], rank, "bf16")
-    compare_bf16(
-        [{"mine": r["bf16"], "ref": r["bf16_ref"]} for r in res_all], "minizero ZeRO2 in bf16", ""
+        for precision, run in res["prec"].items():
+            _check_structure(run["mine"], run["ref"], rank, precision)
+    policies = check_precisions(
+        res_all,
+        "minizero's ZeRO2",
+        world,
+        hint=" In finish_in_flight: reduce_bucket (given) has divided an fp16 buffer already; "
+        "divide out by self.world only if not divides_before_sum(out). In on_grad_ready: the "
+        "buffer's dtype is self.precision.reduce_dtype.",
     )
     res = res_all[0]
     mine = res["mine"]
@@ -191,7 +206,8 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
     report_pass(
         f"{name}: gradient shards and parameters equal {', '.join(res['refs'])} for {STEPS} "
         f"Adam steps (one of them over 2 micro-batches) on {world} ranks "
-        f"({describe(res['info'])}), and minizero's ZeRO2 in bf16; no p.grad after backward; "
+        f"({describe(res['info'])}); bit for bit minizero's ZeRO2 under {', '.join(policies)} "
+        f"(SGD); no p.grad after backward; "
         f"every reduce-scatter started during backward; at most {live} full bucket buffers "
         f"alive (not counting the backend's own copies); moved {volume} elements per step = "
         f"{volume / psi:.3f} Ψ"
@@ -306,7 +322,9 @@ def _check_clip(per_rank: list[dict], world: int, name: str) -> None:
         for case in res["cases"]:
             where = f"on rank {rank} of {world}, max_norm {case['max_norm']:.4g}"
             if case["error"]:
-                raise CheckFailed(f"{name} raised {where}: {case['error']}.{two_ranks_hint(world)}")
+                raise CheckFailed(
+                    f"{name} raised {where}: {case['error']}.{raised_hint(world, case['error'])}"
+                )
             if case["ops"] != ["all_reduce"]:
                 raise CheckFailed(
                     f"{name} issued {case['ops'] or 'no collective'} {where}: add up the squares "

@@ -1,11 +1,11 @@
 """What the check cells of lesson 04 (04_zero3) call: ``check_zero3_gather``, ``..._prefetch``.
 
 The student's ``ZeRO3`` subclass trains on real ranks next to one process, FSDP2 and minizero's
-``ZeRO3`` (:mod:`.common_zero`). The gather check also probes ``gather`` and ``free``
-one unit at a time against an all-gather that is still in flight (a stand-in work object that
-records whether it was waited for): no training run is guaranteed to free a unit whose prefetch has
-not completed, and a ``free`` that drops the storage under a running all-gather lets the backend
-write into freed memory.
+``ZeRO3`` (:mod:`.common_zero`), and bit for bit against minizero's ``ZeRO3`` in bf16 and in
+fp16. The gather check also probes ``gather`` and ``free`` one unit at a time against an all-gather
+that is still in flight (a stand-in work object that records whether it was waited for): no training
+run is guaranteed to free a unit whose prefetch has not completed, and a ``free`` that drops the
+storage under a running all-gather lets the backend write into freed memory.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from minizero.course.checks.common_zero import (
     fsdp2,
     minizero_build,
     one_process,
+    precision_runs,
     results,
     run_all,
     with_subgroup,
 )
-from minizero.course.checks.compare_zero import check_volume, compare
+from minizero.course.checks.compare_zero import check_precisions, check_volume, compare
 from minizero.zero3 import ZeRO3
 
 
@@ -133,6 +134,8 @@ def _zero3_rank(student, with_marks: bool) -> dict:
     mine = _with_marks(minizero_build(student)) if with_marks else minizero_build(student)
     after = _unit_labels if with_marks else lambda model: {"problems": _probe(model)}
     out = run_all(refs, mine, rank, world, dev, observe=_observe, after=after)
+    if out["error"] is None:  # 16-bit: bit for bit minizero's ZeRO3 in the same policy
+        out.update(precision_runs(ZeRO3, student, rank, world, dev))
     if with_marks and out["error"] is None:  # the prefetch check: a layer used twice
         out["reuse_ref"] = _reuse_gathers(ZeRO3)
         out["reuse"], out["error"] = guard(_reuse_gathers, student)
@@ -224,7 +227,7 @@ def _prefetch_status(records: list, marks: list, units: dict[str, list[int]]) ->
     return out
 
 
-def _check_common(res_all: list[dict], world: int, hint: str) -> None:
+def _check_common(res_all: list[dict], world: int, hint: str) -> list[str]:
     for rank, res in enumerate(res_all):
         mine, refs = res["mine"], res["refs"]
         ref = refs["minizero.zero3.ZeRO3"]
@@ -255,6 +258,7 @@ def _check_common(res_all: list[dict], world: int, hint: str) -> None:
                 f"has more than {ref_most}: free each module's units after its forward and after "
                 "its backward, and prefetch only the next module's."
             )
+    return check_precisions(res_all, "minizero's ZeRO3", world, None, hint)
 
 
 def check_zero3_gather(cls, nprocs: int | None = None) -> None:
@@ -263,7 +267,7 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
     3Ψ per step (two all-gathers and one reduce-scatter of every unit), never free a unit under
     an all-gather in flight, and wait for a prefetched all-gather before a module uses it."""
     res_all, world, name = results(_zero3_rank, nprocs, cls, False)
-    _check_common(
+    policies = _check_common(
         res_all,
         world,
         " Check gather: resize the storage to the padded size "
@@ -286,7 +290,8 @@ def check_zero3_gather(cls, nprocs: int | None = None) -> None:
     check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses, gradient shards and parameters equal {', '.join(res['refs'])} for "
-        f"{STEPS} Adam steps on {world} ranks ({describe(res['info'])}); no full parameter "
+        f"{STEPS} Adam steps on {world} ranks ({describe(res['info'])}), bit for bit minizero's "
+        f"ZeRO3 under {', '.join(policies)} (SGD); no full parameter "
         f"held after backward; at most {mine['observed'][-1]['max_gathered']} units gathered at "
         f"once; moved {volume} elements per step = {volume / psi:.3f} Ψ (Ψ = {psi}), as "
         "minizero's ZeRO3; free and gather wait for an all-gather in flight"
@@ -298,7 +303,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
     ``pre_backward``) must train as the references and issue each module's all-gather before
     the module starts wherever minizero's ZeRO3 does (after the first, recording, step)."""
     res_all, world, name = results(_zero3_rank, nprocs, cls, True)
-    _check_common(
+    policies = _check_common(
         res_all,
         world,
         " Gather every unit of the module (wait for it) before its forward or backward runs.",
@@ -351,6 +356,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
     check_subgroup(res_all, world, name)  # last: the mistakes above name themselves
     report_pass(
         f"{name}: losses and parameters equal {', '.join(res['refs'])} for {STEPS} Adam steps on "
-        f"{world} ranks ({describe(res['info'])}); {n_pre} module all-gathers prefetched in steps "
+        f"{world} ranks ({describe(res['info'])}), bit for bit ZeRO3's under "
+        f"{', '.join(policies)} (SGD); {n_pre} module all-gathers prefetched in steps "
         f"1-{STEPS - 1}, as minizero's ZeRO3; moved {volume / res['psi']:.3f} Ψ per step"
     )

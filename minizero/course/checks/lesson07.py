@@ -19,6 +19,7 @@ import torch.distributed as dist
 from minizero.course.checks.common import (
     CheckFailed,
     check_timeout,
+    graded_launch,
     guard,
     launch_check,
     report_pass,
@@ -204,8 +205,8 @@ def check_read_plan(fn) -> None:
         try:
             timeout = check_timeout(TIMEOUT)
             launch(_save_rank, 2, f"{tmp}/ckpt", backend="gloo", timeout=timeout, verbose=False)
-            results = launch(_reshard_rank, 3, fn, f"{tmp}/ckpt", backend="gloo",
-                             timeout=timeout, verbose=False)  # fmt: skip
+            results = graded_launch(_reshard_rank, 3, fn, f"{tmp}/ckpt", backend="gloo",
+                                    timeout=timeout, verbose=False)  # fmt: skip
         except LaunchError as e:
             raise CheckFailed(f"the ranks did not finish: {e}") from e
     for rank, res in enumerate(results):

@@ -30,12 +30,12 @@ from minizero.course.checks.common import (
     guard,
     launch_check,
     on_subgroup,
+    raised_hint,
     rank_device,
     report_pass,
     run_info,
     strict_ledger,
     subgroup_failure,
-    two_ranks_hint,
     within,
 )
 
@@ -162,8 +162,10 @@ def _judge(per_rank: list[dict], one: float | None, name: str, world: int) -> No
             if c is None:
                 continue
             if c["error"] is not None:
-                raise CheckFailed(f"{name} raised on rank {rank} at {stages[stage]} (world size "
-                                  f"{world}): {c['error']}.{two_ranks_hint(world)}")  # fmt: skip
+                raise CheckFailed(
+                    f"{name} raised on rank {rank} at {stages[stage]} (world size {world}): "
+                    f"{c['error']}.{raised_hint(world, c['error'])}"
+                )
             if any(grad for grad, _ in c["seen"]):
                 raise CheckFailed(
                     f"rank {rank}, {stages[stage]}: the model ran forward with gradients enabled: "
