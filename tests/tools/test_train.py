@@ -230,3 +230,34 @@ def test_one_rank_per_gpu_over_nccl_trains_the_cpu_curve():
         results = train(replace(SMALL, stage=stage), n, timeout=240, quiet=True, backend="nccl")
         assert results[0]["where"]["backend"] == "nccl"
         assert _close(curve(results), one["loss"]) <= 1e-3, stage
+
+
+def test_welch_t_and_its_degrees_of_freedom():
+    from minizero.tools.bench_nanogpt_report import welch
+
+    t, df = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    vx, vy = 1.0 / 3, (20.0 / 3) / 4  # sample variances over n
+    assert t == pytest.approx((2.0 - 5.0) / math.sqrt(vx + vy))
+    assert df == pytest.approx((vx + vy) ** 2 / (vx**2 / 2 + vy**2 / 3))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four runs, nanoGPT's among them, each a process of its own
+def test_bench_nanogpt_scores_every_run_on_the_whole_split(tmp_path, capsys):
+    """With a nanoGPT checkout (else skipped): nanoGPT fed minizero's batches, one process and
+    stage 0 score the same whole-split loss (the same model, data and loop), nanoGPT's own
+    batches another; the table has the one-process row and the difference column."""
+    if find_nanogpt(fetch=False)[0] is None:
+        pytest.skip("no nanoGPT checkout (see bench nanogpt)")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "nanogpt", "--max-iters", "4", "--stages", "0", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "one process (plain PyTorch, 1 thread)" in printed and "val all" in printed
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    fed = rows["nanoGPT train.py, minizero's batches"]
+    ref = rows["one process (plain PyTorch, 1 thread)"]
+    stage0 = rows["minizero train, stage 0, 2 ranks"]
+    assert _close([fed["val_full"], stage0["val_full"]], [ref["val_full"]] * 2) <= RTOL
+    assert float(stage0["diff"]) <= RTOL and rows["nanoGPT train.py"]["diff"] == "own batches"
+    assert all(r["iter"] == 4 for r in rows.values())
