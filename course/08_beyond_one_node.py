@@ -1024,7 +1024,7 @@ if pick is not None:
 # NIC, NICs, α), the nodes, the compute rate, the micro-batches and the sequences per GPU leave it
 # there. Memory moves it: half the GPU memory and ZeRO-1's 38 GB no longer fits, so ZeRO-2; half
 # the headroom (2.5 GB) and ZeRO-3 with hpZ and qwZ (about 77 GB) fits **without** checkpointing,
-# about 9.1 s a step against ZeRO-1's 11.7 (the calculator shows it). The choice sits on a knife
+# about 10.6 s a step against ZeRO-1's 13.6 (the calculator shows it). The choice sits on a knife
 # edge of memory, not of network: measure the headroom your runs really need (lesson 05) before
 # you trust a 77 GB plan on an 80 GB GPU, and remember that qwZ changes the weights forward sees.
 #
