@@ -341,7 +341,7 @@ def apply_loaded(
     model.after_step()  # masters -> working copy (and all-gathered at stages 1-2), as a step ends
     model.end_step()
     frag_of = {id(f.tensor): f for f in model.fragments}
-    current = optimizer.state_dict()["param_groups"]  # "params": this optimizer's indices
+    current = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]  # this one's indices
     received = optimizer_keys(sd)
     state, i = {}, 0
     for group in optimizer.param_groups:
