@@ -152,9 +152,8 @@ class StageStep:
                 f"states; here is rank {here['rank']} of {here['world']} at stage "
                 f"{here['stage']}{other}. Save and resume with minizero.save_checkpoint(path, "
                 "model, optimizer) and minizero.load_checkpoint (every rank calls them; any "
-                "world size and stage), not with rank 0's optimizer.state_dict(); or save the "
-                "whole state: optimizer.consolidate_state_dict(to=0) on every rank, then rank "
-                "0's optimizer.state_dict()"
+                "world size and stage), not with rank 0's optimizer.state_dict(); or, to write "
+                f"the whole state with torch.save, {S.FIX.split(' or save with')[0]}"
             )
         self._minizero_full = None
         if numbering == "parameters":  # this rank's shard, as state_dict() wrote it

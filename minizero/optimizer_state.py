@@ -32,10 +32,10 @@ from minizero import collectives as C
 from minizero.precision import full_dtype
 
 FIX = (
-    "call optimizer.consolidate_state_dict(to=0) on every rank first (ZeroRedundancyOptimizer's "
-    "call; FSDP2's is get_optimizer_state_dict), then rank 0's optimizer.state_dict() is the "
-    "whole state, as torch DDP's; or save with minizero.save_checkpoint(path, model, optimizer) "
-    "on every rank"
+    "call minizero.consolidate_state_dict(model, optimizer) on every rank before rank 0 saves "
+    "(ZeroRedundancyOptimizer's optimizer.consolidate_state_dict(to=0) on every rank; FSDP2's "
+    "get_optimizer_state_dict): rank 0's optimizer.state_dict() is then the whole state, as "
+    "torch DDP's; or save with minizero.save_checkpoint(path, model, optimizer) on every rank"
 )
 
 

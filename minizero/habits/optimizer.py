@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from minizero.optimizer import StageStep, attach, regroup
+from minizero.optimizer_state import FIX
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
 # states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
@@ -127,10 +128,9 @@ def check_loaded_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> N
                 raise ValueError(
                     f"the optimizer's state {k!r} of parameter {names[id(p)]!r} has shape "
                     f"{tuple(v.shape)}, the parameter {tuple(p.shape)}: it was loaded from "
-                    f"another model's state dict, or from one rank's shard. Load a full "
-                    f"optimizer state dict of this model (saved with "
-                    f"optimizer.consolidate_state_dict(to=0) on every rank, then rank 0's "
-                    f"optimizer.state_dict()), or build the optimizer fresh"
+                    f"another model's state dict, or from one rank's shard. Load a whole "
+                    f"optimizer state dict of this model (to save one at stages 1-3: {FIX}), "
+                    f"or build the optimizer fresh"
                 )
 
 
@@ -143,10 +143,8 @@ def shard_resume_message(name: str, fragment: tuple) -> str:
         f"(parameter {name!r}: elements [{start}, {end}) of {numel}, saved by rank {rank} of "
         f"{world} at stage {stage}): rank 0's optimizer.state_dict() at ZeRO stages 1-3 "
         f"holds only its own range of each state, and the other ranks' are not in the file, so it "
-        f"cannot resume. Save a full one: every rank calls optimizer.consolidate_state_dict(to=0), "
-        f"then rank 0 writes optimizer.state_dict() (or use minizero.save_checkpoint and "
-        f"minizero.load_checkpoint). To go on from this checkpoint, load the model's state dict "
-        f"and build the optimizer fresh"
+        f"cannot resume. Save a whole one: {FIX}. To go on from this checkpoint, load the model's "
+        f"state dict and build the optimizer fresh"
     )
 
 
