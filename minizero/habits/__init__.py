@@ -1,7 +1,7 @@
 """The habits of a PyTorch training loop that a data-parallel wrapper must notice, in one place.
 
 Each guard stands for one habit that would otherwise train a different model without a word, or
-hang (the README's "What a PyTorch user expects" says, habit by habit, what happens). A guard
+hang (docs/package.md, "What a PyTorch user expects", says, habit by habit, what happens). A guard
 either makes the habit mean what it means with torch DDP and FSDP2, or refuses it with one message
 that names the habit and says what works instead.
 
