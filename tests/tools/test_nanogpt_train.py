@@ -1,6 +1,7 @@
 """nanoGPT's own train.py under torchrun on 2 gloo ranks (issue 32), with the one-line change
 ``model = DDP(model, device_ids=[ddp_local_rank])`` -> ``model = minizero.parallelize(model,
-STAGE)``, beside the same script under torch DDP (both on the CPU: ``device = 'cpu'``).
+STAGE)``, beside the same script under torch DDP (both on the CPU: ``device = 'cpu'``, and
+torch DDP without ``device_ids``).
 
 * stages 0-2, 1 and 2 micro-batches per rank: every printed loss equals torch DDP's, exit 0;
 * stage 0 resumes (``--init_from=resume``) as torch DDP does;
@@ -61,7 +62,8 @@ def work(tmp_path_factory) -> Path:
         shutil.copy(src / f, work / f)
     write_nanogpt_data(work)
     text = (src / "train.py").read_text()
-    (work / "train_ddp.py").write_text(patched(text, CPU))
+    ddp_cpu = {"model = DDP(model, device_ids=[ddp_local_rank])": "model = DDP(model)"}  # CPU
+    (work / "train_ddp.py").write_text(patched(text, CPU, ddp_cpu))
     (work / "train_mz.py").write_text(patched(text, CPU, ONE_LINE))
     (work / "train_mz_save.py").write_text(patched(text, CPU, ONE_LINE, SAVE))
     return work
