@@ -27,7 +27,8 @@ class ZeRO2(ZeRO1):
     ``p.grad``. When a bucket is complete its reduce-scatter starts at once, while
     backward goes on, and its result is added to this rank's gradient shard. Full gradients live
     only in bucket buffers, and at most two at a time: the one being filled and the one whose
-    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
+    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does); inside
+    ``no_sync()`` every bucket's, accumulating, until the next synchronised backward (below).
     After backward the gradient is in ``grad_shards``; until the next forward ``p.grad`` is a
     :class:`~minizero.habits.sharded_grad.ShardedGrad` (no memory), so that torch's
     ``clip_grad_norm_`` works on the shards.
