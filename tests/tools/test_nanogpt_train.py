@@ -10,7 +10,7 @@ torch DDP without ``device_ids``).
   optimizer)``, rank 0 writes) the resume equals torch DDP's;
 * stage 3: rank 0's evaluation alone is refused, naming the pattern and the fix.
 
-Tiny sizes, 4 iterations (a save at 2 and 4), then 2 more resumed. Skipped without a nanoGPT
+Tiny sizes, iterations 0-4 (saves at 2 and 4), then 4-6 resumed. Skipped without a nanoGPT
 checkout (the bench's: $MINIZERO_NANOGPT or ~/.cache/minizero/nanoGPT); nothing is downloaded."""
 
 import os
@@ -107,7 +107,7 @@ def test_nanogpt_train_py_with_minizero_trains_saves_and_resumes_as_torch_ddp(wo
             continue
         ok(done, k)
         want = first["ddp" + k[-1]][1]
-        assert len(want) == 4 + 2 and losses == want, f"{k}:\n{losses}\ntorch DDP:\n{want}"
+        assert len(want) == 5 + 3 and losses == want, f"{k}:\n{losses}\ntorch DDP:\n{want}"
     for k in ("s1m2", "s2m2"):  # the one-line change: rank 0's save holds its shard only
         err = first[k][0].stderr
         assert f"at ZeRO stage {k[1]} holds rank 0's shard only" in err, err[-3000:]
@@ -128,7 +128,7 @@ def test_nanogpt_train_py_with_minizero_trains_saves_and_resumes_as_torch_ddp(wo
     })  # fmt: skip
     want = resumed["ddp1"][1]
     ok(resumed["ddp1"][0], "torch DDP resumed")
-    assert len(want) == 3 + 2, want  # iterations 4-6, evaluations at 4 and 6
+    assert len(want) == 3 + 2, want  # iterations 4-6 (nanoGPT runs to max_iters), evals at 4, 6
     for k in ("s0m1", "s1m1", "s2m1"):
         ok(resumed[k][0], f"{k} resumed")
         assert resumed[k][1] == want, f"{k} resumed:\n{resumed[k][1]}\ntorch DDP:\n{want}"
