@@ -158,6 +158,12 @@ class StageStep:
         self._minizero_full = None
         if numbering == "parameters":  # this rank's shard, as state_dict() wrote it
             state_dict = S.unshard_state_dict(self, state_dict)
+        elif (
+            saved is None
+            and S.plain_params(self) is not None
+            and any(f.is_master for f in self._wrapper.fragments)
+        ):  # a whole one (torch DDP's, a plain optimizer's, consolidated): cut to this rank's
+            state_dict = S.shard_whole_state_dict(self, state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "minizero_shard"}
         super().load_state_dict(state_dict)
 

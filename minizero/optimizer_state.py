@@ -93,6 +93,50 @@ def unshard_state_dict(optimizer, sd: dict) -> dict:
     return {"state": state, "param_groups": saved}
 
 
+def shard_whole_state_dict(optimizer, sd: dict) -> dict:
+    """A whole optimizer state dict (a plain optimizer's over the model's parameters, torch
+    DDP's, :func:`consolidate`'s) loaded into this rank's optimizer after wrapping: each fragment
+    gets its range of every per-element state, in torch's numbering of the fragments. Refused,
+    saying which, where the groups or the states' shapes are not this model's."""
+    w, groups = optimizer._wrapper, plain_params(optimizer)
+    saved = sd["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(g) for g in groups]:
+        raise ValueError(
+            f"this optimizer state dict has param groups of {[len(g['params']) for g in saved]} "
+            f"parameters, the optimizer {[len(g) for g in groups]}: it is not a state dict of "
+            f"this model's optimizer (at ZeRO stages 1-3 a rank's own optimizer.state_dict() "
+            f"holds its shard only; to write a whole one, {FIX})"
+        )
+    index = {id(p): pi for g, sg in zip(groups, saved, strict=True)
+             for p, pi in zip(g, sg["params"], strict=True)}  # fmt: skip
+    frag = {id(f.tensor): f for f in w.fragments}
+    tensors = [t for g in optimizer.param_groups for t in g["params"]]  # torch's numbering
+    own = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
+    state = {}
+    for i, t in enumerate(tensors):
+        f = frag.get(id(t))
+        st = None if f is None else sd["state"].get(index[id(f.param)])
+        if not st:
+            continue
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != f.param.shape:
+                raise ValueError(
+                    f"the optimizer state {k!r} of parameter {f.name!r} has shape "
+                    f"{tuple(v.shape)}, the parameter {tuple(f.param.shape)}: not a whole "
+                    f"state dict of this model (to write one at stages 1-3, {FIX})"
+                )
+        state[i] = {k: _cut(v, f) for k, v in st.items()}
+    groups_out = [{**g, "params": o["params"]} for g, o in zip(saved, own, strict=True)]
+    return {"state": state, "param_groups": groups_out}
+
+
+def _cut(v: object, f) -> object:
+    """A per-parameter state value cut to fragment ``f`` (flat, in the master's dtype)."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return v.detach().reshape(-1)[f.start : f.end].to(f.tensor.dtype).clone()
+    return v
+
+
 def warn_shard(optimizer, sd: dict) -> None:
     """``optimizer.state_dict()`` returned one rank's shard: say so when it is written."""
     w = optimizer._wrapper

@@ -361,7 +361,10 @@ def apply_loaded(
     groups = []  # the saved settings (lr, betas, ...), this optimizer's parameters
     for saved, cur in zip(sd["optim/param_groups"], current, strict=True):
         groups.append({**saved, **{k: cur[k] for k in ("params", "param_names") if k in cur}})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # numbered as torch numbers this optimizer's fragments: torch's own load (StageStep's would
+    # take a dict without minizero's record for a whole one, numbered by parameter)
+    torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": groups})
+    optimizer.__dict__.pop("_minizero_full", None)  # a consolidated state dict is of before
     if f"rng/{rank}/cpu" in sd:
         torch.set_rng_state(sd[f"rng/{rank}/cpu"])
     if f"rng/{rank}/cuda" in sd and torch.cuda.is_available():

@@ -65,10 +65,14 @@ def resume_rank(stage: int, handed: bool) -> dict:
     fresh = build("gpt")
     fresh.load_state_dict(ckpt["model"])
     opt2 = _groups(fresh)
-    opt2.load_state_dict(ckpt["optimizer"])  # a plain optimizer, whole state: nanoGPT's resume
-    if handed:
+    if handed == "loaded after":  # wrapped first, then the whole state dict loaded into it
         model2, opt2 = minizero.parallelize(fresh, stage, opt2)
-    else:
+        opt2.load_state_dict(ckpt["optimizer"])
+    else:  # a plain optimizer, whole state: nanoGPT's resume
+        opt2.load_state_dict(ckpt["optimizer"])
+    if handed is True:
+        model2, opt2 = minizero.parallelize(fresh, stage, opt2)
+    elif handed is False:
         model2 = minizero.parallelize(fresh, stage)  # adopted at its first step
     _steps(model2, opt2, range(SAVE_AT, STEPS), rank, world)
     out = {"straight": straight, "resumed": _weights(model2),
@@ -87,7 +91,9 @@ def resume_rank(stage: int, handed: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("stage", "handed"), [(0, False), (1, False), (2, True), (3, False)])
+@pytest.mark.parametrize(
+    ("stage", "handed"), [(0, False), (1, False), (2, True), (3, False), (2, "loaded after")]
+)
 def test_an_optimizer_loaded_before_parallelize_resumes_the_same_run(stage, handed):
     for r, got in enumerate(run(resume_rank, 2, stage, handed)):
         for k, v in got["straight"].items():
