@@ -410,9 +410,11 @@ print(checks.describe(INFO))
 # local gradients and communicate once per step (DDP inside `no_sync()`). Stage 2, as built
 # here, keeps no full gradient to accumulate into, so each backward reduce-scatters its gradients
 # into the chunk. That is a choice, not a law: FSDP2's `set_requires_gradient_sync(False)` keeps
-# the full unsharded gradients across micro-batches and reduce-scatters once, paying 2Ψ (bf16)
-# of memory per rank for 1/k of the communication. minizero's stage 2 refuses `no_sync()` and
-# takes the other side of the trade. Measured, 4 micro-batches per step:
+# the full unsharded gradients across micro-batches and reduce-scatters once, paying the full
+# gradient's memory per rank (Ψ elements: 4Ψ bytes in fp32) for 1/k of the communication.
+# minizero's stage 2 offers both: each backward reduce-scatters, unless it runs inside
+# `no_sync()` (or with nanoGPT's `require_backward_grad_sync = False`), which accumulates the full
+# gradient locally, as FSDP2 does. Measured without `no_sync()`, 4 micro-batches per step:
 
 
 # %%

@@ -87,7 +87,11 @@ from minizero.models import (  # noqa: E402
     synthetic_batch,  # noqa: E402
 )
 from minizero.naive_ddp import NaiveDDP
-from minizero.parallelize import full_state_dict, parallelize  # noqa: E402
+from minizero.parallelize import (  # noqa: E402
+    consolidate_state_dict,
+    full_state_dict,
+    parallelize,
+)
 from minizero.precision import Precision  # noqa: E402
 from minizero.units import ShardedParameterError  # noqa: E402
 from minizero.zero1 import ZeRO1  # noqa: E402
@@ -97,7 +101,8 @@ from minizero.zero3 import ZeRO3  # noqa: E402
 __all__ = [
     "CommLedger", "CommRecord", "all_gather", "all_reduce", "broadcast", "reduce_scatter",
     "LaunchError", "LaunchTimeout", "launch", "Bucket", "DDP", "NaiveDDP", "ZeRO1", "ZeRO2",
-    "ZeRO3", "full_state_dict", "parallelize", "PAPER_TABLE1", "MemoryMeter", "format_bytes",
+    "ZeRO3", "full_state_dict", "consolidate_state_dict", "parallelize", "PAPER_TABLE1",
+    "MemoryMeter", "format_bytes",
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
     "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
     "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",

@@ -14,6 +14,7 @@ is open each call goes through its ``recorder``; otherwise nothing but torch.dis
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -44,11 +45,74 @@ def mark(label: str) -> None:
 
 
 def _run(
-    op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str, src: int = 0
-):
+    op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str, src: int = 0,
+    tensors: tuple[torch.Tensor, ...] = (),
+):  # fmt: skip
+    if tensors and dist.get_backend(group) == "gloo":
+        fn = released(fn, tensors)
     if recorder is None:
         return fn(async_op)
     return recorder.issue(op, fn, payload, numel, group, async_op, tag, src)
+
+
+# -- a clean exit: no gloo thread holds a collective's tensors once wait() has returned (issue 32)
+# gloo runs a collective on a worker thread, which keeps its work (and so the work's tensors) a
+# moment after wait() has returned. If the caller has dropped a tensor by then (a temporary: a
+# chunk view, a shard), the worker's release is the last: it frees the tensor's Python object on
+# that thread, taking the GIL. At the end of a script the group outlives destroy_process_group()
+# (torch's own modules keep references to it, so its threads are never joined), and when that
+# release falls into the interpreter's finalisation the thread cannot take the GIL: the process
+# aborts ("terminate called without an active exception", SIGABRT) after training finished.
+# So every minizero collective on gloo returns (or its wait() returns) only once the worker has
+# let go of its tensors; whatever frees them then does it on the main thread.
+SETTLE_S = 0.2  # at most this long per collective (measured: microseconds; a view made of
+# a tensor while its collective runs holds a reference of its own, which ends the wait here)
+
+
+def settle(tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
+    """Wait until each tensor is held by no more C++ references than ``before`` it was issued
+    (the work's references gone, the worker's included)."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):
+        if time.monotonic() > deadline:  # something else took a reference: not ours to wait
+            return
+        time.sleep(0)  # let the worker thread run
+
+
+class ReleasedWork:
+    """An async collective's work whose ``wait()`` returns once gloo's worker has let go of it."""
+
+    def __init__(self, work, tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
+        self.work, self.tensors, self.before = work, tensors, before
+
+    def wait(self, *args, **kwargs):
+        if self.work is None:
+            return True
+        out = self.work.wait(*args, **kwargs)
+        self.work = None  # this Python handle's references first, then the worker's
+        settle(self.tensors, self.before)
+        return out
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["work"], name)
+
+
+def released(fn, tensors: tuple[torch.Tensor, ...]):
+    """``fn(async_op)`` (a torch.distributed call) that returns, or whose work's ``wait()``
+    returns, only once no gloo thread holds ``tensors``."""
+
+    def run(async_op: bool):
+        before = [t._use_count() for t in tensors]
+        work = fn(async_op)
+        if not async_op:
+            settle(tensors, before)
+            return work
+        return ReleasedWork(work, tensors, before)
+
+    return run
 
 
 def all_reduce(
@@ -56,7 +120,7 @@ def all_reduce(
 ):
     """In-place all-reduce of ``tensor``. S = tensor.numel(); paper volume 2S."""
     fn = lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)
-    return _run("all_reduce", fn, tensor, tensor.numel(), group, async_op, tag)
+    return _run("all_reduce", fn, tensor, tensor.numel(), group, async_op, tag, tensors=(tensor,))
 
 
 def reduce_scatter(
@@ -73,7 +137,8 @@ def reduce_scatter(
     the whole input and keeps one chunk, so its wall time is that of an all-reduce.
     """
     fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
-    return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag)
+    io = (output, input)
+    return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag, tensors=io)
 
 
 def all_gather(
@@ -84,7 +149,8 @@ def all_gather(
     S = output.numel(), the full size.
     """
     fn = lambda a: _all_gather(output, input, group=group, async_op=a)
-    return _run("all_gather", fn, output, output.numel(), group, async_op, tag)
+    io = (output, input)
+    return _run("all_gather", fn, output, output.numel(), group, async_op, tag, tensors=io)
 
 
 def all_to_all(
@@ -94,7 +160,8 @@ def all_to_all(
     rank: rank j's row r lands in rank r's row j. S = input.numel(); each rank keeps 1/N of it
     and sends the rest straight to its owners (qgZ's reduce-scatter, ZeRO++ §3.3)."""
     fn = lambda a: dist.all_to_all_single(output, input, group=group, async_op=a)
-    return _run("all_to_all", fn, input, input.numel(), group, async_op, tag)
+    io = (output, input)
+    return _run("all_to_all", fn, input, input.numel(), group, async_op, tag, tensors=io)
 
 
 def broadcast(
@@ -103,4 +170,5 @@ def broadcast(
     """Copy ``tensor`` from group rank ``src`` to every rank. S = tensor.numel()."""
     global_src = src if group is None else dist.get_global_rank(group, src)
     fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)
-    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag, src)
+    io = (tensor,)
+    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag, src, tensors=io)

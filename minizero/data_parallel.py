@@ -211,8 +211,8 @@ class DataParallel(nn.Module):
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         """FSDP2's name (and nanoGPT's ``require_backward_grad_sync``, torch DDP's): ``no_sync()``
-        until set back, refused where ``no_sync()`` is."""
-        with nullcontext() if requires else self.no_sync():  # stages 2-3 refuse here
+        until set back, refused where ``no_sync()`` is (a stage that overrides it)."""
+        with nullcontext() if requires else self.no_sync():
             pass
         self.require_sync = requires
 

@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from minizero import optimizer_state as S
+
 
 class Wrapper(Protocol):
     """What the optimizer needs of the wrapper (data_parallel.DataParallel)."""
@@ -68,6 +70,7 @@ class StageStep:
         if closure is not None:  # elementwise optimizers call the closure once, first
             with torch.enable_grad():
                 loss = closure()
+        self._minizero_full = None  # a consolidated state dict is of the states before
         if self._wrapper.before_step():
             super().step()
         self._wrapper.after_step()
@@ -92,6 +95,8 @@ class StageStep:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             self._minizero_trains |= {id(p) for p in params}
+            if getattr(self, "_minizero_params", None) is not None:
+                self._minizero_params.append(list(params))  # as built (optimizer_state.py)
             if any(f.is_master for f in wrapper.fragments):
                 frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
@@ -106,15 +111,35 @@ class StageStep:
     def state_dict(self) -> dict:
         """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
         (and in mixed precision) it holds only this rank's fragments, so only the same rank of the
-        same layout may load it back (see ``load_state_dict``)."""
+        same layout may load it back (see ``load_state_dict``); at stages 1-3 a warning says so,
+        and how to write the whole one. After ``consolidate_state_dict(to=r)`` on every rank, and
+        until the next step, rank r's is the whole one (minizero/optimizer_state.py)."""
+        full = self.__dict__.get("_minizero_full")
+        if full is not None:
+            return full
         sd = super().state_dict()
         sd["minizero_shard"] = shard_record(self._wrapper)
+        if getattr(self, "_minizero_params", None) is not None and any(
+            f.is_master for f in self._wrapper.fragments
+        ):  # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
+            sd = S.shard_state_dict(self, sd)
+        if sd["minizero_shard"]["sharded"]:
+            S.warn_shard(self, sd)
         return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """ZeroRedundancyOptimizer's call, collective: afterwards, and until the next step, rank
+        ``to``'s ``state_dict()`` is the whole optimizer state, as a plain optimizer over the
+        model's parameters returns it (torch DDP's; a plain optimizer loads it, and parallelize
+        cuts it to each rank's shard again)."""
+        self._minizero_full = S.consolidate(self, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse an optimizer state dict saved by another rank or another layout: its states
         belong to other elements (torch would load it without a word when the counts match)."""
         saved = state_dict.get("minizero_shard")
+        numbering = (saved or {}).get("numbering")  # "parameters": optimizer_state.py's form
+        saved = None if saved is None else {k: v for k, v in saved.items() if k != "numbering"}
         here = shard_record(self._wrapper)
         if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
             self._wrapper.habits.buckets.rebuild_as(saved["ready"])  # cut here as there
@@ -127,8 +152,18 @@ class StageStep:
                 f"states; here is rank {here['rank']} of {here['world']} at stage "
                 f"{here['stage']}{other}. Save and resume with minizero.save_checkpoint(path, "
                 "model, optimizer) and minizero.load_checkpoint (every rank calls them; any "
-                "world size and stage), not with rank 0's optimizer.state_dict()"
+                "world size and stage), not with rank 0's optimizer.state_dict(); or, to write "
+                f"the whole state with torch.save, {S.FIX.split(' or save with')[0]}"
             )
+        self._minizero_full = None
+        if numbering == "parameters":  # this rank's shard, as state_dict() wrote it
+            state_dict = S.unshard_state_dict(self, state_dict)
+        elif (
+            saved is None
+            and S.plain_params(self) is not None
+            and any(f.is_master for f in self._wrapper.fragments)
+        ):  # a whole one (torch DDP's, a plain optimizer's, consolidated): cut to this rank's
+            state_dict = S.shard_whole_state_dict(self, state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "minizero_shard"}
         super().load_state_dict(state_dict)
 

@@ -25,6 +25,7 @@ from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.habits.optimizer import (
+    adopt,
     adopt_on_first_step,
     check_optimizer,
     keep_scheduler_step,
@@ -192,3 +193,26 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         k: v.detach().float() if v.is_floating_point() else v.detach()
         for k, v in model.state_dict().items()
     }
+
+
+def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, to: int = 0) -> None:
+    """Every rank calls it (collective); then rank ``to``'s ``optimizer.state_dict()`` is the
+    whole optimizer state, as torch DDP's is, until the next step. ZeroRedundancyOptimizer's
+    ``consolidate_state_dict(to=0)``, taking the model as FSDP2's ``get_optimizer_state_dict``
+    does, so that it works before the optimizer's first step too (nanoGPT's resume saves before
+    it): an optimizer over ``model``'s parameters that is not yet adopted is adopted here. nanoGPT::
+
+        if iter_num % eval_interval == 0:  # every rank, before `if master_process:` saves
+            minizero.consolidate_state_dict(model, optimizer)
+    """
+    if not isinstance(model, DataParallel):
+        raise TypeError(
+            f"consolidate_state_dict takes the model minizero.parallelize returned, got "
+            f"{type(model).__name__}"
+        )
+    if getattr(optimizer, "_wrapper", None) is not model and not adopt(optimizer, model):
+        raise ValueError(
+            "this optimizer holds none of the model's parameters: pass the optimizer built "
+            "over model.parameters()"
+        )
+    optimizer.consolidate_state_dict(to)

@@ -182,13 +182,26 @@ def _no_op(*args) -> None:
     return None
 
 
+# The usual cause (issue 32): nanoGPT's train.py evaluates on rank 0 alone, while the others go
+# on to the next training step. The fix lesson 09 teaches: every rank evaluates, rank 0 prints.
+ONE_RANK_FORWARD = (
+    " A forward run on some ranks only is the usual cause, e.g. an evaluation on rank 0 alone: "
+    "`if master_process: losses = estimate_loss()` (nanoGPT's train.py). At stage 3 every rank "
+    "evaluates and rank 0 prints: `losses = estimate_loss()` on every rank, then "
+    "`if master_process: print(...)` (and save: model.state_dict() is collective too)."
+)
+
+
 def check_same_module(code: int, names: list[str], group, device: torch.device) -> None:
     """Stage 3's check that the ranks run the same unit modules: each rank all-gathers its
     ``code`` (2 * the module's index in ``names`` + 1 if backward starts from it) and all raise
     a ``RuntimeError`` naming what each rank ran when the codes differ."""
     mine = torch.tensor([code], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    before = [t._use_count() for t in (mine, *every)]
     dist.all_gather(every, mine, group=group)  # not model states: not in the ledger
+    if dist.get_backend(group) == "gloo":  # temporaries: freed here, not on gloo's thread
+        C.settle((mine, *every), before)
     codes = [int(t) for t in every]
     if len(set(codes)) > 1:
         what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(names[c // 2])
@@ -197,7 +210,7 @@ def check_same_module(code: int, names: list[str], group, device: torch.device) 
             f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
             "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
             "must run the same modules with parameters in the same order: make the branch "
-            "the same on every rank (e.g. run both and select the output)."
+            "the same on every rank (e.g. run both and select the output)." + ONE_RANK_FORWARD
         )
 
 

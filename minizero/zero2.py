@@ -6,8 +6,6 @@ reduce-scattered bucket by bucket *during* backward, and each rank keeps only it
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
@@ -29,7 +27,8 @@ class ZeRO2(ZeRO1):
     ``p.grad``. When a bucket is complete its reduce-scatter starts at once, while
     backward goes on, and its result is added to this rank's gradient shard. Full gradients live
     only in bucket buffers, and at most two at a time: the one being filled and the one whose
-    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
+    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does); inside
+    ``no_sync()`` every bucket's, accumulating, until the next synchronised backward (below).
     After backward the gradient is in ``grad_shards``; until the next forward ``p.grad`` is a
     :class:`~minizero.habits.sharded_grad.ShardedGrad` (no memory), so that torch's
     ``clip_grad_norm_`` works on the shards.
@@ -54,14 +53,16 @@ class ZeRO2(ZeRO1):
         self.grad_buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
 
-    @contextmanager
-    def no_sync(self):
-        raise RuntimeError(
-            "ZeRO stage 2 and 3 keep only a gradient shard, so there is nothing to accumulate "
-            "locally: call backward() on each micro-batch without no_sync(); each backward's "
-            "reduce-scatter adds into the shard, and optimizer.step() uses the sum."
-        )
-        yield  # pragma: no cover
+    # no_sync() (and require_backward_grad_sync = False, FSDP2's set_requires_gradient_sync)
+    # is DataParallel's: inside it on_grad_ready adds each gradient into its bucket's full
+    # (padded,) buffer and starts no reduce-scatter; the buffers stay until the next synchronised
+    # backward adds into them and reduce-scatters the sum, as FSDP2 keeps its unsharded
+    # gradients. The cost, while micro-batches accumulate: the full gradient, Ψ elements in the
+    # reduce dtype (4Ψ bytes in fp32), the memory stage 2 otherwise saves.
+
+    def holds_unsynced_grads(self) -> bool:
+        """True while no_sync() backwards have left full gradients in the bucket buffers."""
+        return self.in_flight is None and any(g is not None for g in self.grad_buffers)
 
     def new_bucket_buffer(self, b: Bucket) -> torch.Tensor:
         """(padded,) zeros in the reduce dtype: parameters without gradients stay 0."""
@@ -72,12 +73,14 @@ class ZeRO2(ZeRO1):
 
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self.bucket_of(p)
-        self.queue_backward_end()
         buf = self.grad_buffers[b.index]
         if buf is None:
             buf = self.new_bucket_buffer(b)
-        b.view(buf, p).copy_(p.grad)
+        b.view(buf, p).add_(p.grad)  # (into zeros; or the no_sync() backwards' sum)
         p.grad = None  # the full gradient is freed as soon as it is in the bucket
+        if not self.require_sync:  # no_sync(): the bucket keeps it, nothing is reduced
+            return
+        self.queue_backward_end()
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
             self.reduce_in_order(b)
@@ -127,6 +130,7 @@ class ZeRO2(ZeRO1):
                 shard[f.offset : f.offset + f.numel].zero_()
 
     def reset_grads(self, set_to_none: bool) -> None:
+        self.grad_buffers = [None] * len(self.buckets)  # no_sync() backwards' sums: dropped
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:

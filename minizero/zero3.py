@@ -285,6 +285,12 @@ class ZeRO3(ZeRO2):
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self.bucket_of(p)
         self.queue_backward_end()
+        if not self.require_sync:  # no_sync(): into the unit's full (padded,) buffer, kept
+            buf = self.grad_buffers[b.index]  # until a synchronised backward reduces the sum
+            if buf is None:  # (ZeRO2's no_sync(), at FSDP2's cost: the unsharded gradient)
+                buf = self.new_bucket_buffer(b)
+            b.view(buf, p).add_(p.grad)
+            p.grad = None
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
             self.reduce_bucket(b)
@@ -294,19 +300,24 @@ class ZeRO3(ZeRO2):
         buffer, reduce-scatter it, and drop the full parameters again. Stage 2 fills its buffer
         from the first gradient on; here it is allocated only now, when the unit's activations
         are gone, which keeps the peak at the start of a unit's backward as low as FSDP2's."""
+        if not self.require_sync:  # no_sync(): nothing to reduce; the parameters are freed
+            self.pending[b.index] = self.STARTED  # (not prefetched again in this backward)
+            return self.release(b.index)
         self.finish_in_flight()  # the previous buffer is freed before this one exists
-        buf = self.grad_buffers[b.index]
+        buf = self.grad_buffers[b.index]  # None, or the no_sync() backwards' sum
         if buf is None:
             buf = self.new_bucket_buffer(b)
         for q in b.params:
             if q.grad is not None:  # this backward's gradient; None: q was not used
-                b.view(buf, q).copy_(q.grad)
+                b.view(buf, q).add_(q.grad)
                 q.grad = None
         super().reduce_bucket(b)  # reduce-scatter
         self.release(b.index)
 
     def backward_end(self) -> None:
         super().backward_end()
+        if not self.require_sync:  # no_sync(): DDP's backward_end reduced nothing; count again
+            self.pending = [len(b.params) for b in self.buckets]
         for i in range(len(self.buckets)):
             if self.gathered[i]:
                 self.release(i)

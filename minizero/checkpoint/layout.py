@@ -341,7 +341,7 @@ def apply_loaded(
     model.after_step()  # masters -> working copy (and all-gathered at stages 1-2), as a step ends
     model.end_step()
     frag_of = {id(f.tensor): f for f in model.fragments}
-    current = optimizer.state_dict()["param_groups"]  # "params": this optimizer's indices
+    current = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]  # this one's indices
     received = optimizer_keys(sd)
     state, i = {}, 0
     for group in optimizer.param_groups:
@@ -361,7 +361,10 @@ def apply_loaded(
     groups = []  # the saved settings (lr, betas, ...), this optimizer's parameters
     for saved, cur in zip(sd["optim/param_groups"], current, strict=True):
         groups.append({**saved, **{k: cur[k] for k in ("params", "param_names") if k in cur}})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # numbered as torch numbers this optimizer's fragments: torch's own load (StageStep's would
+    # take a dict without minizero's record for a whole one, numbered by parameter)
+    torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": groups})
+    optimizer.__dict__.pop("_minizero_full", None)  # a consolidated state dict is of before
     if f"rng/{rank}/cpu" in sd:
         torch.set_rng_state(sd[f"rng/{rank}/cpu"])
     if f"rng/{rank}/cuda" in sd and torch.cuda.is_available():

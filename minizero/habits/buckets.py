@@ -76,7 +76,8 @@ class Rebuild:
     def before_forward(self) -> None:
         w = self.wrapper
         if self.due() and torch.is_grad_enabled() and w.require_sync:  # torch's moment, when
-            if all(p.grad is None for p in w.params):  # no gradient is held
+            held = getattr(w, "holds_unsynced_grads", lambda: False)()  # stages 2-3's no_sync
+            if not held and all(p.grad is None for p in w.params):  # no gradient is held
                 self.rebuild(self.recorder.take())
 
     def order(self) -> list[str] | None:

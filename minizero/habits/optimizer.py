@@ -3,7 +3,9 @@
 At stages 1-3 (and in mixed precision) each rank steps flat fragments of the parameters: only an
 elementwise optimizer gives the same result there as on whole tensors, and SparseAdam would see
 no sparse gradient. ``parallelize`` refuses the others, by name, before it wraps anything, and
-an optimizer that has stepped or holds tensors that are not the model's (:func:`check_optimizer`).
+an optimizer that holds tensors that are not the model's (:func:`check_optimizer`). An optimizer
+that already holds state (nanoGPT's resume loads it before wrapping) is taken as it is; state
+that is not whole per parameter (one rank's shard, another model's) is refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from minizero.optimizer import StageStep, attach, regroup
+from minizero.optimizer_state import FIX
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
 # states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
@@ -86,13 +89,9 @@ def refuse_optimizer(optimizer: torch.optim.Optimizer, sharded: bool) -> None:
 
 def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
     """What ``parallelize`` (and :func:`adopt`) refuse of an optimizer's parameters, once the
-    model is wrapped: an optimizer that has stepped, holds a parameter twice or a tensor that is
-    not ``module``'s. Records which parameters it trains (its ``zero_grad()`` clears those)."""
-    if not all("step" in st and float(st["step"]) == 0 for st in optimizer.state.values()):
-        raise ValueError(  # (Adagrad makes step 0 and its sum when built: that is fresh)
-            "the optimizer has already stepped (its state is not empty): build it fresh, pass it "
-            "to parallelize, and load a checkpoint afterwards"
-        )
+    model is wrapped: one that holds a parameter twice, a tensor that is not ``module``'s, or
+    state that is not whole (:func:`check_loaded_state`). Records which parameters it trains (its
+    ``zero_grad()`` clears those) and each group's parameters as built."""
     held = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in held}) != len(held):
         raise ValueError("a parameter appears in two param groups")
@@ -104,7 +103,49 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             f"(first of shape {tuple(strangers[0].shape)}); build it over model.parameters() or "
             f"param groups of them, before parallelize"
         )
+    check_loaded_state(optimizer, module)  # a resumed optimizer's state is taken as it is
     optimizer._minizero_trains = {id(p) for p in held}  # StageStep.zero_grad reads it
+    # each group's parameters as the user built it: a full state dict (consolidate_state_dict)
+    # numbers them as a plain optimizer over them would (minizero/optimizer.py)
+    optimizer._minizero_params = [list(g["params"]) for g in optimizer.param_groups]
+
+
+def check_loaded_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """An optimizer that holds state when adopted (nanoGPT's resume: built, loaded with
+    ``optimizer.load_state_dict(ckpt["optimizer"])``, then the model wrapped) is taken as it is:
+    :func:`regroup` gives each fragment its range of every per-element state. Refused, saying
+    which and what to do: state that is not whole per parameter, i.e. loaded from one rank's
+    shard (minizero's ``optimizer.state_dict()`` at stages 1-3 without ``consolidate_state_dict``)
+    or from a model of other shapes."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p, st in optimizer.state.items():
+        if not isinstance(p, torch.Tensor) or id(p) not in names:
+            continue
+        if "minizero_fragment" in st:  # written by minizero: one rank's range of p
+            raise ValueError(shard_resume_message(names[id(p)], st["minizero_fragment"]))
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                raise ValueError(
+                    f"the optimizer's state {k!r} of parameter {names[id(p)]!r} has shape "
+                    f"{tuple(v.shape)}, the parameter {tuple(p.shape)}: it was loaded from "
+                    f"another model's state dict, or from one rank's shard. Load a whole "
+                    f"optimizer state dict of this model (to save one at stages 1-3: {FIX}), "
+                    f"or build the optimizer fresh"
+                )
+
+
+def shard_resume_message(name: str, fragment: tuple) -> str:
+    """Why an optimizer loaded from rank 0's shard cannot resume, and the fix. ``fragment``:
+    (start, end, numel, rank, world, stage), as minizero/optimizer_state.py writes it."""
+    start, end, numel, rank, world, stage = fragment
+    return (
+        f"this optimizer was loaded from one rank's shard of a minizero optimizer state dict "
+        f"(parameter {name!r}: elements [{start}, {end}) of {numel}, saved by rank {rank} of "
+        f"{world} at stage {stage}): rank 0's optimizer.state_dict() at ZeRO stages 1-3 "
+        f"holds only its own range of each state, and the other ranks' are not in the file, so it "
+        f"cannot resume. Save a whole one: {FIX}. To go on from this checkpoint, load the model's "
+        f"state dict and build the optimizer fresh"
+    )
 
 
 def keep_scheduler_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -268,14 +268,14 @@ def bad_load_rank(paths: dict[str, str]) -> dict:
         opt = make_optimizer("sgd" if what == "another optimizer" else "adamw", inner)
         model, optimizer = minizero.parallelize(inner, 1, opt, bucket_cap_mb=TINY_BUCKET_MB)
         train(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), 0, 1)
-        before = snapshot(model), optimizer.state_dict()
+        before = snapshot(model), torch.optim.Optimizer.state_dict(optimizer)  # its fragments
         try:
             minizero.load_checkpoint(path, model, optimizer)
             out[what] = None
         except CheckpointError as e:
             out[what] = str(e)
         if out[what] is not None:  # nothing loaded: parameters and optimizer state as they were
-            after = snapshot(model), optimizer.state_dict()
+            after = snapshot(model), torch.optim.Optimizer.state_dict(optimizer)
             for k, v in before[0].items():
                 assert torch.equal(v, after[0][k]), (what, k)
             for i, st in before[1]["state"].items():

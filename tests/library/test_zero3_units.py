@@ -119,10 +119,13 @@ def _diverge(case: str) -> None:
         model.module.order = [0, 1] if rank == 0 else [0, 2]
     elif case == "extra layer":
         model.module.order = [0, 1] if rank == 0 else [0, 1, 2]
+    elif case == "rank 0 evaluates" and rank == 0:  # nanoGPT: if master_process: estimate_loss()
+        with torch.no_grad():
+            loss_of(model, "pre_norm", 5, rank, world)
     loss_of(model, "pre_norm", 1, rank, world).backward()
 
 
-@pytest.mark.parametrize("case", ["other layer", "extra layer"])
+@pytest.mark.parametrize("case", ["other layer", "extra layer", "rank 0 evaluates"])
 def test_ranks_that_run_different_modules_get_an_error(case):
     with pytest.raises(LaunchError) as err:
         run(_diverge, 2, case, timeout=60)
@@ -131,8 +134,12 @@ def test_ranks_that_run_different_modules_get_an_error(case):
     assert "minizero ZeRO-3: the ranks ran different modules at the same point" in msg
     if case == "other layer":
         assert "rank 0: forward of 'layers.1'; rank 1: forward of 'layers.2'" in msg
-    else:
+    elif case == "extra layer":
         assert "rank 1: forward of 'layers.2'" in msg and "rank 0: backward" in msg
+    else:  # rank 0's second forward met rank 1's backward: the pattern and its fix are named
+        assert "rank 0: forward of" in msg and "rank 1: backward" in msg, msg
+    assert "`if master_process: losses = estimate_loss()`" in msg, msg
+    assert "every rank evaluates and rank 0 prints" in msg, msg
 
 
 def _read_outside_unit() -> str:

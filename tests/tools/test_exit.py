@@ -1,0 +1,92 @@
+"""A clean exit under plain torchrun, run after run (issue 32): a script that destroys its
+process group itself (nanoGPT's train.py, PyTorch's tutorials) or leaves it to the interpreter's
+exit exits 0 at every stage, 10 runs of 10, and trains what one process trains
+(tests/tools/exit_script.py). What aborted before: a gloo worker thread releasing a
+collective's temporaries during the interpreter's finalisation (minizero/collectives.py's
+``settle``), the group outliving destroy_process_group() because torch's own modules hold it."""
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import minizero
+from minizero.collectives import all_reduce
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "tools" / "exit_script.py"
+RUNS = int(os.environ.get("MINIZERO_EXIT_RUNS", "10"))
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """exit_script.py's training in one process: the whole batch, the same clip and optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def launch(stage: int, how: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "STAGE": str(stage),
+           "EXIT": how, "OUT": str(out)}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+    ]  # fmt: skip  (torchrun itself)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("how", ["destroy", "leave"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_exit_path_exits_0_every_time_under_torchrun(stage, how, tmp_path):
+    want = reference()
+    runs = RUNS if stage < 3 else 2  # (stage 3 was never seen to abort; the issue asks 0-2)
+    outs = [tmp_path / str(i) for i in range(runs)]
+    for o in outs:
+        o.mkdir()
+    with ThreadPoolExecutor(4) as pool:  # concurrent runs: a busy machine, as where it aborted
+        done = list(pool.map(lambda o: launch(stage, how, o), outs))
+    for i, (d, o) in enumerate(zip(done, outs, strict=True)):
+        what = f"stage {stage}, {how}, run {i + 1} of {runs}"
+        assert d.returncode == 0, f"{what}: exit {d.returncode}\n{d.stderr[-3000:]}"
+        assert "terminate called" not in d.stderr, f"{what}\n{d.stderr[-3000:]}"
+        for rank in range(2):
+            got = torch.load(o / f"{rank}.pt")
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=f"{what} {k}")
+
+
+def released_rank() -> list[int]:
+    """Temporaries (views made for the call, as the stages' chunks are) through minizero's
+    collectives, sync and async: when the call (or wait()) returns, no gloo thread holds them."""
+    counts = []
+    base = torch.ones(64)
+    for i in range(200):
+        view = base[: 32 + i % 32]  # a new tensor each time, as a chunk view is
+        if i % 2:
+            all_reduce(view, tag="exit test")
+        else:
+            all_reduce(view, async_op=True, tag="exit test").wait()
+        counts.append(view._use_count())  # 1: its Python object alone
+    return counts
+
+
+def test_no_gloo_thread_holds_a_collectives_tensors_once_it_returned():
+    for counts in minizero.launch(released_rank, 2, verbose=False):
+        assert set(counts) == {1}, sorted(set(counts))
