@@ -2,6 +2,7 @@
 states after one step beside the paper's formula, and the memory held through one step.
 
 ``model_states`` lessons 01-03 (bytes per rank after one step, beside the paper's formula);
+``states_over_world`` lessons 02 and 04 (model states per rank for N = 1..world);
 ``memory_per_step`` / ``plot_memory_per_step`` lessons 02-03 (what a rank holds at each point
 of one step: the one memory-per-step helper).
 """
@@ -21,6 +22,7 @@ from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 GPT = GPTConfig.tiny()  # the model the lessons measure
 PSI = count_params(TinyGPT(GPT))  # its Ψ
+COLORS = ("tab:gray", "tab:blue", "tab:orange", "tab:green")  # stages 0-3 in figures
 MEMORY_CATS = ("params", "grads", "optimizer", "activations")  # what lesson 02 stacks
 
 
@@ -138,3 +140,65 @@ def plot_memory_per_step(
     fig.suptitle(f"{title}: {describe(info)}", fontsize=9)
     fig.tight_layout()
     plt.show()
+
+
+def _states_over_world(stages, precision: str) -> dict:
+    rank, rows = dist.get_rank(), []
+    for n in range(1, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
+        if rank < n:
+            for stage in stages:
+                torch.manual_seed(0)
+                model, opt = minizero.parallelize(
+                    TinyGPT(GPT), stage, adam, precision=precision, process_group=group
+                )
+                model(*gpt_batch(0, group)).backward()
+                opt.step()  # measured before zero_grad(), which frees stage 2-3's gradient shards
+                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
+                opt.zero_grad()
+    return {"info": run_info(), "rows": rows}
+
+
+def states_over_world(world: int, stages=(0, 1), precision: str = "bf16") -> dict:
+    """Lessons 02 and 04 (section 5 of each): for every n from 1 to ``world``, the first n ranks
+    train TinyGPT one step on a group of their own, at each stage: rows ``(n, stage, model-state
+    bytes)`` of every rank (``rank0``: rank 0's alone)."""
+    per_rank = minizero.launch(_states_over_world, world, stages, precision, verbose=False)
+    rows = [row for r in per_rank for row in r["rows"]]
+    return dict(info=per_rank[0]["info"], rows=rows, rank0=per_rank[0]["rows"])
+
+
+def plot_states_over_world(
+    swept: dict, formula: dict, psi: int = PSI, up_to: int = 64, log: bool = False
+) -> None:
+    """The measured bytes per rank / Ψ (dots) on the formula's lines, N = 1..``up_to``;
+    ``formula``: ``{stage: f(N) -> bytes per rank / Ψ}``; ``log``: a log y axis."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ns = range(1, up_to + 1)
+    for (stage, f), color in zip(formula.items(), COLORS):
+        ax.plot(ns, [f(n) for n in ns], color=color, lw=1, label=f"paper, stage {stage}")
+        got = [(n, b / psi) for n, s, b in swept["rows"] if s == stage]
+        ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N: data-parallel ranks")
+    ax.set_ylabel("model-state bytes per rank / Ψ")
+    if log:
+        ax.set_yscale("log", base=2)
+    else:
+        ax.set_ylim(0, 1.05 * max(f(1) for f in formula.values()))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=1 + (len(formula) > 2))
+    i = swept["info"]
+    where = f"{i['backend']} · {i['device']} · N = 1..{i['world']}"
+    ax.set_title(f"TinyGPT, bf16 + Adam (K = 12): measured on {where}", fontsize=9)
+    plt.show()
+
+
+def show_states_at_world(swept: dict, formula: dict, psi: int = PSI) -> None:
+    """Rank 0's measured bytes per rank / Ψ at the largest N, beside the formula's."""
+    world = swept["info"]["world"]
+    for n, stage, b in swept["rank0"]:
+        if n == world:
+            print(
+                f"N = {n}, stage {stage}: measured {b / psi:.3f}Ψ, paper {formula[stage](n):.3f}Ψ"
+            )

@@ -2,18 +2,17 @@
 
 ``adam_in_pieces`` (section 1) Adam on a tensor against Adam on its halves;
 ``bucket_ownership`` (section 2) which elements of which parameter each rank owns;
-``states_over_world`` (section 5) model-state bytes per rank for N = 1..world;
 ``fp16_gradients`` (section 7) a backward in fp16 at several loss scales against fp32;
 ``step_volume`` (section 8) what one step sends, per op;
 ``optimizer_share`` (section 9) each rank's share of Adam's states, two layouts.
-Sections 4 and 6 use :mod:`minizero.course.labs.common` (``model_states``, ``memory_per_step``).
+Sections 4-6 use :mod:`minizero.course.labs.common` (``model_states``, ``states_over_world``,
+``memory_per_step``).
 """
 
 from __future__ import annotations
 
 import sys
 
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
@@ -28,8 +27,10 @@ from minizero.course.labs.common import GPT, PSI, adam, gpt_batch
 from minizero.course.labs.common import memory_per_step as memory_per_step  # section 6
 from minizero.course.labs.common import model_states as model_states  # section 4
 from minizero.course.labs.common import plot_memory_per_step as plot_memory_per_step
+from minizero.course.labs.common import plot_states_over_world as plot_states_over_world
 from minizero.course.labs.common import show_after_step as show_after_step
 from minizero.course.labs.common import show_model_states as show_model_states
+from minizero.course.labs.common import states_over_world as states_over_world  # section 5
 from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
@@ -128,49 +129,6 @@ def _train_step(model, opt, step: int = 0, group=None) -> None:
     model(*gpt_batch(step, group)).backward()
     opt.step()
     opt.zero_grad()
-
-
-def _states_over_world(stages, precision: str) -> dict:
-    rank, rows = dist.get_rank(), []
-    for n in range(1, dist.get_world_size() + 1):
-        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
-        if rank < n:
-            for stage in stages:
-                torch.manual_seed(0)
-                model, opt = minizero.parallelize(
-                    TinyGPT(GPT), stage, adam, precision=precision, process_group=group
-                )
-                _train_step(model, opt, group=group)
-                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
-    return {"info": run_info(), "rows": rows}
-
-
-def states_over_world(world: int, stages=(0, 1), precision: str = "bf16") -> dict:
-    """Section 5: for every n from 1 to ``world``, the first n ranks train TinyGPT one step on a
-    group of their own, at each stage: rows ``(n, stage, model-state bytes)`` of every rank."""
-    per_rank = minizero.launch(_states_over_world, world, stages, precision, verbose=False)
-    return dict(info=per_rank[0]["info"], rows=[row for r in per_rank for row in r["rows"]])
-
-
-def plot_states_over_world(swept: dict, formula: dict, psi: int = PSI, up_to: int = 64) -> None:
-    """The measured bytes per rank / Ψ (dots) on the formula's lines, N = 1..``up_to``;
-    ``formula``: ``{stage: f(N) -> bytes per rank / Ψ}``."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ns = range(1, up_to + 1)
-    for (stage, f), color in zip(formula.items(), ("tab:gray", "tab:blue", "tab:green")):
-        ax.plot(ns, [f(n) for n in ns], color=color, lw=1, label=f"paper, stage {stage}")
-        got = [(n, b / psi) for n, s, b in swept["rows"] if s == stage]
-        ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("N: data-parallel ranks")
-    ax.set_ylabel("model-state bytes per rank / Ψ")
-    ax.set_ylim(0, 1.05 * max(f(1) for f in formula.values()))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    i = swept["info"]
-    where = f"{i['backend']} · {i['device']} · N = 1..{i['world']}"
-    ax.set_title(f"TinyGPT, bf16 + Adam (K = 12): measured on {where}", fontsize=9)
-    plt.show()
 
 
 def show_table1(model: str, world: int, stages=(1, 2, 3)) -> None:
