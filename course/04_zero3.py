@@ -385,9 +385,13 @@ lab.plot_step_comm(COMM, PAPER)
 lab.show_step_comm(COMM, root_tag="zero3 params 0")  # the root unit's all-gathers (section 1)
 
 # %% [markdown]
-# Every stage moves what the paper counts, from the first step on: 2Ψ for DDP and stages 1
-# and 2; 3Ψ for stage 3, Ψ all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every
-# unit gathered once for each pass, the root's included. (TinyGPT's units split evenly over 2,
+# Every stage moves what the paper counts: 2Ψ for DDP and stages 1 and 2; 3Ψ for stage 3, Ψ
+# all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every unit gathered once for each
+# pass, the root's included. Stage 3 does so from the first step on. In their first step, stages 1
+# and 2 move more once: at the first `zero_grad()` they cut their buckets again in the order the
+# gradients really arrived, as torch DDP does from its second iteration, and move their fp32
+# masters and Adam's moments to the ranks that own them in the new layout (the all-reduces of
+# step 0; docs/package.md, `bucket_cap_mb`). (TinyGPT's units split evenly over 2,
 # 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks'
 # `MLP` moves 3Ψ plus a few elements per step, as exercise 1's check printed.) The first forward
 # records the order in which the modules run, the order prefetch follows from the second step

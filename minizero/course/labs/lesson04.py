@@ -321,6 +321,8 @@ def plot_step_comm(comm: dict, paper: dict[int, float], psi: int = PSI) -> None:
         ax.plot(stages, list(paper.values()), "k_", ms=30, mew=2, label=f"paper: {figures}")
         ax.set_xticks(stages, ["DDP" if s == 0 else f"stage {s}" for s in stages])
         ax.set_title(f"TinyGPT (Ψ = {psi:,}), {STEP_TITLES[step]}", fontsize=9)
+    top = max(sum(v["parts"].values()) for v in vol.values()) / psi
+    axes[0].set_ylim(0, 1.1 * max(top, *paper.values()))  # no bar reaches the frame
     axes[0].set_ylabel("volume per step / Ψ (elements)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(

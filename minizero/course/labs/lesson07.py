@@ -207,12 +207,16 @@ def plot_resume(logs: dict, labels: dict[str, str], resumed_from: int) -> None:
     print(f"resumed vs reference, steps {min(resumed)}-{max(resumed)}: max |Δloss| = {gap:.1e}")
 
 
+def _save_each(root: Path, stages) -> dict:
+    for s in stages:
+        _save_one(s, root / f"s{s}", "bf16", None)
+    return run_info()
+
+
 def bytes_per_stage(nprocs: int, root: Path, stages=(0, 1, 2, 3)) -> dict:
     """Section 4: TinyGPT in bf16 with AdamW, one step, saved at each stage; per stage, each
     rank's ``checkpoint_bytes`` (shards, elements, files)."""
-    for s in stages:
-        save_one(nprocs, s, root / f"s{s}", precision="bf16")
-    info = minizero.launch(run_info, nprocs, verbose=False)[0]
+    info = minizero.launch(_save_each, nprocs, root, stages, verbose=False)[0]
     return dict(bytes={s: checkpoint_bytes(root / f"s{s}") for s in stages}, info=info)
 
 
