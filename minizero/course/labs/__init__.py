@@ -25,7 +25,14 @@ from minizero.course.checks.common import describe, run_info
 from minizero.launcher import default_nprocs, rank_device
 from minizero.launcher.progress import launch_with_progress
 
-__all__ = ["default_nprocs", "describe", "launch_with_progress", "rank_device", "run_info", "setup"]
+__all__ = [
+    "default_nprocs",
+    "describe",
+    "launch_with_progress",
+    "rank_device",
+    "run_info",
+    "setup",
+]
 
 
 def setup(nprocs: int | None = None, **about) -> tuple[int, dict]:

@@ -24,24 +24,12 @@ from minizero.analysis.ledger import CommLedger
 from minizero.collectives import all_gather, reduce_scatter
 from minizero.course import hint
 from minizero.course.checks import lesson00
-from minizero.course.labs import describe, launch_with_progress, rank_device, run_info, setup
+from minizero.course.labs import describe, rank_device, run_info, setup
+from minizero.launcher.progress import launch_with_progress
 
 lab = sys.modules[__name__]
-__all__ = [
-    "C",
-    "all_gather",
-    "cost",
-    "dist",
-    "hint",
-    "lab",
-    "lesson00",
-    "minizero",
-    "rank_device",
-    "reduce_scatter",
-    "run_info",
-    "setup",
-    "torch",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "C", "all_gather", "cost", "dist"]
+__all__ += ["lesson00", "rank_device", "reduce_scatter", "run_info"]
 
 CALLS = {  # full: (S,), shard: (S/N,)
     "all_reduce": lambda full, shard: C.all_reduce(full),

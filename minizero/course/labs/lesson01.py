@@ -27,29 +27,17 @@ from minizero.bucket import make_buckets
 from minizero.collectives import all_reduce, mark
 from minizero.course import hint
 from minizero.course.checks import lesson01
-from minizero.course.labs import describe, launch_with_progress, rank_device, run_info, setup
+from minizero.course.labs import describe, rank_device, run_info, setup
 from minizero.course.labs.common import GPT, PSI, gpt_batch, gpt_step
 from minizero.course.labs.common import model_states as model_states  # section 6
 from minizero.course.labs.common import show_model_states as show_model_states
 from minizero.course.plots import widgets_available
+from minizero.launcher.progress import launch_with_progress
 from minizero.models import MLP, TinyGPT, synthetic_batch
 
 lab = sys.modules[__name__]
-__all__ = [
-    "C",
-    "PSI",
-    "all_reduce",
-    "cost",
-    "dist",
-    "hint",
-    "lab",
-    "lesson01",
-    "make_buckets",
-    "mark",
-    "minizero",
-    "setup",
-    "torch",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "C", "PSI", "all_reduce", "cost", "dist"]
+__all__ += ["lesson01", "make_buckets", "mark"]
 
 
 def _local_gradients(rows_per_rank: int) -> dict:

@@ -35,21 +35,8 @@ from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
 from minizero.zero1 import ZeRO1
 
 lab = sys.modules[__name__]
-__all__ = [
-    "MLP",
-    "PSI",
-    "ZeRO1",
-    "all_gather",
-    "all_reduce",
-    "dist",
-    "hint",
-    "lab",
-    "lesson02",
-    "minizero",
-    "reduce_scatter",
-    "setup",
-    "torch",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "MLP", "PSI", "ZeRO1", "all_gather"]
+__all__ += ["all_reduce", "dist", "lesson02", "reduce_scatter"]
 
 
 def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:

@@ -33,22 +33,8 @@ from minizero.units import assign_params, select_units
 from minizero.zero3 import ZeRO3
 
 lab = sys.modules[__name__]
-__all__ = [
-    "GPTConfig",
-    "PSI",
-    "TinyGPT",
-    "ZeRO3",
-    "count_params",
-    "all_gather",
-    "dist",
-    "hint",
-    "lab",
-    "lesson04",
-    "minizero",
-    "nn",
-    "setup",
-    "torch",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "PSI", "TinyGPT", "ZeRO3"]
+__all__ += ["count_params", "all_gather", "dist", "lesson04", "nn"]
 
 
 def units(model: nn.Module) -> list[dict]:
@@ -117,29 +103,13 @@ def plot_params_held(runs: dict, psi: int) -> None:
     fig, ax = plt.subplots(figsize=(11, 4.5))
     two, three = runs[2]["trace"], runs[3]["trace"]
     xs = range(len(three))
-    ax.step(
-        xs,
-        [kept / psi for _, kept, _ in two],
-        where="mid",
-        marker=".",
-        label="stage 2: all parameters",
-    )
-    ax.step(
-        xs,
-        [(kept + g) / psi for _, kept, g in three],
-        where="mid",
-        marker=".",
-        label="stage 3: shards + gathered units",
-    )
-    ax.step(
-        xs,
-        [kept / psi for _, kept, _ in three],
-        where="mid",
-        color="k",
-        ls="--",
-        lw=1,
-        label="stage 3: shards (2Ψ/N)",
-    )
+    lines = {  # label: (bytes at each sample, style)
+        "stage 2: all parameters": ([kept for _, kept, _ in two], dict(marker=".")),
+        "stage 3: shards + gathered units": ([k + g for _, k, g in three], dict(marker=".")),
+        "stage 3: shards (2Ψ/N)": ([kept for _, kept, _ in three], dict(color="k", ls="--", lw=1)),
+    }
+    for label, (ys, style) in lines.items():
+        ax.step(xs, [y / psi for y in ys], where="mid", label=label, **style)
     ax.set_xticks(list(xs), [label for label, _, _ in three], rotation=90, fontsize=7)
     ax.set_ylim(0, 2.2)
     ax.set_ylabel(f"parameter bytes on rank 0 / Ψ (Ψ = {psi:,})")

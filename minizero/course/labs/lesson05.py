@@ -32,22 +32,9 @@ from minizero.course.labs import describe, launch_with_progress, run_info, setup
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 lab = sys.modules[__name__]
-__all__ = [
-    "GPTConfig",
-    "dataclasses",
-    "PeakCase",
-    "budget",
-    "check_predict_peak",
-    "hint",
-    "lab",
-    "minizero",
-    "on_gpus",
-    "paper_model_state_bytes",
-    "peak_cases",
-    "setup",
-    "table1",
-    "torch",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "dataclasses", "PeakCase"]
+__all__ += ["budget", "check_predict_peak", "on_gpus", "paper_model_state_bytes", "peak_cases"]
+__all__ += ["table1"]
 GB = 1e9  # the paper's GB
 
 

@@ -28,22 +28,8 @@ from minizero.launcher import LaunchError
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 lab = sys.modules[__name__]
-__all__ = [
-    "GPT",
-    "PSI",
-    "TinyGPT",
-    "dist",
-    "hint",
-    "lab",
-    "lesson07",
-    "minizero",
-    "setup",
-    "shutil",
-    "synthetic_batch",
-    "tempfile",
-    "torch",
-    "Path",
-]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "GPT", "PSI", "TinyGPT", "dist", "lesson07"]
+__all__ += ["shutil", "synthetic_batch", "tempfile", "Path"]
 
 GPT = GPTConfig.tiny()
 PSI = count_params(TinyGPT(GPT))
