@@ -81,5 +81,7 @@ if __name__ == "__main__":
         w = weigh(p)
         total += w["rest"]
         print(f"{p.stem:<24}{w['student']:>8}{w['rest']:>6}{w['longest']:>8}{w['directives']:>9}")
-    print(f"{'all':<24}{'':>8}{total:>6}   (targets: {TOTAL} in all, {PER_LESSON} a lesson, "
-          f"{PER_CELL} a cell)")
+    print(
+        f"{'all':<24}{'':>8}{total:>6}   (targets: {TOTAL} in all, {PER_LESSON} a lesson, "
+        f"{PER_CELL} a cell)"
+    )
