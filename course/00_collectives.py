@@ -24,43 +24,27 @@
 # the backend (`backend="auto"`), and each rank picks its device from the backend.
 
 # %%
-import statistics
-import time
+from minizero.course.labs.lesson00 import *  # torch, dist, minizero, C, hint, lab, lesson00
 
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
-
-import minizero
-from minizero import collectives as C
-from minizero.analysis.ledger import CommLedger
-from minizero.collectives import all_gather, reduce_scatter
-from minizero.course import checks, hint
-from minizero.course.checks import lesson00
-
-NPROCS = checks.default_nprocs()  # one rank per GPU if there are >= 2 GPUs, else 2 CPU ranks
-print(f"minizero {minizero.__version__}, torch {torch.__version__}, {NPROCS} ranks")
+NPROCS, INFO = setup()  # one rank per GPU if there are >= 2 GPUs, else 2 CPU ranks
 
 # %% [markdown]
 # ## 1. Ranks
 #
 # `minizero.launch(fn, nprocs, *args)` runs `fn(*args)` in `nprocs` processes with
 # `torch.distributed` already initialised, and returns their results in rank order. What the
-# ranks print appears below the cell, prefixed with their rank. `checks.rank_device()` is the
-# device a rank computes on: its own GPU under NCCL, the CPU under gloo.
+# ranks print appears below the cell, prefixed with their rank. `rank_device()` is the device a
+# rank computes on: its own GPU under NCCL, the CPU under gloo. (The first cell's `setup()` did
+# the same to learn where this lesson measures: `INFO`, which every figure names.)
 
 
 # %%
 def hello():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = checks.rank_device()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     print(f"I am rank {rank} of {world}, backend {dist.get_backend()}, device {device}")
-    return checks.run_info()
 
 
-infos = minizero.launch(hello, NPROCS)
-INFO = infos[0]  # where this lesson's measurements are made; every figure names it
-print(checks.describe(INFO))
+minizero.launch(hello, NPROCS)
 
 # %% [markdown]
 # ## 2. Three collectives
@@ -78,7 +62,7 @@ print(checks.describe(INFO))
 
 # %%
 def three_collectives():
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     t = torch.arange(2 * world, device=dev, dtype=torch.float32) + 10 * rank  # (2N,)
     summed = t.clone()
     C.all_reduce(summed)  # in place: every rank gets the sum of every rank's t
@@ -183,20 +167,8 @@ lesson00.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
 
 
 # %%
-def volumes():
-    world, dev = dist.get_world_size(), checks.rank_device()
-    full = torch.ones(1200, device=dev)  # (S,), divisible by 2, 3, 4, 5, 6, 8
-    shard = torch.empty(1200 // world, device=dev)  # (S/N,)
-    with CommLedger() as ledger:
-        C.all_reduce(full, tag="all-reduce")
-        C.reduce_scatter(shard, full, tag="reduce-scatter half")
-        C.all_gather(full, shard, tag="all-gather half")
-    return ledger
-
-
-ledger = minizero.launch(volumes, NPROCS, verbose=False)[0]  # rank 0's ledger
-print(ledger.table())
-print("volume (elements):", ledger.by_op())
+S = 1200  # float32 elements: divisible by 2, 3, 4, 5, 6, 8 ranks
+lab.show_volumes(lab.volumes(NPROCS, elements=S))  # rank 0's ledger
 
 # %% [markdown]
 # The all-reduce counts 2 × 1200 elements; the reduce-scatter and the all-gather 1200 each:
@@ -215,27 +187,7 @@ print("volume (elements):", ledger.by_op())
 
 
 # %%
-def ledger_cost(calls=200):
-    dev = checks.rank_device()
-    x = torch.zeros(1024, device=dev)  # (1024,) float32: 4 KiB, where a fixed cost shows most
-    caller = []
-    with CommLedger() as ledger:
-        for _ in range(calls):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            C.all_reduce(x)  # blocking: the ledger times issue -> return
-            caller.append(time.perf_counter() - t0)
-    seen = [r.seconds for r in ledger.records]
-    return [statistics.median(v) for v in (caller, seen, [c - s for c, s in zip(caller, seen)])]
-
-
-caller, seen, extra = minizero.launch(ledger_cost, NPROCS, verbose=False)[0]
-print(
-    f"4 KiB all-reduce on {checks.describe(INFO)}, median of 200 on rank 0: caller sees "
-    f"{caller * 1e6:.1f} µs, the ledger records {seen * 1e6:.1f} µs; bookkeeping "
-    f"{extra * 1e6:.1f} µs per call ({extra / caller:.0%})"
-)
+lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 
 # %% [markdown]
 # Microseconds per call (printed above), and only while a ledger is open: open one around the steps
@@ -259,76 +211,11 @@ print(
 
 
 # %%
-CALLS = {  # full: (S,), shard: (S/N,)
-    "all_reduce": lambda full, shard: C.all_reduce(full),
-    "reduce_scatter": lambda full, shard: C.reduce_scatter(shard, full),
-    "all_gather": lambda full, shard: C.all_gather(full, shard),
-}
-OPS = list(CALLS)
-
-
-def bandwidth(progress):
-    world, dev = dist.get_world_size(), checks.rank_device()
-    top = 24 if dev.type == "cpu" else 28  # 16 MiB on CPUs, 256 MiB on GPUs
-    rows = []
-    for op in OPS:
-        for nbytes in [2**k for k in range(12, top + 1, 2)]:
-            n = nbytes // 4 // world * world  # float32 elements, a multiple of N
-            full = torch.ones(n, device=dev)  # (S,)
-            shard = torch.empty(n // world, device=dev)  # (S/N,)
-            CALLS[op](full, shard)  # warm-up: connections, buffers
-            repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
-            with CommLedger() as ledger:
-                for _ in range(repeats):
-                    CALLS[op](full, shard)
-            median = sorted(ledger.records, key=lambda r: r.seconds)[repeats // 2]
-            rows.append(
-                dict(
-                    op=op,
-                    nbytes=median.nbytes,
-                    seconds=median.seconds,
-                    algbw=median.algbw,
-                    busbw=median.busbw,
-                )
-            )
-            progress.tick()
-    return rows
-
-
-n_sizes = len(range(12, (24 if INFO["backend"] == "gloo" else 28) + 1, 2))
-rows = checks.launch_with_progress(
-    bandwidth, NPROCS, total=len(OPS) * n_sizes, desc="collectives", verbose=False
-)[0]
-
-# %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-for op in OPS:
-    mine = [r for r in rows if r["op"] == op]
-    sizes = [r["nbytes"] for r in mine]
-    ax1.plot(sizes, [r["busbw"] / 1e9 for r in mine], "o-", label=op)
-    ax2.plot(sizes, [r["seconds"] * 1e6 for r in mine], "o-", label=op)
-for ax, ylabel in ((ax1, "busbw (GB/s)"), (ax2, "time per call (µs)")):
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("S: message size (bytes)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-ax2.set_yscale("log")
-note = " (gloo: reduce_scatter = all-reduce + copy)" if INFO["backend"] == "gloo" else ""
-fig.suptitle(f"Collectives measured on {checks.describe(INFO)}{note}")
-fig.tight_layout()
-plt.show()
-
-# %%
-largest = max(r["nbytes"] for r in rows)
-t = {r["op"]: r["seconds"] for r in rows if r["nbytes"] == largest}
-print(f"at S = {largest / 2**20:.0f} MiB on {checks.describe(INFO)}:")
-print(f"  time(reduce_scatter) / time(all_reduce) = {t['reduce_scatter'] / t['all_reduce']:.2f}")
-print(f"  time(all_gather)     / time(all_reduce) = {t['all_gather'] / t['all_reduce']:.2f}")
-print(
-    f"  time(reduce_scatter + all_gather) / time(all_reduce) = "
-    f"{(t['reduce_scatter'] + t['all_gather']) / t['all_reduce']:.2f}"
-)
+OPS = ["all_reduce", "reduce_scatter", "all_gather"]
+SIZES = lab.default_sizes(INFO)  # bytes: 4 KiB to 16 MiB on CPUs, to 256 MiB on GPUs
+rows = lab.bandwidth(NPROCS, OPS, SIZES)  # rank 0's median call at each (op, size)
+lab.plot_bandwidth(rows)
+lab.show_ratios(rows)
 
 # %% [markdown]
 # What to read in the measurements:
@@ -370,43 +257,11 @@ print(
 # **all-reduce of S** (`emulated_rs=True`, section 4); on NCCL, as the ring reduce-scatter.
 
 # %%
-from minizero.analysis import cost  # noqa: E402 (this section's model)
-
 GLOO = INFO["backend"] == "gloo"
 link = cost.fit(rows, NPROCS, emulated_rs=GLOO)
-print(
-    f"fitted on {checks.describe(INFO)}: α = {link.alpha * 1e6:.1f} µs per round, "
-    f"β = {link.beta / 1e9:.3f} GB/s" + ("  (gloo: reduce_scatter costed as all-reduce)" * GLOO)
-)
-print(f"{'op':<16}{'S (bytes)':>11}{'measured µs':>13}{'model µs':>10}{'error':>8}")
-for r in rows:
-    model_s = cost.collective_time(r["op"], r["nbytes"], NPROCS, link, emulated_rs=GLOO)
-    r["model_s"] = model_s
-    print(
-        f"{r['op']:<16}{r['nbytes']:>11}{r['seconds'] * 1e6:>13.1f}{model_s * 1e6:>10.1f}"
-        f"{model_s / r['seconds'] - 1:>+8.0%}"
-    )
-
-# %%
-fig, ax = plt.subplots(figsize=(6.5, 4))
-for op in OPS:
-    mine = [r for r in rows if r["op"] == op]
-    sizes = [r["nbytes"] for r in mine]
-    (line,) = ax.plot(sizes, [r["seconds"] * 1e6 for r in mine], "o", label=f"{op} measured")
-    ax.plot(sizes, [r["model_s"] * 1e6 for r in mine], "-", color=line.get_color(),
-            label=f"{op} α-β model")  # fmt: skip
-ax.set_xscale("log", base=2)
-ax.set_yscale("log")
-ax.set_xlabel("S: message size (bytes)")
-ax.set_ylabel("time per call (µs)")
-ax.grid(alpha=0.3)
-ax.legend(fontsize=8)
-ax.set_title(
-    f"α = {link.alpha * 1e6:.0f} µs, β = {link.beta / 1e9:.2f} GB/s on {checks.describe(INFO)}",
-    fontsize=9,
-)
-fig.tight_layout()
-plt.show()
+model = [cost.collective_time(r["op"], r["nbytes"], NPROCS, link, emulated_rs=GLOO) for r in rows]
+lab.show_fit(rows, link, model)
+lab.plot_fit(rows, link, model)
 
 # %% [markdown]
 # Where does latency stop mattering? The two terms of an all-reduce are equal when
@@ -418,11 +273,8 @@ plt.show()
 
 # %%
 s_half = NPROCS * link.alpha * link.beta
-print(
-    f"S½ = N·α·β = {s_half / 2**10:,.0f} KiB on {checks.describe(INFO)}: an all-reduce of S½ "
-    f"takes {cost.collective_time('all_reduce', s_half, NPROCS, link) * 1e6:,.0f} µs, "
-    f"half of it latency"
-)
+t_half = cost.collective_time("all_reduce", s_half, NPROCS, link)
+print(f"S½ = N·α·β = {s_half / 2**10:,.0f} KiB; an all-reduce of S½: {t_half * 1e6:,.0f} µs")
 
 # %% [markdown]
 # The fit is a model, not a law: the error column shows where it misses (gloo switches algorithm

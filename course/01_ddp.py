@@ -23,25 +23,9 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import time
+from minizero.course.labs.lesson01 import *  # torch, dist, minizero, C, hint, lab, lesson01
 
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
-
-import minizero
-from minizero import collectives as C
-from minizero.analysis import timeline
-from minizero.analysis.ledger import CommLedger
-from minizero.bucket import make_buckets
-from minizero.collectives import all_reduce, mark
-from minizero.course import checks, hint, plots
-from minizero.course.checks import lesson01
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-print(checks.describe(INFO))
+NPROCS, INFO = setup()
 
 # %% [markdown]
 # ## 1. Why averaging gradients is enough
@@ -54,26 +38,7 @@ print(checks.describe(INFO))
 
 
 # %%
-def local_gradients():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = MLP()
-    x, y = synthetic_batch("mlp", 4 * world, step=0, rank=rank, world=world)  # this rank's rows
-    model(x, y).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-local = minizero.launch(local_gradients, NPROCS, verbose=False)
-torch.manual_seed(0)
-single = MLP()
-single(*synthetic_batch("mlp", 4 * NPROCS, step=0)).backward()  # one process, whole batch
-for name, p in single.named_parameters():
-    spread = max((g[name] - local[0][name]).abs().max().item() for g in local)
-    mean = sum(g[name] for g in local) / NPROCS
-    print(
-        f"{name:18} ranks differ by up to {spread:.2e};  "
-        f"|mean over ranks - one process| = {(mean - p.grad).abs().max().item():.1e}"
-    )
+lab.show_gradient_mean(lab.gradient_mean(NPROCS, rows_per_rank=4))
 
 # %% [markdown]
 # Local gradients differ between ranks (each saw other rows), so without communication the copies
@@ -129,38 +94,7 @@ lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 # the same as your function (from a callback at the end of backward). Measured on `TinyGPT`:
 
 # %%
-GPT = GPTConfig.tiny()
-PSI = count_params(TinyGPT(GPT))
-
-
-def gpt_step(model, step):
-    """One forward + backward of ``model`` on this rank's slice of a global batch of 8 N rows."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = checks.rank_device()
-    x, y = synthetic_batch("gpt", 8 * world, step, rank=rank, world=world, device=dev)
-    mark("forward start")
-    loss = model(x, y)
-    mark("backward start")
-    loss.backward()
-
-
-def naive_volume():
-    from minizero.naive_ddp import NaiveDDP
-
-    torch.manual_seed(0)
-    model = NaiveDDP(TinyGPT(GPT).to(checks.rank_device()))
-    with CommLedger() as ledger:
-        gpt_step(model, 0)
-    end = next(i for i, label in ledger.marks if label == "backward end")
-    after = sum(r.index > end for r in ledger.records)
-    return len(ledger.records), after, ledger.volume_elements
-
-
-n, after, volume = minizero.launch(naive_volume, NPROCS, verbose=False)[0]
-print(
-    f"TinyGPT: Ψ = {PSI:,}; naive DDP issued {n} all-reduces per step, {after} of them after "
-    f"backward ended; volume {volume:,} elements = {volume / PSI:.2f} Ψ"
-)
+lab.show_naive_volume(lab.naive_volume(NPROCS))  # expected: 2Ψ, every all-reduce after backward
 
 # %% [markdown]
 # ## 3. Gradient hooks: the argument is the parameter
@@ -265,8 +199,8 @@ class BucketedDDP(torch.nn.Module):
         b.view(self.flat[b.index], param).copy_(param.grad)  # the argument is the PARAMETER
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:  # b's last gradient: communicate while backward goes on
-            work = all_reduce(self.flat[b.index], group=self.group, async_op=True,
-                              tag=f"bucket {b.index}")  # fmt: skip
+            tag = f"bucket {b.index}"
+            work = all_reduce(self.flat[b.index], group=self.group, async_op=True, tag=tag)
             self.works.append((b, work))
         # END SOLUTION
 
@@ -323,69 +257,9 @@ lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 
 # %%
 CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT
-
-
-def timelines(progress, steps=6):
-    dev = checks.rank_device()
-    out = {}
-    for cap in CAPS:
-        torch.manual_seed(0)
-        model, opt = minizero.parallelize(
-            TinyGPT(GPT).to(dev), 0, lambda p: torch.optim.SGD(p, lr=0.1), bucket_cap_mb=cap
-        )
-        seen = []
-        for step in range(steps):
-            seen.append(timeline.profile_step(lambda m=model, s=step: gpt_step(m, s)))
-            opt.step()
-            opt.zero_grad()
-        seen = sorted(seen[1:], key=lambda tl: timeline.hidden_fraction(tl)[0]
-                      / max(timeline.hidden_fraction(tl)[1], 1e-9))  # fmt: skip
-        out[cap] = seen[len(seen) // 2]  # the step with the median overlap (step 0 warms up)
-        progress.tick()
-    return out
-
-
-TIMELINES = checks.launch_with_progress(timelines, NPROCS, total=len(CAPS), desc="timelines",
-                                        verbose=False)[0]  # fmt: skip
-
-
-def draw(cap, ax):
-    tl = TIMELINES[cap]
-    m = tl["marks"]  # ms since forward start
-    ax.barh(0, m["backward start"], color="tab:gray", label="forward")
-    ax.barh(0, m["backward end"] - m["backward start"], left=m["backward start"],
-            color="tab:blue", label="backward")  # fmt: skip
-    for k, c in enumerate(tl["comm"], start=1):
-        ax.plot([c["issued"], c["start"]], [k, k], color="tab:orange", lw=1, ls=":")
-        ax.barh(k, c["end"] - c["start"], left=c["start"], color="tab:orange")
-        ax.text(c["end"], k, f" {c['numel']:,} elements", va="center", fontsize=7)
-    ax.axvline(m["backward end"], color="k", ls="--", lw=1)
-    ax.set_yticks(range(len(tl["comm"]) + 1),
-                  ["compute"] + [f"bucket {k}" for k in range(len(tl["comm"]))])  # fmt: skip
-    ax.tick_params(axis="y", labelsize=7)
-    ax.invert_yaxis()
-    ax.set_title(f"bucket_cap_mb={cap}: {len(tl['comm'])} buckets", fontsize=9)
-
-
-rows = [len(TIMELINES[cap]["comm"]) + 1 for cap in CAPS]
-fig, axes = plt.subplots(len(CAPS), 1, figsize=(10, 1.5 + 0.3 * sum(rows)), sharex=True,
-                         gridspec_kw={"height_ratios": rows})  # fmt: skip
-for cap, ax in zip(CAPS, axes, strict=True):
-    draw(cap, ax)
-axes[-1].set_xlabel("ms since forward start (dotted: issued, waiting to run; bar: running; "
-                    "dashed line: backward's last gradient)")  # fmt: skip
-fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=7)
-fig.suptitle(f"minizero DDP on TinyGPT, one step seen by the profiler on rank 0: "
-             f"{checks.describe(INFO)}")  # fmt: skip
-fig.tight_layout()
-plt.show()
-for cap in CAPS:
-    hidden, total, exposed = timeline.hidden_fraction(TIMELINES[cap])
-    print(
-        f"bucket_cap_mb={cap:>5}: {len(TIMELINES[cap]['comm']):2d} all-reduces ran for "
-        f"{total:6.1f} ms, {hidden / total:4.0%} of it while backward computed; the step then "
-        f"waited {exposed:5.1f} ms for the rest"
-    )
+TIMELINES = lab.overlap_timelines(NPROCS, CAPS, steps=6)
+lab.plot_timelines(TIMELINES)
+lab.show_overlap(TIMELINES)
 
 # %% [markdown]
 # Each orange bar is an all-reduce running in the backend; the dotted line before it is the time it
@@ -409,17 +283,7 @@ for cap in CAPS:
 # the same data):
 
 # %%
-if plots.widgets_available():  # JupyterLab (and ipywidgets installed); never in a graded run
-    import ipywidgets
-
-    def show(cap):
-        fig, ax = plt.subplots(figsize=(10, 3))
-        draw(cap, ax)
-        ax.set_xlabel("ms since forward start")
-        fig.suptitle(checks.describe(INFO), fontsize=9)
-        plt.show()
-
-    ipywidgets.interact(show, cap=ipywidgets.Dropdown(options=CAPS, value=CAPS[0]))
+lab.timeline_widget(TIMELINES)  # JupyterLab with ipywidgets; never in a graded run
 
 # %% [markdown]
 # ## 5. Naive, bucketed, PyTorch: messages, volume, time
@@ -431,49 +295,7 @@ if plots.widgets_available():  # JupyterLab (and ipywidgets installed); never in
 
 
 # %%
-def compare(progress, steps=7):
-    from torch.nn.parallel import DistributedDataParallel
-
-    from minizero.ddp import DDP
-    from minizero.naive_ddp import NaiveDDP
-
-    dev = checks.rank_device()
-    ids = [dev.index] if dev.type == "cuda" else None
-    makers = {
-        "naive (NaiveDDP)": lambda m: NaiveDDP(m),
-        "bucketed (DDP, 0.1 MiB)": lambda m: DDP(m, bucket_cap_mb=0.1),
-        "torch DDP (0.1 MiB)": lambda m: DistributedDataParallel(
-            m, device_ids=ids, bucket_cap_mb=0.1
-        ),
-    }
-    rows = {}
-    for name, make in makers.items():
-        torch.manual_seed(0)
-        model = make(TinyGPT(GPT).to(dev))
-        times, counts, volumes = [], [], []
-        for step in range(steps):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            with CommLedger() as ledger:
-                gpt_step(model, step)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            counts.append(len(ledger.records))
-            volumes.append(ledger.volume_elements)
-            model.zero_grad()
-        rows[name] = (sorted(times[2:])[len(times[2:]) // 2], counts[-1], volumes[-1])
-        progress.tick()
-    return rows
-
-
-ROWS = checks.launch_with_progress(compare, NPROCS, total=3, desc="DDP variants",
-                                   verbose=False)[0]  # fmt: skip
-print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}")
-for name, (sec, count, volume) in ROWS.items():
-    msgs = f"{count:3d} all-reduces, {volume / PSI:.2f} Ψ" if count else "(not counted)"
-    print(f"  {name:26} {sec * 1e3:7.2f} ms/step   {msgs}")
+lab.show_variants(lab.ddp_variants(NPROCS, bucket_cap_mb=0.1, steps=7))
 
 # %% [markdown]
 # What the numbers say:
@@ -500,35 +322,9 @@ for name, (sec, count, volume) in ROWS.items():
 
 
 # %%
-def model_states(precision):
-    from minizero.analysis.memory import model_state_bytes, paper_model_state_bytes
-
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(
-        TinyGPT(GPT).to(checks.rank_device()), 0, lambda p: torch.optim.AdamW(p, lr=1e-3),
-        precision=precision,
-    )  # fmt: skip
-    gpt_step(model, 0)
-    opt.step()
-    paper = paper_model_state_bytes(PSI, dist.get_world_size(), 0, precision)
-    return model_state_bytes(model, opt), paper
-
-
-for precision in ("fp32", "bf16"):
-    per_rank = minizero.launch(model_states, NPROCS, precision, verbose=False)
-    paper = per_rank[0][1]
-    print(f"DDP, {precision}, {checks.describe(INFO)}: bytes per rank / Ψ")
-    for r, (got, _) in enumerate(per_rank):
-        print(
-            f"  rank {r}: "
-            + ", ".join(f"{k} {v / PSI:.1f}" for k, v in got.items())
-            + f"  (total {sum(got.values()) / PSI:.1f})"
-        )
-    print(
-        "  paper : "
-        + ", ".join(f"{k} {v / PSI:.1f}" for k, v in paper.items())
-        + f"  (total {sum(paper.values()) / PSI:.1f})"
-    )
+RUNS = [("fp32", 0), ("bf16", 0)]  # (precision, stage): DDP, AdamW; beside the paper's formula
+adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)
+lab.show_model_states(lab.model_states(NPROCS, RUNS, optimizer=adamw))
 
 # %% [markdown]
 # Every rank holds the same 16Ψ bytes (gradients included once: they live in the buckets), so N
@@ -559,86 +355,13 @@ for precision in ("fp32", "bf16"):
 # no communication: T) and a normal step (forward + backward + the wait for the last bucket).
 
 # %%
-import statistics  # noqa: E402
-
-from minizero.analysis import cost  # noqa: E402 (this section's model)
-
 CAPS_MB = [0.005, 0.02, 0.05, 0.1, 0.2, 0.5]  # MiB; TinyGPT's gradient is ~0.4 MiB
-
-
-def bucket_sweep(progress, steps=5):
-    from minizero.ddp import DDP
-
-    world, dev = dist.get_world_size(), checks.rank_device()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    out = {"sweep": cost.sweep([2**12, 2**16, 2**20, 2**22], repeats=3), "caps": {}}
-    progress.tick()
-    median = lambda v: sorted(v[1:])[len(v[1:]) // 2]  # the first step warms up
-    for cap in CAPS_MB:
-        torch.manual_seed(0)
-        model = DDP(TinyGPT(GPT).to(dev), bucket_cap_mb=cap)
-        fwd, bwd, times = [], [], []
-        for step in range(steps):
-            x, y = synthetic_batch("gpt", 8 * world, step, rank=dist.get_rank(), world=world,
-                                   device=dev)  # fmt: skip
-            with model.no_sync():  # the same model and hooks, no communication: the compute
-                sync()
-                t0 = time.perf_counter()
-                loss = model(x, y)
-                sync()
-                t1 = time.perf_counter()
-                loss.backward()
-                sync()
-                fwd.append(t1 - t0)
-                bwd.append(time.perf_counter() - t1)
-            model.zero_grad()
-            dist.barrier()
-            t0 = time.perf_counter()
-            gpt_step(model, step)  # forward + backward; backward ends when every bucket is summed
-            sync()
-            times.append(time.perf_counter() - t0)
-            model.zero_grad()
-        out["caps"][cap] = dict(
-            step_s=median(times), forward_s=median(fwd), backward_s=median(bwd),
-            buckets=[sum(p.numel() * p.element_size() for p in b.params) for b in model.buckets],
-        )  # fmt: skip
-        progress.tick()
-    return out
-
-
-BUCKETS = checks.launch_with_progress(bucket_sweep, NPROCS, total=1 + len(CAPS_MB),
-                                      desc="bucket sizes", verbose=False)  # fmt: skip
-# a step ends when the slowest rank's does
-measured = {c: max(r["caps"][c]["step_s"] for r in BUCKETS) for c in CAPS_MB}
-b0 = BUCKETS[0]
-link = cost.fit(b0["sweep"], NPROCS, emulated_rs=INFO["backend"] == "gloo")
-predicted = {}
-for c in CAPS_MB:
-    m = b0["caps"][c]
-    exposed = cost.bucket_exposed(m["buckets"], m["backward_s"], NPROCS, link)
-    predicted[c] = m["forward_s"] + m["backward_s"] + exposed
-fwd_ms = statistics.median(b0["caps"][c]["forward_s"] for c in CAPS_MB) * 1e3
-bwd_ms = statistics.median(b0["caps"][c]["backward_s"] for c in CAPS_MB) * 1e3
-print(f"{checks.describe(INFO)}: α = {link.alpha * 1e6:.0f} µs, β = {link.beta / 1e9:.2f} GB/s; "
-      f"no_sync forward {fwd_ms:.1f} ms, backward {bwd_ms:.1f} ms (medians)")  # fmt: skip
-print(f"{'bucket_cap_mb':>14}{'buckets':>9}{'measured ms':>13}{'model ms':>10}")
-for c in CAPS_MB:
-    print(f"{c:>14}{len(b0['caps'][c]['buckets']):>9}{measured[c] * 1e3:>13.2f}"
-          f"{predicted[c] * 1e3:>10.2f}")  # fmt: skip
-best, model_best = min(measured, key=measured.get), min(predicted, key=predicted.get)
-print(f"best bucket_cap_mb measured here: {best} MiB; the model's: {model_best} MiB")
-
-fig, ax = plt.subplots(figsize=(6.5, 3.5))
-ax.plot(CAPS_MB, [measured[c] * 1e3 for c in CAPS_MB], "o-", label="measured")
-ax.plot(CAPS_MB, [predicted[c] * 1e3 for c in CAPS_MB], "s--", label="model: fwd + bwd + exposed")
-ax.set_xscale("log")
-ax.set_xlabel("bucket_cap_mb (MiB)")
-ax.set_ylabel("forward + backward + wait (ms)")
-ax.set_title(f"DDP on TinyGPT, {checks.describe(INFO)}", fontsize=9)
-ax.grid(alpha=0.3)
-ax.legend()
-fig.tight_layout()
-plt.show()
+s = lab.bucket_sweep(NPROCS, CAPS_MB, steps=5)
+link = cost.fit(s.sweep, NPROCS, emulated_rs=INFO["backend"] == "gloo")
+exposed = {c: cost.bucket_exposed(s.buckets[c], s.backward_s[c], NPROCS, link) for c in CAPS_MB}
+predicted = {c: s.forward_s[c] + s.backward_s[c] + exposed[c] for c in CAPS_MB}  # the model
+lab.show_bucket_sweep(s, link, predicted)
+lab.plot_bucket_sweep(s, predicted)
 
 # %% [markdown]
 # What to read: the model's curve has the U shape of the two costs; the measured one follows it

@@ -36,33 +36,9 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
+from minizero.course.labs.lesson02 import *  # torch, dist, minizero, hint, lab, lesson02, ZeRO1
 
-import minizero
-from minizero.analysis.memory import (
-    PAPER_TABLE1,
-    TABLE1_PSI,
-    MemoryMeter,
-    model_state_bytes,
-    paper_model_state_bytes,
-    print_states_per_rank,
-    table1_gb,
-)
-from minizero.bucket import make_buckets, trainable_parameters
-from minizero.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.course import checks, hint
-from minizero.course.checks import lesson02
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
-from minizero.precision import divides_before_sum
-from minizero.zero1 import ZeRO1
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-GPT = GPTConfig.tiny()
-PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
-print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
+NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurements use
 
 # %% [markdown]
 # ## 1. Why the optimizer can be split: it is elementwise
@@ -73,24 +49,7 @@ print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
 # a whole tensor against two Adams, each on one half, for 5 steps.
 
 # %%
-torch.manual_seed(0)
-whole = torch.randn(10, requires_grad=True)
-halves = [whole.detach()[:5].clone().requires_grad_(), whole.detach()[5:].clone().requires_grad_()]
-opt_whole = torch.optim.Adam([whole], lr=0.1)
-opt_halves = [torch.optim.Adam([h], lr=0.1) for h in halves]  # two optimizers, two states
-for _ in range(5):
-    g = torch.randn(10)  # the same gradient for both
-    whole.grad = g.clone()
-    halves[0].grad, halves[1].grad = g[:5].clone(), g[5:].clone()
-    opt_whole.step()
-    for opt in opt_halves:
-        opt.step()
-diff = (torch.cat([h.detach() for h in halves]) - whole.detach()).abs().max().item()
-print(f"max |whole - halves| after 5 Adam steps: {diff:g}")
-print(
-    "states: whole", [tuple(v.shape) for v in opt_whole.state[whole].values()],
-    "| each half", [tuple(v.shape) for v in opt_halves[0].state[halves[0]].values()],
-)  # fmt: skip
+lab.show_adam_in_pieces(lab.adam_in_pieces(steps=5, numel=10))
 
 # %% [markdown]
 # Identical, and each half's optimizer holds states for its half only. That is all stage 1
@@ -193,21 +152,7 @@ lesson02.check_bucket(MyBucket)
 # purpose) in 2 KiB buckets for N ranks, with it:
 
 # %%
-mlp = MLP()
-names = {id(p): n for n, p in mlp.named_parameters()}
-for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPROCS):
-    print(
-        f"bucket {b.index}: {b.numel} elements, padded to {b.padded} = {NPROCS} chunks of {b.shard}"
-    )
-    for r in range(NPROCS):
-        lo, hi = r * b.shard, (r + 1) * b.shard  # rank r owns [lo, hi) of the flat buffer
-        owned = [
-            f"{names[id(p)]}[{max(lo, o) - o}:{min(hi, o + p.numel()) - o}]"
-            for p, o in zip(b.params, b.offsets, strict=True)
-            if o < hi and o + p.numel() > lo
-        ]
-        pad = max(0, hi - max(lo, b.numel))
-        print(f"   rank {r} owns {', '.join(owned)}" + (f" + {pad} padding" if pad else ""))
+lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world=NPROCS))
 
 # %% [markdown]
 # Every rank owns the same number of elements, so the optimizer memory divides exactly by N;
@@ -259,10 +204,6 @@ for b in make_buckets(trainable_parameters(mlp), bucket_cap_mb=0.002, world=NPRO
 #   its own input, in place, as NCCL documents: the plain loop needs no extra buffer. minizero's
 #   own ZeRO1 spends Ψ/N on a separate output, so that `step()` twice, or more backwards without
 #   `zero_grad()`, reduce this rank's intact local sums again: habits torch users have.)
-#   Where to divide by N: after the sum, except in fp16, where the loss scale (section 7) makes
-#   gradients large and a sum of N of them can overflow: there divide each rank's buffer before
-#   the sum. `minizero.precision.divides_before_sum(flat)` says which; the check also trains your
-#   class in bf16 and fp16, and compares it with minizero's `ZeRO1` bit for bit.
 # * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every
 #   rank hold every rank's updated chunk, moving Ψ. In mixed precision the optimizer stepped a
 #   separate fp32 master (`self.masters[i]`), not the bf16 parameters: what must happen first?
@@ -287,20 +228,13 @@ class MyZeRO1(ZeRO1):
         # HINT: Its input is the bucket's whole (padded,) gradient buffer (self.grad_buffers),
         #       its output this rank's (shard,) chunk of it, already in chunks: a view of the
         #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
-        #       divide by self.world, once: before the sum where divides_before_sum(flat) (fp16,
-        #       which could overflow), after it otherwise.
+        #       divide by self.world.
         # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
-        #           if divides_before_sum(flat):
-        #               flat.div_(self.world)
         #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-        #           ...  # sum -> average, where not divided before
+        #           ...  # sum -> average
         for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
-            before = divides_before_sum(flat)  # fp16: N scaled gradients could overflow the sum
-            if before:
-                flat.div_(self.world)
             reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-            if not before:
-                chunk.div_(self.world)  # sum over ranks -> average
+            chunk.div_(self.world)  # sum over ranks -> average
         # END SOLUTION
         return chunks
 
@@ -328,9 +262,8 @@ class MyZeRO1(ZeRO1):
 # %% check="MyZeRO1"
 # 3 Adam steps of the MLP (3 buckets, padded) on max(NPROCS, 3) ranks, step by step: the gradient
 # chunks your optimizer steps with against minizero's ZeRO1, the parameters against one process on
-# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1; then one SGD step in bf16 and in
-# fp16 against ZeRO1 in the same precision, gradient chunks and parameters equal bit for bit; one
-# reduce-scatter + one all-gather per bucket (2Ψ).
+# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
+# bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
 lesson02.check_zero1(MyZeRO1, NPROCS)
 
 # %% [markdown]
@@ -345,34 +278,9 @@ lesson02.check_zero1(MyZeRO1, NPROCS)
 
 
 # %%
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def gpt_step(model, opt, step=0, group=None):
-    """One training step of ``model`` on this rank's slice of a global batch of 8 N rows."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    x, y = synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
-                           device=checks.rank_device())  # fmt: skip
-    model(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def states_per_rank():
-    rows = []
-    for precision in ("fp32", "bf16"):
-        for stage in (0, 1):
-            torch.manual_seed(0)
-            model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision)
-            gpt_step(model, opt)
-            rows.append((precision, stage, model_state_bytes(model, opt)))
-    return rows
-
-
-STATES = minizero.launch(states_per_rank, NPROCS, verbose=False)  # one list per rank
-print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}: bytes per rank / Ψ")
-print_states_per_rank(STATES, PSI, NPROCS)
+RUNS = [("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1)]  # (precision, stage), Adam
+print(f"TinyGPT, Ψ = {PSI:,}: bytes per rank / Ψ, beside paper_model_state_bytes")
+lab.show_model_states(lab.model_states(NPROCS, RUNS))
 
 # %% [markdown]
 # Every rank measures the formula: the optimizer states (fp32 masters included) drop from
@@ -400,21 +308,8 @@ print_states_per_rank(STATES, PSI, NPROCS)
 
 # %%
 FP32_GRADS = minizero.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def fp32_grad_states():
-    rows = []
-    for stage in (0, 1):
-        torch.manual_seed(0)
-        model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=FP32_GRADS)
-        gpt_step(model, opt)
-        rows.append((stage, model_state_bytes(model, opt)))
-    return rows
-
-
-for stage, got in minizero.launch(fp32_grad_states, NPROCS, verbose=False)[0]:
-    parts = ", ".join(f"{k} {v / PSI:.3f}Ψ" for k, v in got.items())
-    print(f"bf16 + fp32 gradients, stage {stage}, rank 0: {parts} = {sum(got.values()) / PSI:.3f}Ψ")
+STATES = lab.model_states(NPROCS, [(FP32_GRADS, 0), (FP32_GRADS, 1)])
+lab.show_model_states(STATES, label="bf16 + fp32 gradients")
 print(f"formula: DDP 2 + 4 + 12 = 18Ψ; stage 1 2 + 4 + 12/{NPROCS} = {6 + 12 / NPROCS:.3f}Ψ")
 
 # %% [markdown]
@@ -429,43 +324,8 @@ print(f"formula: DDP 2 + 4 + 12 = 18Ψ; stage 1 2 + 4 + 12/{NPROCS} = {6 + 12 / 
 
 # %%
 SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
-
-
-def sweep(stages, precision="bf16"):
-    rank, rows = dist.get_rank(), []
-    for n in range(1, dist.get_world_size() + 1):
-        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
-        if rank < n:
-            for stage in stages:
-                torch.manual_seed(0)
-                model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision,
-                                                  process_group=group)  # fmt: skip
-                gpt_step(model, opt, group=group)
-                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
-    return {"info": checks.run_info(), "rows": rows}
-
-
-SWEPT = minizero.launch(sweep, SWEEP, (0, 1), verbose=False)
-sweep_info = SWEPT[0]["info"]
-fig, ax = plt.subplots(figsize=(7, 4))
-ns = range(1, 65)
-for stage, color in ((0, "tab:gray"), (1, "tab:blue")):
-    paper = [sum(paper_model_state_bytes(PSI, n, stage, "bf16").values()) / PSI for n in ns]
-    ax.plot(ns, paper, color=color, lw=1, label=f"paper, stage {stage}")
-    got = [(n, b / PSI) for res in SWEPT for n, s, b in res["rows"] if s == stage]
-    ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
-ax.set_xscale("log", base=2)
-ax.set_xlabel("N: data-parallel ranks")
-ax.set_ylabel("model-state bytes per rank / Ψ")
-ax.set_ylim(0, 17)
-ax.grid(alpha=0.3)
-ax.legend()
-ax.set_title(
-    f"TinyGPT, bf16 + Adam (K = 12): measured on {sweep_info['backend']} · "
-    f"{sweep_info['device']} · N = 1..{sweep_info['world']}",
-    fontsize=9,
-)
-plt.show()
+FORMULA = {0: lambda n: 2 + 2 + 12, 1: lambda n: 2 + 2 + 12 / n}  # bf16 + Adam: bytes / Ψ
+lab.plot_states_over_world(lab.states_over_world(SWEEP, stages=(0, 1)), FORMULA)
 
 # %% [markdown]
 # The dots (every rank of every group; they coincide) sit on the lines. The lines beyond the
@@ -473,11 +333,7 @@ plt.show()
 # `minizero.analysis.memory.table1_gb` recomputes it, e.g. 7.5B parameters on 64 ranks:
 
 # %%
-for stage in (1, 2, 3):
-    print(
-        f"7.5B, N = 64, stage {stage}: formula {table1_gb(TABLE1_PSI['7.5B'], 64, stage):7.2f} GB"
-        f"   paper's Table 1: {PAPER_TABLE1['7.5B'][64][stage - 1]} GB"
-    )
+lab.show_table1("7.5B", world=64, stages=(1, 2, 3))
 
 # %% [markdown]
 # ## 6. Inside one step
@@ -489,55 +345,9 @@ for stage in (1, 2, 3):
 # the step creates. Here in bf16, DDP against stage 1:
 
 # %%
-MARKS = ("start", "after forward", "after backward", "after step")
-CATS = ("params", "grads", "optimizer", "activations")
-
-
-def one_step_memory(stage):
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16")
-    x, y = synthetic_batch("gpt", 8 * world, 0, rank=rank, world=world, device=dev)
-    with MemoryMeter(model, opt) as meter:
-        meter.mark("start")
-        loss = model(x, y)
-        meter.mark("after forward")
-        loss.backward()
-        meter.mark("after backward")
-        opt.step()
-        opt.zero_grad()
-        meter.mark("after step")
-    return meter.marks
-
-
-def plot_steps(stages, title):
-    runs = {s: minizero.launch(one_step_memory, NPROCS, s, verbose=False)[0] for s in stages}
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 4), sharey=True)
-    for ax, (stage, marks) in zip(axes, runs.items(), strict=True):
-        bottom = [0.0] * len(marks)
-        for cat in CATS:
-            vals = [m[cat] / 2**10 for m in marks]
-            ax.bar(range(len(marks)), vals, bottom=bottom, label=cat)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        ax.plot(range(len(marks)), [m["peak"] / 2**10 for m in marks], "k_", ms=20,
-                label="peak so far")  # fmt: skip
-        ax.set_xticks(range(len(marks)), [m["label"] for m in marks], rotation=20, fontsize=8)
-        ax.set_title(f"stage {stage}", fontsize=9)
-    axes[0].set_ylabel("KiB held by rank 0")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(f"{title}: {checks.describe(INFO)}", fontsize=9)
-    fig.tight_layout()
-    plt.show()
-    return runs
-
-
-RUNS = plot_steps((0, 1), "TinyGPT, one bf16 Adam step")
-for stage, marks in RUNS.items():
-    end = marks[-1]
-    print(
-        f"stage {stage}, after the step: "
-        + ", ".join(f"{c} {end[c] / PSI:.2f}Ψ" for c in ("params", "grads", "optimizer"))
-    )
+STEPS = lab.memory_per_step(NPROCS, stages=(0, 1), precision="bf16")
+lab.plot_memory_per_step(STEPS, "TinyGPT, one bf16 Adam step")
+lab.show_after_step(STEPS)
 
 # %% [markdown]
 # What to read: before the first step the optimizer holds only the fp32 masters (Adam creates
@@ -561,26 +371,7 @@ for stage, marks in RUNS.items():
 # gradients computed in fp16 for several scales, against the same model in fp32.
 
 # %%
-torch.manual_seed(0)
-ref = TinyGPT(GPT)  # fp32
-x, y = synthetic_batch("gpt", 8, 0)
-ref(x, y).backward()
-g32 = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # (Ψ,) the fp32 gradient
-half = TinyGPT(GPT)
-half.load_state_dict(ref.state_dict())
-half.half()  # fp16 parameters, activations and gradients
-print("TinyGPT, one batch of 8 rows, backward in fp16 on one process (this notebook, CPU):")
-print(f"{'scale':>7}{'flushed to 0':>14}{'subnormal':>11}{'inf or NaN':>12}{'|g - g32|/|g32|':>17}")
-for log2 in (0, 8, 12, 15, 16):
-    half.zero_grad()
-    (half(x, y).float() * 2**log2).backward()  # backward in fp16 from loss * scale
-    g16 = torch.cat([p.grad.reshape(-1) for p in half.parameters()])  # (Ψ,) fp16, scaled
-    g = g16.float() / 2**log2  # unscaled, in fp32, as the optimizer's step sees it
-    flushed = ((g16 == 0) & (g32 != 0)).float().mean()
-    subnormal = ((g16 != 0) & (g16.abs() < 2**-14)).float().mean()
-    bad = (~torch.isfinite(g)).float().mean()
-    err = ((g - g32).norm() / g32.norm()).item() if bad == 0 else float("nan")
-    print(f"{'2^' + str(log2):>7}{flushed:14.3%}{subnormal:11.2%}{bad:12.1%}{err:17.2e}")
+lab.show_fp16_gradients(lab.fp16_gradients(log2_scales=(0, 8, 12, 15, 16)))
 
 # %% [markdown]
 # At scale 1 some gradient elements are flushed to 0 and many more are subnormal; a larger scale
@@ -611,8 +402,9 @@ for log2 in (0, 8, 12, 15, 16):
 
 
 # %%
-def fp16_step(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], scale: float,
-              group=None) -> float:  # fmt: skip
+def fp16_step(
+    optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], scale: float, group=None
+) -> float:
     """Unscale this rank's gradient shards; step unless some rank saw an inf or a NaN."""
     # BEGIN SOLUTION
     # TODO: gradients unscaled; every rank stepped and returns scale, or none did and all halve it
@@ -662,21 +454,7 @@ lesson02.check_fp16_step(fp16_step, NPROCS)
 
 
 # %%
-def volume(stage):
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
-    gpt_step(model, opt, step=0)  # the first step creates the optimizer states
-    with minizero.CommLedger() as ledger:
-        gpt_step(model, opt, step=1)
-    return ledger.by_op()
-
-
-for stage in (0, 1):
-    by_op = minizero.launch(volume, NPROCS, stage, verbose=False)[0]
-    parts = ", ".join(f"{op} {v / PSI:.3f}Ψ" for op, v in by_op.items())
-    print(
-        f"stage {stage}: {parts}; total {sum(by_op.values()) / PSI:.3f}Ψ  ({checks.describe(INFO)})"
-    )
+lab.show_step_volume(lab.step_volume(NPROCS, stages=(0, 1)))  # the formula: 2Ψ at both
 
 # %% [markdown]
 # The same volume, split differently: DDP's all-reduce counts 2Ψ, stage 1's reduce-scatter Ψ and
@@ -694,37 +472,7 @@ for stage in (0, 1):
 
 
 # %%
-def optimizer_share():
-    """Each rank's share of the Adam states of the MLP, under both layouts (fp32, one step)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    x, y = synthetic_batch("mlp", 4 * world, 0, rank=rank, world=world, device=dev)
-    torch.manual_seed(0)
-    model = MLP().to(dev)
-    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
-    ddp(x, y).backward()
-    zro.step()
-    owned = [n for n, p in model.named_parameters() if p in zro.optim.state]
-    torch.manual_seed(0)
-    zero1, opt = minizero.parallelize(MLP(), 1, adam)
-    zero1(x, y).backward()
-    opt.step()
-    full = 8 * count_params(model)  # bytes of fp32 Adam states (two moments) for the whole MLP
-    return (
-        model_state_bytes(None, zro.optim)["optimizer"] / full,  # zro.optim: this rank's Adam
-        model_state_bytes(zero1, opt)["optimizer"] / full,
-        owned,
-    )
-
-
-SHARES = minizero.launch(optimizer_share, NPROCS, verbose=False)
-print(f"MLP, Ψ = {count_params(MLP()):,}, fp32 Adam, {checks.describe(INFO)}: share of the states")
-for r, (theirs, ours, owned) in enumerate(SHARES):
-    print(f"rank {r}: ZeroRedundancyOptimizer {theirs:6.1%} ({', '.join(owned)})")
-    print(f"        minizero ZeRO1          {ours:6.1%} (chunk {r} of one flat bucket)")
+lab.show_optimizer_share(lab.optimizer_share(NPROCS))
 
 # %% [markdown]
 # Flat chunks split every bucket evenly (to within the padding); whole tensors cannot: the MLP's

@@ -30,39 +30,9 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-from collections import Counter
+from minizero.course.labs.lesson04 import *  # torch, nn, dist, minizero, hint, lab, lesson04, ZeRO3
 
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
-from torch import nn
-
-import minizero
-from minizero.analysis.memory import MemoryMeter, model_state_bytes, paper_model_state_bytes
-from minizero.collectives import all_gather, mark
-from minizero.course import checks, hint
-from minizero.course.checks import lesson04
-from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
-from minizero.units import assign_params, select_units
-from minizero.zero3 import ZeRO3
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-GPT = GPTConfig.tiny()
-PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
-print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def gpt_batch(step=0, group=None):
-    """This rank's slice of step ``step``'s global batch of 8 N rows of token ids."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    return synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
-                           device=checks.rank_device())  # fmt: skip
-
+NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurements use
 
 # %% [markdown]
 # ## 1. Units: what is gathered together
@@ -79,13 +49,7 @@ def gpt_batch(step=0, group=None):
 # units=...)` takes module classes or a predicate instead. TinyGPT's units:
 
 # %%
-model = TinyGPT(GPT)
-names = {m: name or "(root)" for name, m in model.named_modules()}
-groups, owners, needs = assign_params(model, select_units(model))  # one group per unit
-for unit, (params, module) in enumerate(zip(groups, owners, strict=True)):
-    held = [n for n, p in model.named_parameters() if any(p is q for q in params)]
-    print(f"unit {unit}: {names[module]:9} {sum(p.numel() for p in params):6,} elements: "
-          f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}")  # fmt: skip
+lab.show_units(lab.units(TinyGPT(GPTConfig.tiny())))
 
 # %% [markdown]
 # Bigger units mean fewer, larger all-gathers (better bandwidth) and more memory held while a
@@ -168,8 +132,9 @@ class MyZeRO3(ZeRO3):
         if not self.gathered[i]:
             flat = self.flat_params[i]  # (padded,) 0 bytes until now
             flat.untyped_storage().resize_(self.buckets[i].padded * flat.element_size())
-            self.gather_works[i] = all_gather(flat, self.param_shards[i], group=self.group,
-                                          async_op=True, tag=f"zero3 params {i}")  # fmt: skip
+            tag = f"zero3 params {i}"
+            work = all_gather(flat, self.param_shards[i], group=self.group, async_op=True, tag=tag)
+            self.gather_works[i] = work
             self.gathered[i] = True
         if wait and self.gather_works[i] is not None:
             self.gather_works[i].wait()
@@ -315,65 +280,8 @@ lesson04.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 
 # %%
 DEEP = GPTConfig.tiny(n_layer=6)  # 6 blocks: more units than prefetch keeps gathered at once
-PSI_DEEP = count_params(TinyGPT(DEEP))
-deep = TinyGPT(DEEP)
-picked = select_units(deep)
-UNIT_MODULES = [name or "(root)" for name, m in deep.named_modules() if m in picked]
-
-
-def params_timeline(stage):
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(DEEP), stage, adam, precision="bf16")
-    trace = []
-
-    def sample(label):
-        kept = model_state_bytes(model, opt)["params"]  # stage 3: the shards only
-        # stage 3: the unit buffers gathered right now (0 bytes while freed)
-        gathered = sum(f.untyped_storage().nbytes() for f in model.flat_params) if stage == 3 else 0
-        trace.append((label, kept, gathered))
-
-    def pre(m, args, name):
-        sample(f"fwd {name}")
-
-    def post(m, args, out, name):
-        if out.requires_grad:
-            out.register_hook(lambda grad: sample(f"bwd {name}"))
-
-    for step in range(2):
-        if step == 1:  # registered after the stage's hooks: they run after its gathers
-            for name in UNIT_MODULES:
-                m = model.module if name == "(root)" else model.module.get_submodule(name)
-                m.register_forward_pre_hook(lambda m, a, name=name: pre(m, a, name))
-                m.register_forward_hook(lambda m, a, out, name=name: post(m, a, out, name))
-        sample("start")
-        model(*gpt_batch(step)).backward()
-        sample("end of backward")
-        opt.step()
-        opt.zero_grad()
-    return trace[2:]  # the second step (the first sampled only "start" and "end of backward")
-
-
-TIMELINES = {s: minizero.launch(params_timeline, NPROCS, s, verbose=False)[0] for s in (2, 3)}
-fig, ax = plt.subplots(figsize=(11, 4.5))
-xs = range(len(TIMELINES[3]))
-ax.step(xs, [kept / PSI_DEEP for _, kept, _ in TIMELINES[2]], where="mid", marker=".",
-        label="stage 2: all parameters")  # fmt: skip
-ax.step(xs, [(kept + g) / PSI_DEEP for _, kept, g in TIMELINES[3]], where="mid", marker=".",
-        label="stage 3: shards + gathered units")  # fmt: skip
-ax.step(xs, [kept / PSI_DEEP for _, kept, _ in TIMELINES[3]], where="mid", color="k", ls="--",
-        lw=1,
-        label="stage 3: shards (2Ψ/N)")  # fmt: skip
-ax.set_xticks(list(xs), [label for label, _, _ in TIMELINES[3]], rotation=90, fontsize=7)
-ax.set_ylim(0, 2.2)
-ax.set_ylabel(f"parameter bytes on rank 0 / Ψ (Ψ = {PSI_DEEP:,})")
-ax.legend(fontsize=8)
-ax.set_title(f"TinyGPT, 6 blocks, bf16, one step after the first: {checks.describe(INFO)}",
-             fontsize=9)  # fmt: skip
-fig.tight_layout()
-plt.show()
-peak = max(kept + g for _, kept, g in TIMELINES[3])
-print(f"stage 3: at most {peak / PSI_DEEP:.2f}Ψ of parameters held at once; stage 2: 2.00Ψ "
-      "throughout")  # fmt: skip
+HELD = lab.params_held(NPROCS, DEEP, stages=(2, 3))
+lab.plot_params_held(HELD, psi=count_params(TinyGPT(DEEP)))
 
 # %% [markdown]
 # Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus whatever is
@@ -393,50 +301,15 @@ print(f"stage 3: at most {peak / PSI_DEEP:.2f}Ψ of parameters held at once; sta
 
 # %%
 SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
-STAGES = (0, 1, 2, 3)
-
-
-def sweep():
-    rank, rows = dist.get_rank(), []
-    for n in range(1, dist.get_world_size() + 1):
-        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
-        if rank < n:
-            for stage in STAGES:
-                torch.manual_seed(0)
-                model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision="bf16",
-                                                  process_group=group)  # fmt: skip
-                model(*gpt_batch(group=group)).backward()
-                opt.step()  # measured before zero_grad(), which frees the gradient shards
-                rows.append((n, stage, sum(model_state_bytes(model, opt).values())))
-                opt.zero_grad()
-    return {"info": checks.run_info(), "rows": rows}
-
-
-SWEPT = minizero.launch(sweep, SWEEP, verbose=False)
-sweep_info = SWEPT[0]["info"]
-fig, ax = plt.subplots(figsize=(7, 4))
-ns = range(1, 65)
-for stage, color in zip(STAGES, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True):
-    paper = [sum(paper_model_state_bytes(PSI, n, stage, "bf16").values()) / PSI for n in ns]
-    ax.plot(ns, paper, color=color, lw=1, label=f"paper, stage {stage}")
-    got = [(n, b / PSI) for res in SWEPT for n, s, b in res["rows"] if s == stage]
-    ax.plot(*zip(*got, strict=True), "o", color=color, label=f"measured, stage {stage}")
-ax.set_xscale("log", base=2)
-ax.set_yscale("log", base=2)
-ax.set_xlabel("N: data-parallel ranks")
-ax.set_ylabel("model-state bytes per rank / Ψ")
-ax.grid(alpha=0.3)
-ax.legend(fontsize=7, ncol=2)
-ax.set_title(
-    f"TinyGPT, bf16 + Adam (K = 12): measured on {sweep_info['backend']} · "
-    f"{sweep_info['device']} · N = 1..{sweep_info['world']}",
-    fontsize=9,
-)
-plt.show()
-for n, stage, b in SWEPT[0]["rows"]:
-    if n == sweep_info["world"]:
-        paper = sum(paper_model_state_bytes(PSI, n, stage, "bf16").values())
-        print(f"N = {n}, stage {stage}: measured {b / PSI:.3f}Ψ, paper {paper / PSI:.3f}Ψ")
+FORMULA = {  # bf16 + Adam (K = 12): model-state bytes per rank / Ψ on N ranks
+    0: lambda n: 2 + 2 + 12,
+    1: lambda n: 2 + 2 + 12 / n,
+    2: lambda n: 2 + (2 + 12) / n,
+    3: lambda n: (2 + 2 + 12) / n,
+}
+SWEPT = lab.states_over_world(SWEEP, stages=(0, 1, 2, 3))
+lab.plot_states_over_world(SWEPT, FORMULA, log=True)
+lab.show_states_at_world(SWEPT, FORMULA)
 
 # %% [markdown]
 # Stages 1 and 2 flatten out at 4Ψ and 2Ψ (what they do not partition); stage 3's model states
@@ -456,55 +329,9 @@ for n, stage, b in SWEPT[0]["rows"]:
 
 
 # %%
-def floor():
-    rank, rows = dist.get_rank(), []
-    for n in range(1, dist.get_world_size() + 1):
-        group = dist.new_group(list(range(n)))  # every rank calls new_group; ranks < n use it
-        if rank < n:
-            torch.manual_seed(0)
-            model, opt = minizero.parallelize(TinyGPT(GPT), 3, adam, precision="bf16",
-                                              process_group=group)  # fmt: skip
-            for step in range(2):  # step 0 records the module order; step 1 is measured
-                x, y = gpt_batch(step, group)
-                with MemoryMeter(model, opt) as meter:
-                    model(x, y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    end = meter.mark("end of step")
-            at = end["at_peak"]  # CPU: the split at the peak; CUDA: None (the allocator's peak)
-            states = sum(model_state_bytes(model, opt).values()) if at is None else sum(
-                at[c] for c in ("params", "grads", "optimizer"))  # fmt: skip
-            units = sorted((b.padded * 2 for b in model.buckets), reverse=True)  # bf16 bytes
-            rows.append((n, end["peak"], states, at and at["comm"], units))
-    return {"info": checks.run_info(), "rows": rows}
-
-
-FLOOR = minizero.launch(floor, SWEEP, verbose=False)[0]  # rank 0: every N from 1 to SWEEP
-ns = [n for n, *_ in FLOOR["rows"]]
-fig, ax = plt.subplots(figsize=(7, 4))
-states = [st / PSI for _, _, st, _, _ in FLOOR["rows"]]
-comm = [(c or 0) / PSI for *_, c, _ in FLOOR["rows"]]
-rest = [(pk - st) / PSI - c for (_, pk, st, _, _), c in zip(FLOOR["rows"], comm, strict=True)]
-ax.bar(ns, states, label="model states held (16Ψ/N)")
-if FLOOR["rows"][0][3] is not None:
-    ax.bar(ns, comm, bottom=states, label="gathered units and gradient buckets")
-ax.bar(ns, rest, bottom=[a + b for a, b in zip(states, comm, strict=True)],
-       label="activations and other temporaries")  # fmt: skip
-ax.set_xticks(ns)
-ax.set_xlabel("N: data-parallel ranks")
-ax.set_ylabel("peak bytes on rank 0 / Ψ")
-ax.legend(fontsize=8)
-where = FLOOR["info"]
-ax.set_title(f"TinyGPT, stage 3, bf16 Adam, peak of one step: measured on {where['backend']} · "
-             f"{where['device']} · N = 1..{where['world']}", fontsize=9)  # fmt: skip
-plt.show()
-units = FLOOR["rows"][0][4]
-for n, peak, st, c, _ in FLOOR["rows"]:
-    split = f" (units and buckets {c / PSI:.2f}Ψ)" if c is not None else ""
-    print(f"N = {n}: peak {peak / PSI:.2f}Ψ = model states {st / PSI:.2f}Ψ + the rest "
-          f"{(peak - st) / PSI:.2f}Ψ{split}")  # fmt: skip
-print(f"largest units: {units[0]:,} and {units[1]:,} bytes (bf16), together "
-      f"{(units[0] + units[1]) / PSI:.2f}Ψ")  # fmt: skip
+FLOOR = lab.stage3_floor(SWEEP)  # rank 0, every N from 1 to SWEEP
+lab.plot_stage3_floor(FLOOR)
+lab.show_stage3_floor(FLOOR)
 
 # %% [markdown]
 # The model states fall as 16Ψ/N; the rest does not fall at all. That rest is the floor: at
@@ -532,42 +359,8 @@ print(f"largest units: {units[0]:,} and {units[1]:,} bytes (bf16), together "
 
 
 # %%
-def fsdp2_states():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    dev = checks.rank_device()
-    torch.manual_seed(0)
-    model = TinyGPT(GPT).to(dev)
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = adam(model.parameters())
-    model(*gpt_batch()).backward()
-    opt.step()
-    local = lambda t: t.to_local()  # this rank's (dim-0) shard of a DTensor
-    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)
-    states = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
-    params = list(model.parameters())
-    return {
-        "params": (nbytes(params), params[0].dtype),
-        "grads": (nbytes(p.grad for p in params), params[0].grad.dtype),
-        "optimizer": (nbytes(states), states[0].dtype),
-    }
-
-
-FSDP2 = minizero.launch(fsdp2_states, NPROCS, verbose=False)[0]
-ours = paper_model_state_bytes(PSI, NPROCS, 3, "bf16")
-print(f"TinyGPT, N = {NPROCS}, bf16, after one Adam step, rank 0 ({checks.describe(INFO)}):")
-for cat, (b, dtype) in FSDP2.items():
-    print(f"  FSDP2 {cat:9} {b * NPROCS / PSI:5.2f}Ψ/N ({str(dtype).replace('torch.', '')});"
-          f"  minizero stage 3: {ours[cat] * NPROCS / PSI:5.2f}Ψ/N")  # fmt: skip
-print(
-    f"  total: FSDP2 {sum(b for b, _ in FSDP2.values()) * NPROCS / PSI:.2f}Ψ/N, "
-    f"minizero {sum(ours.values()) * NPROCS / PSI:.2f}Ψ/N"
-)
+OURS = {"params": 2, "grads": 2, "optimizer": 12}  # minizero stage 3, bf16: bytes × N / Ψ
+lab.show_fsdp2_states(lab.fsdp2_states(NPROCS), OURS)
 
 # %% [markdown]
 # The same 16 bytes per parameter, divided by N, split differently: FSDP2 keeps 4-byte fp32
@@ -587,67 +380,19 @@ print(
 # unit; the root's unit, with the embeddings and the tied `lm_head`, is unit 0).
 
 # %%
-ROOT = "zero3 params 0"  # the tag of the root unit's all-gathers (section 1)
-
-
-def comm():
-    out = {}
-    for stage in STAGES:
-        torch.manual_seed(0)
-        model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
-        for step in range(2):  # step 0: stage 3 records the module order; step 1: it uses it
-            with minizero.CommLedger() as ledger:
-                mark("forward start")
-                loss = model(*gpt_batch(step))
-                mark("backward start")
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            bwd = next(i for i, label in ledger.marks if label == "backward start")
-            parts = {}
-            for r in ledger.records:
-                key = f"{r.op} (forward)" if r.index < bwd else r.op
-                parts[key] = parts.get(key, 0) + r.volume_elements
-            gathers = Counter(r.tag for r in ledger.records if r.op == "all_gather")  # tag -> n
-            out[stage, step] = {"parts": parts, "gathers": gathers}
-    return out
-
-
-COMM = minizero.launch(comm, NPROCS, verbose=False)[0]
-KEYS = ("all_reduce", "reduce_scatter", "all_gather", "all_gather (forward)")
-NAMES = {"all_gather": "all_gather (after the step; stage 3: in backward)"}
-TITLES = ("step 0 (stage 3 records the module order)", "step 1 (and every later step)")
-fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-for step, ax in enumerate(axes):
-    bottom = [0.0] * len(STAGES)
-    for key in KEYS:
-        vals = [COMM[s, step]["parts"].get(key, 0) / PSI for s in STAGES]
-        ax.bar(STAGES, vals, bottom=bottom, label=NAMES.get(key, key))
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.plot(STAGES, [2, 2, 2, 3], "k_", ms=30, mew=2, label="paper: 2Ψ, 2Ψ, 2Ψ, 3Ψ")
-    ax.set_xticks(STAGES, ["DDP", "stage 1", "stage 2", "stage 3"])
-    ax.set_title(f"TinyGPT (Ψ = {PSI:,}), {TITLES[step]}", fontsize=9)
-axes[0].set_ylabel("volume per step / Ψ (elements)")
-handles, labels = axes[0].get_legend_handles_labels()
-fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=3,
-           markerscale=0.5)  # fmt: skip
-fig.suptitle(f"Communication volume per training step: {checks.describe(INFO)}", fontsize=9)
-fig.tight_layout()
-plt.show()
-for step in (0, 1):
-    total = ", ".join(f"stage {s} {sum(COMM[s, step]['parts'].values()) / PSI:.3f}Ψ"
-                      for s in STAGES)  # fmt: skip
-    g = COMM[3, step]["gathers"]
-    others = sorted({n for tag, n in g.items() if tag != ROOT})
-    print(
-        f"step {step}: {total}; stage 3 all-gathered the root unit {g[ROOT]} times, "
-        f"each of the other {len(g) - 1} units {' or '.join(map(str, others))} times"
-    )
+PAPER = {0: 2, 1: 2, 2: 2, 3: 3}  # volume per step / Ψ
+COMM = lab.step_comm(NPROCS, stages=(0, 1, 2, 3))
+lab.plot_step_comm(COMM, PAPER)
+lab.show_step_comm(COMM, root_tag="zero3 params 0")  # the root unit's all-gathers (section 1)
 
 # %% [markdown]
-# Every stage moves what the paper counts, from the first step on: 2Ψ for DDP and stages 1
-# and 2; 3Ψ for stage 3, Ψ all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every
-# unit gathered once for each pass, the root's included. (TinyGPT's units split evenly over 2,
+# Every stage moves what the paper counts: 2Ψ for DDP and stages 1 and 2; 3Ψ for stage 3, Ψ
+# all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every unit gathered once for each
+# pass, the root's included. Stage 3 does so from the first step on. In their first step, stages 1
+# and 2 move more once: at the first `zero_grad()` they cut their buckets again in the order the
+# gradients really arrived, as torch DDP does from its second iteration, and move their fp32
+# masters and Adam's moments to the ranks that own them in the new layout (the all-reduces of
+# step 0; docs/package.md, `bucket_cap_mb`). (TinyGPT's units split evenly over 2,
 # 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks'
 # `MLP` moves 3Ψ plus a few elements per step, as exercise 1's check printed.) The first forward
 # records the order in which the modules run, the order prefetch follows from the second step

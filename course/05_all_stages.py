@@ -31,29 +31,9 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import dataclasses
-import statistics
-from collections import Counter
+from minizero.course.labs.lesson05 import *  # torch, minizero, budget, hint, lab, the check
 
-import matplotlib.pyplot as plt
-import torch
-
-# torch.optim imports torch's compiler on first use (~10 s per process). The ranks of a CPU launch
-# are forked from this kernel: importing it once here saves every launch below that time.
-import torch._dynamo  # noqa: F401
-
-import minizero
-from minizero.analysis import budget
-from minizero.analysis.memory import format_bytes, paper_model_state_bytes
-from minizero.analysis.simulate import FlatModel, format_table1, simulate, table1
-from minizero.course import checks, compare, hint, plots, plots_budget
-from minizero.course.checks.lesson05 import PeakCase, check_predict_peak, on_gpus, peak_cases
-from minizero.models import GPTConfig
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-print(checks.describe(INFO), f"· torch {torch.__version__}")
-
+NPROCS, INFO = setup()
 GB = 1e9  # the paper's GB
 BIG = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
 BIG_N, BIG_B, GPU_GB = 8, 1, 80  # 8 GPUs of 80 GB, one sequence of 4096 tokens per GPU
@@ -86,30 +66,10 @@ print(f"the question: Ψ = {BIG_PSI:,} parameters, s = {BIG.block_size}, b = {BI
 
 # %%
 STAGES = (0, 1, 2, 3)
-res = checks.launch_with_progress(
-    compare.profile_stages,
-    NPROCS,
-    models=("gpt", "mlp"),
-    stages=STAGES,
-    precision="bf16",
-    steps=5,
-    total=8,
-    desc="stages (bf16)",
-    verbose=False,
-)[0]  # {"info": ..., "profiles": [one dict per model and stage]}
-PROFILES = {m: [p for p in res["profiles"] if p["model"] == m] for m in ("gpt", "mlp")}
-GPT = PROFILES["gpt"]
-print(f"TinyGPT: Ψ = {GPT[0]['psi']:,}; MLP: Ψ = {PROFILES['mlp'][0]['psi']:,}")
-print(f"{'bf16, TinyGPT':24}" + "".join(f"{c:>26}" for c in plots.CATS))
-for p in GPT:
-    paper = paper_model_state_bytes(p["psi"], p["world"], p["stage"], "bf16")
-    cells = [f"{format_bytes(p['states'][c])} [{format_bytes(paper[c])}]" for c in plots.CATS]
-    print(f"stage {p['stage']} {plots.STAGES[p['stage']]:16}" + "".join(f"{s:>26}" for s in cells))
-print("measured [paper's formula]")
-
-# %%
-fig = plots.memory_figure(GPT, INFO)
-plt.show()
+PROFILES = lab.profile_stages(NPROCS, models=("gpt", "mlp"), stages=STAGES, steps=5)
+GPT = PROFILES["gpt"]  # one profile per stage
+lab.show_states(GPT)  # beside paper_model_state_bytes: the table above
+lab.plot_memory(GPT, INFO)
 
 # %% [markdown]
 # **Model states** (the coloured part of each left bar) are the formula to the byte here: TinyGPT
@@ -119,14 +79,7 @@ plt.show()
 # CUDA allocator only the total is known):
 
 # %%
-for p in GPT:
-    rest = p["peak"] - sum(p["states"].values())
-    line = f"stage {p['stage']}: peak {format_bytes(p['peak'])}, {format_bytes(rest)} beyond states"
-    if p["at_peak"] is not None:  # CPU: the split at the moment of the peak
-        comm = p["at_peak"]["comm"]
-        other = format_bytes(rest - comm)
-        line += f" = comm buffers {format_bytes(comm)} + activations and temporaries {other}"
-    print(line)
+lab.show_peak(GPT)
 
 # %% [markdown]
 # The activations and temporaries are the same at every stage: every rank runs the whole model on
@@ -148,13 +101,8 @@ for p in GPT:
 # GPU) established for the same code at a size that fits.
 
 # %%
-print(f"model states per rank, Ψ = {BIG_PSI / 1e9:.2f}B, N = {BIG_N}, bf16 AdamW (K = 12), GB")
-print(f"{'stage':16}{'simulate (meta)':>18}{'formula':>10}")
-BIG_STATES = {}
-for s in STAGES:
-    got = sum(simulate(lambda: FlatModel(BIG_PSI), s, BIG_N, "bf16").values())
-    BIG_STATES[s] = sum(paper_model_state_bytes(BIG_PSI, BIG_N, s, "bf16").values())
-    print(f"{s}: {plots.STAGES[s]:13}{got / GB:18.2f}{BIG_STATES[s] / GB:10.2f}")
+FORMULA = {s: sum(paper_model_state_bytes(BIG_PSI, BIG_N, s, "bf16").values()) for s in STAGES}
+lab.show_simulated(lab.simulated_states(BIG_PSI, BIG_N, STAGES), FORMULA, BIG_PSI, BIG_N)
 
 # %% [markdown]
 # DDP holds 107 GB of model states per GPU: more than 80 GB before a single activation. Stage 1
@@ -168,19 +116,7 @@ for s in STAGES:
 
 # %%
 rows = table1()  # 3 model sizes x 6 values of N_d x 4 stages, each one step on meta tensors
-print(format_table1(rows))
-print(f"\nbytes per parameter per rank at N = {NPROCS}, bf16 AdamW:")
-print(f"{'stage':16}{'TinyGPT, real ranks':>22}{'7.5B, meta tensors':>20}{'formula':>10}")
-for p in GPT:
-    s = p["stage"]
-    meta = sum(simulate(lambda: FlatModel(7_500_000_000), s, NPROCS, "bf16").values())
-    paper = sum(paper_model_state_bytes(1, NPROCS, s, "bf16").values())
-    real = sum(p["states"].values()) / p["psi"]
-    print(f"{s}: {plots.STAGES[s]:13}{real:22.3f}{meta / 7.5e9:20.3f}{paper:10.3f}")
-
-# %%
-fig = plots.table1_figure(rows)
-plt.show()
+lab.show_table1(rows, GPT, NPROCS)  # and its figure
 
 # %% [markdown]
 # ## 3. Activations: measured at small scale, scaled by a formula
@@ -208,19 +144,9 @@ plt.show()
 SMALL = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # §6 trains it
 B = 2  # micro-batch
 h, a = SMALL.n_embd, SMALL.n_head
-ACTS = {  # (s, kernel) -> measure_activations(...)
-    (s, kernel): budget.measure_activations(SMALL, B, seq_len=s, math_attention=kernel == "math")
-    for s in (64, 128)
-    for kernel in ("default", "math")
-}
-print("bytes one transformer layer keeps, / (s·b·h); bf16, one process on the CPU, MemTracker")
-print(f"{'kernel':10}{'s':>5}{'measured':>10}{'formula (no dropout)':>28}")
-for (s, kernel), m in ACTS.items():
-    measured = m["layers"][0] / (s * B * h)
-    flash = kernel == "default"
-    formula = budget.layer_activation_bytes(s, B, h, a, dropout=False, flash=flash) / (s * B * h)
-    name = "32 (flash)" if flash else f"32 + 2as/h = {formula:g}"
-    print(f"{kernel:10}{s:5}{measured:10.2f}{name:>28}")
+FORMULA = lambda s, kernel: 32 if kernel == "default" else 32 + 2 * a * s / h  # / sbh, no dropout
+ACTS = lab.layer_activations(SMALL, B, lengths=(64, 128), kernels=("default", "math"))
+lab.show_layer_activations(ACTS, SMALL, B, FORMULA)
 
 # %% [markdown]
 # The default kernel keeps about 32 sbh at both lengths: Korthikanti's 34 less the two dropout
@@ -274,15 +200,11 @@ print(f"  the output layer ({LOGIT_BYTES:.1f} bytes per logit, s·b·V):  {BIG_L
 
 # %%
 CKPT = budget.measure_activations(SMALL, B, checkpointing=True)
-sbh_small = s * B * h
 print("TinyGPT (L = 2, h = 64, s = 128, b = 2), bf16, one process on the CPU, MemTracker:")
-print(f"{'':24}{'kept per layer':>16}{'end of forward':>16}{'peak':>10}   (/ sbh)")
-for name, m in (("without checkpointing", base), ("with checkpointing", CKPT)):
-    kept, fwd, peak = m["layers"][0] / sbh_small, m["forward"] / sbh_small, m["peak"] / sbh_small
-    print(f"{name:24}{kept:16.2f}{fwd:16.2f}{peak:10.2f}")
+lab.show_checkpointing({"without checkpointing": base, "with checkpointing": CKPT}, s * B * h)
 ck_big = BIG.n_layer * budget.checkpointed_layer_bytes(*shape[:3]) + LAYER * sbh
-print(f"\n6.7B: {BIG.n_layer} x 2sbh kept + one layer rebuilt = {ck_big / GB:.1f} GB "
-      f"(instead of {big['measured'] / GB:.1f} GB)")  # fmt: skip
+kept = f"{BIG.n_layer} x 2sbh kept + one layer rebuilt"
+print(f"\n6.7B: {kept} = {ck_big / GB:.1f} GB (instead of {big['measured'] / GB:.1f} GB)")
 
 # %% [markdown]
 # Each checkpointed block keeps exactly 2 sbh, its bf16 output (the next block's input). The peak
@@ -309,19 +231,16 @@ print(f"\n6.7B: {BIG.n_layer} x 2sbh kept + one layer rebuilt = {ck_big / GB:.1f
 # to zero: it goes to a **floor**. Measured in §1 (TinyGPT tiny, at the peak, CPU only):
 
 # %%
-for p in GPT:
-    at = p["at_peak"]  # None under the CUDA allocator: only the total is known
-    comm = "n/a (CUDA)" if at is None else format_bytes(at["comm"])
-    print(f"stage {p['stage']}: communication buffers at the peak {comm}")
+lab.show_comm_at_peak(GPT)
 units = budget.gpt_units(BIG)
 work = budget.zero3_floor_bytes(units)  # 3 largest units gathered + the largest one's gradient
 print(f"\n6.7B, minizero's units: the root {units[0]:,} (embeddings), each block {units[1]:,}")
 print(f"stage 3's working set: {work / GB:.2f} GB, at any N")
+floor = big["measured"] + BIG_LOGITS + work
 for n in (8, 64, 1024):
     states = sum(paper_model_state_bytes(BIG_PSI, n, 3, "bf16").values())
-    floor = big["measured"] + BIG_LOGITS + work
-    print(f"stage 3, N = {n:5}: model states {states / GB:6.2f} GB + activations, logits and "
-          f"working set {floor / GB:5.1f} GB")  # fmt: skip
+    rest = f"activations, logits and working set {floor / GB:5.1f} GB"
+    print(f"stage 3, N = {n:5}: model states {states / GB:6.2f} GB + {rest}")
 
 # %% [markdown]
 # At N = 1024 the 6.7B model's states are 0.1 GB per rank, and the rank still needs about 20 GB:
@@ -417,33 +336,32 @@ def peak_parts(stage: int, ckpt: bool, **kw) -> tuple[float, float]:
     if mine and not kw:
         got = predict_peak(case)
         return got["model_states"], got["activations"]
-    parts = budget.step_budget(BIG, world=BIG_N, stage=stage, micro_batch=BIG_B,
-                               checkpointing=ckpt, logit_bytes=LOGIT_BYTES, **kw)  # fmt: skip
+    kw = dict(world=BIG_N, stage=stage, micro_batch=BIG_B, checkpointing=ckpt, **kw)
+    parts = budget.step_budget(BIG, logit_bytes=LOGIT_BYTES, **kw)
     states = sum(parts[c] for c in ("params", "grads", "optimizer"))
     return states, sum(parts.values()) - states - parts["stage 3 working set"]
 
 
-print(f"{'':22}{'model states':>14}{'the rest':>10}{'peak':>8}   GB per rank, N = {BIG_N}")
-for ck in (False, True):
-    for s_ in STAGES:
-        states, rest = peak_parts(s_, ck)
-        extra = budget.zero3_floor_bytes(units) if s_ == 3 else 0.0  # gathered units
-        total = (states + rest + extra) / GB
-        note = " (with stage 3's working set)" if extra else ""
-        label = f"stage {s_}" + (", checkpointing" if ck else "")
-        fits = "fits" if total <= GPU_GB else "does not fit"
-        print(f"{label:22}{states / GB:14.1f}{rest / GB:10.1f}{total:8.1f}   {fits}{note}")
+# %%
+ZERO3_WORK = budget.zero3_floor_bytes(units)  # stage 3's gathered units
+PEAKS = {
+    f"stage {s_}" + (", checkpointing" if ck else ""): (*peak_parts(s_, ck), ZERO3_WORK * (s_ == 3))
+    for ck in (False, True)
+    for s_ in STAGES
+}
+lab.show_answer(PEAKS, GPU_GB, BIG_N)
 print("\nhad attention stored its scores, with dropout (Korthikanti's eq. 1):")
-for ck in (False, True):
-    states, rest = peak_parts(1, ck, flash=False, dropout=True)
-    label = "stage 1" + (", checkpointing" if ck else "")
-    print(f"{label:22}{states / GB:14.1f}{rest / GB:10.1f}{(states + rest) / GB:8.1f}")
+STORED = {
+    "stage 1" + (", checkpointing" if ck else ""): (
+        *peak_parts(1, ck, flash=False, dropout=True),
+        0,
+    )
+    for ck in (False, True)
+}
+lab.show_answer(STORED, GPU_GB, BIG_N)
 
 # %%
-where = "this process, CPU, bf16 (MemTracker)"
-fig = plots_budget.budget_figure(BIG, BIG_N, micro_batch=BIG_B, capacity_gb=GPU_GB,
-                                 logit_bytes=LOGIT_BYTES, where=where)  # fmt: skip
-plt.show()
+lab.plot_budget(BIG, BIG_N, micro_batch=BIG_B, capacity_gb=GPU_GB, logit_bytes=LOGIT_BYTES)
 
 # %% [markdown]
 # **DDP does not fit**: its model states alone are 107 GB. **Stages 1, 2 and 3 fit**, without
@@ -469,10 +387,7 @@ plt.show()
 # cell.
 
 # %%
-if plots.widgets_available():  # a widget front end is there; never in a graded run
-    from IPython.display import display
-
-    display(plots_budget.calculator(BIG, BIG_N, BIG_B, GPU_GB))
+lab.calculator(BIG, BIG_N, BIG_B, GPU_GB)  # a widget front end only; never in a graded run
 
 # %% [markdown]
 # ## 9. What the stages cost in communication
@@ -484,29 +399,7 @@ if plots.widgets_available():  # a widget front end is there; never in a graded 
 # **3Ψ, 1.5× DDP** (§7.2.2). The ledgers of the step measured in §1, on rank 0:
 
 # %%
-print(
-    f"{'':22}"
-    + "".join(f"{plots.MODELS[m]} (Ψ = {ps[0]['psi']:,})".rjust(30) for m, ps in PROFILES.items())
-)
-for i, s_ in enumerate(plots.STAGES):
-    cells = [
-        f"{p['volume'] / p['psi']:.4f}Ψ in {len(p['records'])} calls"
-        for p in (PROFILES[m][i] for m in PROFILES)
-    ]
-    print(f"stage {s_} {plots.STAGES[s_]:14}" + "".join(f"{c:>30}" for c in cells))
-
-for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's parameters) moved?
-    counts = {
-        op: Counter(Counter(r["tag"] for r in ps[3]["records"] if r["op"] == op).values())
-        for op in ("all_gather", "reduce_scatter")
-    }  # op -> {times a unit went through op: number of units}
-    print(
-        f"{plots.MODELS[m]}, stage 3: "
-        + "; ".join(
-            f"{op}: " + ", ".join(f"{units} units x{n}" for n, units in sorted(c.items()))
-            for op, c in counts.items()
-        )
-    )
+lab.show_volumes(PROFILES)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 
 # %% [markdown]
 # Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3: every stage-3 unit is
@@ -524,14 +417,7 @@ for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's p
 #   to `wait()`, so computation that overlapped them counts in their time.
 
 # %%
-fig = plots.comm_figure({"mlp": PROFILES["mlp"], "gpt": GPT}, INFO)
-plt.show()
-print(checks.describe(INFO))
-for m, ps in PROFILES.items():
-    print(
-        f"{plots.MODELS[m]}, per stage: median step (ms) [collectives per step]: "
-        + ", ".join(f"{statistics.median(p['step_s']) * 1e3:.1f} [{len(p['records'])}]" for p in ps)
-    )
+lab.plot_comm(PROFILES)
 
 # %% [markdown]
 # These times come from this machine under whatever else runs on it: compare them with each
@@ -549,51 +435,24 @@ for m, ps in PROFILES.items():
 # reduce-scatter its gradients; stage 3 also gathers the parameters again for every forward and
 # every backward (lesson 03 §6 measured stage 2; FSDP2's `set_requires_gradient_sync(False)` is
 # the other side of that trade: full gradients kept, memory paid). Measured with the ledger, one
-# optimizer step of TinyGPT tiny on NPROCS ranks, after 1 and after 4 micro-batches:
+# optimizer step of TinyGPT tiny on NPROCS ranks, after 1 and after 4 micro-batches (the second
+# step: the first one's `zero_grad()` also cuts stages 1-2's buckets again, lesson 04 §7):
 
 
 # %%
-def micro_volumes(micros=(1, 4)):
-    """Rank 0's ledger of one optimizer step after k micro-batches, per stage: (Ψ moved, bytes)."""
-    import torch.distributed as dist
-
-    from minizero.models import TinyGPT, count_params, synthetic_batch
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for stage in (1, 2, 3):
-        for k in micros:
-            torch.manual_seed(0)
-            model = TinyGPT(GPTConfig.tiny())
-            psi = count_params(model)
-            net, opt = minizero.parallelize(model, stage, lambda p: torch.optim.AdamW(p, lr=1e-3))
-            x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world)  # 4 rows a rank
-            with minizero.CommLedger() as ledger:
-                for xi, yi in zip(x.chunk(k), y.chunk(k), strict=True):  # k micro-batches
-                    (net(xi, yi) / k).backward()
-                opt.step()
-                opt.zero_grad()
-            out[stage, k] = (ledger.volume_elements / psi, sum(r.nbytes for r in ledger.records))
-    return out
-
-
-MICRO = minizero.launch(micro_volumes, NPROCS, verbose=False)[0]
-print(f"one optimizer step, TinyGPT tiny, {checks.describe(INFO)}, rank 0's ledger:")
-print(f"{'':10}{'1 micro-batch':>24}{'4 micro-batches':>24}")
-for stage in (1, 2, 3):
-    row = "".join(f"{MICRO[stage, k][0]:9.3f}Ψ {format_bytes(MICRO[stage, k][1]):>12}"
-                  for k in (1, 4))  # fmt: skip
-    print(f"stage {stage}  {row}")
+M = lab.micro_volumes(NPROCS, stages=(1, 2, 3), micros=(1, 4))
+lab.show_micro_volumes(M)
+MICRO = M["volumes"]  # (stage, k) -> (Ψ moved, bytes)
 per_micro = {st: (MICRO[st, 4][0] - MICRO[st, 1][0]) / 3 for st in (1, 2, 3)}  # Ψ per extra one
 fixed = {st: MICRO[st, 1][0] - per_micro[st] for st in (1, 2, 3)}  # Ψ once per step
 k_big = 4_000_000 // (BIG_N * BIG_B * BIG.block_size)  # micro-batches per step at 4M tokens
-print(f"\n6.7B on {BIG_N} GPUs, 4M tokens per step = {k_big} micro-batches of b = {BIG_B}, "
-      f"bf16 (2 bytes per element; measured Ψ per step above, extrapolated linearly):")  # fmt: skip
+tokens = f"4M tokens per step = {k_big} micro-batches of b = {BIG_B}"
+print(f"\n6.7B on {BIG_N} GPUs, {tokens}, bf16 (measured Ψ per step above, extrapolated):")
 for st in (1, 2, 3):
     psi_moved = fixed[st] + per_micro[st] * k_big
     tb = psi_moved * BIG_PSI * 2 / 1e12  # bf16: 2 bytes per element
-    print(f"  stage {st}: {fixed[st]:.2f}Ψ + {per_micro[st]:.2f}Ψ per micro-batch = "
-          f"{psi_moved:7.1f}Ψ = {tb:6.2f} TB per rank per step (paper accounting)")  # fmt: skip
+    moved = f"{fixed[st]:.2f}Ψ + {per_micro[st]:.2f}Ψ per micro-batch = {psi_moved:7.1f}Ψ"
+    print(f"  stage {st}: {moved} = {tb:6.2f} TB per rank per step (paper accounting)")
 
 # %% [markdown]
 # Per optimizer step, stage 1 moves 2Ψ however many micro-batches it accumulates; stage 2 moves

@@ -19,37 +19,9 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import statistics
-import time
-from unittest import mock
+from minizero.course.labs.lesson06 import *  # torch, nn, minizero, hint, lab, the check
 
-import matplotlib.pyplot as plt
-import torch
-
-# torch.optim imports torch's compiler on first use (~10 s per process). The ranks of a CPU launch
-# are forked from this kernel: importing it once here saves every launch below that time.
-import torch._dynamo  # noqa: F401
-import torch.distributed as dist
-import torch.distributed.optim.zero_redundancy_optimizer as zro_module
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
-
-import minizero
-from minizero import collectives as C
-from minizero.analysis.ledger import CommLedger
-from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
-from minizero.course import checks, compare, hint, plots
-from minizero.course.checks.lesson06 import check_owned_tensors
-from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
-from minizero.parallelize import full_state_dict, parallelize
-from minizero.units import assign_params, select_units
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-print(checks.describe(INFO))
-GPT = GPTConfig.tiny()
-adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)
+NPROCS, INFO = setup()
 
 # %% [markdown]
 # ## Myth 1: "ZeRO splits the model into parts that run on separate GPUs"
@@ -64,57 +36,7 @@ adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)
 
 
 # %%
-def who_computes_what():
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    torch.manual_seed(0)
-    plain = TinyGPT(GPT).to(dev)  # the whole model, no ZeRO: the reference
-    torch.manual_seed(0)
-    net, _ = parallelize(TinyGPT(GPT), 3, adamw)
-    groups, owners, _ = assign_params(net.module, select_units(net.module))  # ZeRO-3's units
-    names = {m: name or "(root)" for name, m in net.module.named_modules()}
-    ran = []  # per unit, as its module starts: [name, elements, present while it runs, after]
-
-    def present(params):  # parameter elements whose storage holds data right now
-        return sum(p.numel() for p in params if p.untyped_storage().nbytes())
-
-    def before(m, args, name, params):
-        ran.append([name, sum(p.numel() for p in params), present(params)])
-
-    def after(m, args, out, name, params):
-        next(row for row in ran if row[0] == name).append(present(params))
-
-    for params, m in zip(groups, owners, strict=True):  # these run after ZeRO-3's gather / free
-        m.register_forward_pre_hook(lambda m, a, n=names[m], ps=params: before(m, a, n, ps))
-        m.register_forward_hook(lambda m, a, out, n=names[m], ps=params: after(m, a, out, n, ps))
-    x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world, device=dev)  # (4, T)
-    with CommLedger() as ledger, FlopCounterMode(display=False) as flops:
-        net(x, y)
-    with FlopCounterMode(display=False) as plain_flops:
-        plain(x, y)
-    return dict(
-        ran=ran,
-        rows=x[:, 0].tolist(),
-        flops=flops.get_total_flops(),
-        plain_flops=plain_flops.get_total_flops(),
-        psi=count_params(plain),
-        held=sum(s.numel() for s in net.param_shards),
-        gathered=sum(r.numel for r in ledger.records if r.op == "all_gather"),
-    )
-
-
-runs = minizero.launch(who_computes_what, NPROCS, verbose=False)
-head = "".join(f"rank {r}: while | after".rjust(24) for r in range(NPROCS))
-print(f"{'unit (module)':22}{'elements':>10}{head}")
-for i, (name, n, *_) in enumerate(runs[0]["ran"]):
-    cells = "".join(f"{r['ran'][i][2]:>15,} | {r['ran'][i][3]:>6,}" for r in runs)
-    print(f"{name:22}{n:>10,}{cells}")
-for rank, r in enumerate(runs):
-    print(
-        f"rank {rank}: micro-batch starts with tokens {r['rows']}; ran {len(r['ran'])} units; "
-        f"holds {r['held']:,} of Ψ = {r['psi']:,} elements at rest; all-gathered "
-        f"{r['gathered']:,} in forward; forward FLOPs {r['flops']:,} (plain TinyGPT on the same "
-        f"rows: {r['plain_flops']:,})"
-    )
+lab.show_who_computes_what(lab.who_computes_what(NPROCS))
 
 # %% [markdown]
 # What the measurement shows:
@@ -147,62 +69,8 @@ for rank, r in enumerate(runs):
 
 
 # %%
-DELAY, STEPS = 0.3, 3
-
-
-def synchronous(stage):
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    model, batch = compare.workload("mlp", 4, dev)  # this rank's 4 rows of each step
-    ref, _ = compare.workload("mlp", 4 * world, dev)  # one process, the whole global batch
-    ref.to(dev)
-    ref_opt = adamw(ref.parameters())
-    net, opt = parallelize(model, stage, adamw)
-    times, params, ref_params = [], [], []
-    for step in range(STEPS):
-        dist.barrier()  # everyone starts the step together
-        t0 = time.perf_counter()
-        if rank == world - 1 and step == 2:
-            time.sleep(DELAY)  # a slow rank
-        net(*batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        params.append({k: v.cpu() for k, v in full_state_dict(net).items()})
-        whole = synthetic_batch("mlp", 4 * world, step, device=dev, in_features=32, out_features=16)
-        ref(*whole).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_params.append({k: v.detach().cpu().clone() for k, v in ref.state_dict().items()})
-    return dict(times=times, params=params, ref=ref_params)
-
-
-def run_synchronous(progress):
-    out = {}
-    for stage in range(4):
-        out[stage] = synchronous(stage)
-        progress.tick()
-    return out
-
-
-sync = checks.launch_with_progress(run_synchronous, NPROCS, total=4, desc="stages", verbose=False)
-for stage in range(4):
-    t = [f"{s * 1e3:.0f}" for s in sync[0][stage]["times"]]
-    same = all(
-        torch.equal(r[stage]["params"][s][k], sync[0][stage]["params"][s][k])
-        for r in sync
-        for s in range(STEPS)
-        for k in r[stage]["params"][s]
-    )
-    diff = max(
-        (p[k] - ref[k]).abs().max().item()
-        for p, ref in zip(sync[0][stage]["params"], sync[0][stage]["ref"])
-        for k in p
-    )
-    print(
-        f"stage {stage}: rank 0's step times (ms) {t}; parameters bit-identical on all ranks "
-        f"after every step: {same}; max |rank 0 - one process| = {diff:.1e}"
-    )
-print(checks.describe(INFO))
+DELAY, STEPS = 0.3, 3  # in step 2 the last rank is DELAY seconds late
+lab.show_synchronous(lab.synchronous(NPROCS, stages=(0, 1, 2, 3), steps=STEPS, delay=DELAY))
 
 # %% [markdown]
 # Rank 0's third step took about 0.3 s longer at every stage: it waited inside a collective
@@ -225,57 +93,11 @@ print(checks.describe(INFO))
 
 
 # %%
-def step_ledgers():
-    dev = checks.rank_device()
-    out = {}
-    for stage in range(4):
-        model, batch = compare.workload("mlp", 4, dev)
-        psi = count_params(model)
-        with CommLedger() as setup:
-            net, opt = parallelize(model, stage, adamw)
-        for step in range(2):  # step 0 warms up; step 1 is recorded
-            with CommLedger() as ledger:
-                net(*batch(step)).backward()
-                opt.step()
-                opt.zero_grad()
-        out[stage] = dict(psi=psi, setup=setup, step=ledger)
-    return out
-
-
-res = minizero.launch(step_ledgers, NPROCS, verbose=False)
-LEDGERS = {stage: [r[stage]["step"] for r in res] for stage in range(4)}  # [rank] per stage
-PSI = res[0][0]["psi"]
-for stage, ledgers in LEDGERS.items():
-    calls = [[(r.op, r.numel, r.dtype) for r in L.records] for L in ledgers]
-    per_rank = ", ".join(
-        f"rank {i}: {len(c)} calls, {L.volume_elements / PSI:.2f}Ψ"
-        for i, (c, L) in enumerate(zip(calls, ledgers))
-    )
-    ops = sorted({r.op for L in ledgers for r in L.records})
-    print(
-        f"stage {stage}: {per_rank}; ops {ops}; same calls on every rank: "
-        f"{all(c == calls[0] for c in calls)}"
-    )
-setup = [(r.op, r.tag) for r in res[1][0]["setup"].records]
-print(f"construction (stage 0, rank 1): {len(setup)} x {sorted(set(setup))}")
+LEDGERS = lab.step_ledgers(NPROCS, stages=(0, 1, 2, 3))
+lab.show_step_ledgers(LEDGERS)
 
 # %%
-fig, ax = plt.subplots(figsize=(8, 3.5))
-width = 0.8 / NPROCS
-for rank in range(NPROCS):
-    xs = [s - 0.4 + width * (rank + 0.5) for s in LEDGERS]
-    ax.bar(
-        xs,
-        [LEDGERS[s][rank].volume_elements / PSI for s in LEDGERS],
-        width * 0.9,
-        label=f"rank {rank}",
-    )
-ax.set_xticks(list(LEDGERS), [f"{s}: {plots.STAGES[s]}" for s in LEDGERS])
-ax.set_ylabel("elements moved per step / Ψ")
-ax.set_title(f"every rank moves the same: MLP, one step, {checks.describe(INFO)}", fontsize=10)
-ax.legend(fontsize=8)
-fig.tight_layout()
-plt.show()
+lab.plot_step_ledgers(LEDGERS)
 
 # %% [markdown]
 # Every rank issued the same collectives, of the same sizes, in the same order, and moved the same
@@ -299,71 +121,8 @@ plt.show()
 
 
 # %%
-class ConvNet(nn.Module):
-    """Two convolutions and a linear head on 3 x 16 x 16 images, 10 classes. No BatchNorm: its
-    statistics are per rank under any data parallelism, so it would not match one process."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
-        self.head = nn.Linear(16, 10)
-
-    def forward(self, x, y=None):
-        h = F.relu(self.conv1(x))  # (B, 8, 16, 16)
-        h = F.relu(self.conv2(h))  # (B, 16, 8, 8)
-        logits = self.head(h.mean(dim=(2, 3)))  # (B, 10)
-        return logits if y is None else F.cross_entropy(logits, y)
-
-
-def images(global_batch, step, rank=0, world=1, device="cpu"):
-    g = torch.Generator().manual_seed(step)  # the same global batch on every rank
-    x = torch.randn(global_batch, 3, 16, 16, generator=g)
-    y = torch.randint(0, 10, (global_batch,), generator=g)
-    rows = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
-    return x[rows].to(device), y[rows].to(device)
-
-
-def mlp_batch(global_batch, step, rank=0, world=1, device="cpu"):
-    return synthetic_batch("mlp", global_batch, step, rank=rank, world=world, device=device)
-
-
-def train(make, data, stage):
-    """3 AdamW steps; ``stage=None``: one process on the whole batch. Full fp32 params after."""
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    torch.manual_seed(0)
-    model = make()
-    if stage is None:
-        model, opt, rank, world = model.to(dev), adamw(model.parameters()), 0, 1
-    else:
-        model, opt = parallelize(model, stage, adamw)
-    for step in range(3):
-        model(*data(8, step, rank=rank, world=world, device=dev)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.cpu() for k, v in full_state_dict(model).items()}
-
-
-def not_a_transformer():
-    return {
-        name: {stage: train(make, data, stage) for stage in (None, 0, 3)}
-        for name, make, data in (("MLP", MLP, mlp_batch), ("ConvNet", ConvNet, images))
-    }
-
-
-res4 = minizero.launch(not_a_transformer, NPROCS, verbose=False)
-for (name, by_stage), make in zip(res4[0].items(), (MLP, ConvNet)):
-    torch.manual_seed(0)
-    start = make().state_dict()  # the initial weights, to see how far training moved them
-    one = by_stage[None]  # one process, whole batch
-    moved = max((one[k] - start[k]).abs().max().item() for k in one)
-    diff = {s: max((by_stage[s][k] - one[k]).abs().max().item() for k in one) for s in (0, 3)}
-    d03 = max((by_stage[3][k] - by_stage[0][k]).abs().max().item() for k in one)
-    print(
-        f"{name}: 3 steps moved the parameters by up to {moved:.1e}; max |params - one process| "
-        f"= {diff[0]:.1e} for DDP, {diff[3]:.1e} for stage 3 on {NPROCS} ranks; "
-        f"max |stage 3 - DDP| = {d03:.1e}"
-    )
+RES = lab.not_a_transformer(NPROCS, models=("MLP", "ConvNet"), stages=(None, 0, 3))
+lab.show_not_a_transformer(RES, NPROCS)  # None: one process on the whole batch
 
 # %% [markdown]
 # Both match DDP and one process to float rounding after three steps. ZeRO is a way of doing
@@ -381,11 +140,7 @@ for (name, by_stage), make in zip(res4[0].items(), (MLP, ConvNet)):
 # Compared with DDP, it does not. From the ledgers of myth 3 (MLP, one step, rank 0):
 
 # %%
-for stage, ledgers in LEDGERS.items():
-    by_op = {op: v / PSI for op, v in ledgers[0].by_op().items()}
-    print(
-        f"stage {stage} {plots.STAGES[stage]:9}: {ledgers[0].volume_elements / PSI:.3f}Ψ = {by_op}"
-    )
+lab.show_volumes_by_op(LEDGERS)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 
 # %% [markdown]
 # Stages 1 and 2 move **2Ψ**, exactly what DDP's all-reduce moves (the paper, §7.2.1: a
@@ -414,44 +169,7 @@ for stage, ledgers in LEDGERS.items():
 
 
 # %%
-LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
-fused = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)
-
-
-def activations_by_stage():
-    dev, out = checks.rank_device(), {}
-    for stage in range(4):
-        torch.manual_seed(0)
-        cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-        net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
-        net(x, x).backward()  # a warm-up step creates the optimizer states
-        opt.step()
-        opt.zero_grad()
-        with MemoryMeter(net, opt, device=dev) as meter:
-            meter.reset_peak()
-            loss = net(x, x)
-            fwd = meter.mark("end of forward")
-            loss.backward()
-            states = sum(model_state_bytes(net, opt).values())
-            opt.step()
-            opt.zero_grad()
-            end = meter.mark("end of step")
-        out[stage] = dict(states=states, fwd=fwd, peak=end["peak"])
-    return out
-
-
-acts = minizero.launch(activations_by_stage, NPROCS, verbose=False)[0]  # rank 0
-print(f"TinyGPT, L=2 h=64 s=128 b=2, bf16, rank 0 of {checks.describe(INFO)}")
-print(f"{'stage':12}{'model states':>14}{'activations, end of forward':>30}{'peak - states':>16}")
-for stage, m in acts.items():
-    fwd = m["fwd"]  # CPU: the split; CUDA: total - model states (the allocator gives no split)
-    alive = fwd["activations"] if fwd["at_peak"] is not None else fwd["total"] - m["states"]
-    print(
-        f"{stage}: {plots.STAGES[stage]:9}{format_bytes(m['states']):>14}{format_bytes(alive):>30}"
-        f"{format_bytes(m['peak'] - m['states']):>16}"
-    )
+lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, stages=(0, 1, 2, 3)))
 
 # %% [markdown]
 # The model states shrink from stage to stage; the activations at the end of forward are the
@@ -486,78 +204,8 @@ for stage, m in acts.items():
 
 
 # %%
-class LedgeredDist:
-    """torch.distributed, except that broadcast goes through minizero's ledger."""
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
-
-    @staticmethod
-    def broadcast(tensor, src, group=None, async_op=False):
-        group_src = dist.get_group_rank(group or dist.group.WORLD, src)  # src: a global rank
-        return C.broadcast(tensor, src=group_src, group=group, async_op=async_op, tag="zro")
-
-
-def torch_zero_vs_stage1():
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    out = {}
-    for opt_name, opt_class in (("AdamW", torch.optim.AdamW), ("Adafactor", torch.optim.Adafactor)):
-        torch.manual_seed(0)
-        model = TinyGPT(GPT).to(dev)
-        torch.manual_seed(0)
-        ref = TinyGPT(GPT).to(dev)  # one process, the whole batch
-        zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=opt_class, lr=1e-2)
-        ref_opt = opt_class(ref.parameters(), lr=1e-2)
-        for step in range(3):
-            x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-            model(x, y).backward()
-            with CommLedger() as ledger, mock.patch.object(zro_module, "dist", LedgeredDist()):
-                for p in model.parameters():  # DDP: the average gradient on every rank
-                    C.all_reduce(p.grad, tag="ddp")
-                    p.grad /= world
-                zro.step()
-            zro.zero_grad()
-            ref(*synthetic_batch("gpt", 4 * world, step, device=dev)).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-        out[f"torch {opt_name}"] = dict(
-            by_op=ledger.by_op(),
-            opt=model_state_bytes(None, zro.optim)["optimizer"],  # zro.optim: this rank's
-            diff=diff,
-        )
-        try:
-            net, opt = parallelize(TinyGPT(GPT), 1, lambda p, cls=opt_class: cls(p, lr=1e-2))
-        except TypeError as e:
-            out[f"stage 1 {opt_name}"] = dict(refused=str(e))
-            continue
-        for step in range(2):
-            x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-            with CommLedger() as ledger:
-                net(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-        out[f"stage 1 {opt_name}"] = dict(
-            by_op=ledger.by_op(), opt=model_state_bytes(net, opt)["optimizer"]
-        )
-    return out
-
-
-zro = minizero.launch(torch_zero_vs_stage1, NPROCS, verbose=False)
-psi = count_params(TinyGPT(GPT))
-print(f"TinyGPT tiny, Ψ = {psi:,}, fp32, one step, {checks.describe(INFO)}")
-for key in zro[0]:
-    if "refused" in zro[0][key]:
-        print(f"{key}: refused: {zro[0][key]['refused'][:130]}...")
-        continue
-    moved = {op: f"{v / psi:.2f}Ψ" for op, v in zro[0][key]["by_op"].items()}
-    total = sum(zro[0][key]["by_op"].values()) / psi
-    per_rank = ", ".join(format_bytes(r[key]["opt"]) for r in zro)
-    d = zro[0][key].get("diff")  # torch's: against one process after 3 steps
-    diff = "" if d is None else f"; max |params - one process| after 3 steps {d:.1e}"
-    print(f"{key}: moved {total:.2f}Ψ {moved}; optimizer states per rank: {per_rank}{diff}")
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adafactor": torch.optim.Adafactor}
+lab.show_torch_zero_vs_stage1(lab.torch_zero_vs_stage1(NPROCS, OPTIMIZERS))
 
 # %% [markdown]
 # ZeroRedundancyOptimizer moves 3Ψ per step where stage 1 moves 2Ψ. Its ranks' optimizer states
@@ -626,7 +274,7 @@ def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=N
 # %% check="owned_tensors"
 # Your assignment on awkward size lists, then your step with AdamW and Adafactor on max(NPROCS, 3)
 # ranks, and with AdamW on a subgroup of 2 of them.
-check_owned_tensors(assign_owners, owned_step, NPROCS)
+lesson06.check_owned_tensors(assign_owners, owned_step, NPROCS)
 
 # %% [markdown]
 # The broadcast is the price of the layout: an owner that updates a whole tensor must send all of
@@ -649,57 +297,7 @@ check_owned_tensors(assign_owners, owned_step, NPROCS)
 
 # %%
 VOCABS = (64, 512, 2048, 8192)
-
-
-def stage2_vs_stage3():
-    dev, out = checks.rank_device(), []
-    for V in VOCABS:
-        cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64)
-        for stage in (2, 3):
-            torch.manual_seed(0)
-            cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-            net, opt = parallelize(TinyGPT(cfg), stage, fused, precision="bf16", bucket_cap_mb=cap)
-            x = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(0)).to(dev)
-            net(x, x).backward()  # a warm-up step creates the optimizer states
-            opt.step()
-            opt.zero_grad()
-            with MemoryMeter(net, opt, device=dev) as meter:
-                meter.reset_peak()
-                net(x, x).backward()
-                opt.step()
-                opt.zero_grad()
-                end = meter.mark("step")
-            out.append(dict(V=V, stage=stage, peak=end["peak"], psi=count_params(TinyGPT(cfg))))
-    return out
-
-
-sweep = minizero.launch(stage2_vs_stage3, NPROCS, verbose=False)[0]
-print(f"peak per rank, rank 0 of {checks.describe(INFO)}")
-share = {}
-for V in VOCABS:
-    p2, p3 = (next(r for r in sweep if r["V"] == V and r["stage"] == s) for s in (2, 3))
-    share[V] = V * 64 / p2["psi"]  # the embedding's share of Ψ
-    print(
-        f"V = {V:6}: embedding {share[V]:4.0%} of Ψ = {p2['psi']:>9,}; stage 2 "
-        f"{format_bytes(p2['peak']):>10}, stage 3 {format_bytes(p3['peak']):>10} "
-        f"({p3['peak'] / p2['peak'] - 1:+.1%})"
-    )
-
-# %%
-fig, ax = plt.subplots(figsize=(7, 3.5))
-xs = [share[V] for V in VOCABS]
-for stage in (2, 3):
-    ys = [r["peak"] / r["psi"] for V in VOCABS for r in sweep if (r["V"], r["stage"]) == (V, stage)]
-    ax.plot(xs, ys, "o-", label=f"stage {stage}: {plots.STAGES[stage]}")
-ax.set_xlabel("the embedding's share of Ψ (V × h, in the root's unit)")
-ax.set_ylabel("peak bytes per rank / Ψ")
-note = f"\n{plots.GLOO_MEMORY_NOTE}" if INFO["backend"] == "gloo" else ""
-where = f"{checks.describe(INFO)}{note}"
-ax.set_title(f"TinyGPT L=6 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
-ax.legend(fontsize=8)
-ax.grid(alpha=0.3)
-fig.tight_layout()
-plt.show()
+lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figure
 
 # %% [markdown]
 # Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
@@ -725,58 +323,7 @@ plt.show()
 
 
 # %%
-def stage3_by_n(worlds):
-    rank, dev, out = dist.get_rank(), checks.rank_device(), []
-    for n in worlds:
-        group = dist.new_group(list(range(n)))  # every rank creates every group
-        if rank < n:
-            torch.manual_seed(0)
-            net, opt = parallelize(TinyGPT(LONG), 3, fused, precision="bf16", process_group=group)
-            x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size)).to(dev)  # (b, s)
-            net(x, x).backward()  # a warm-up step creates the optimizer states
-            opt.step()
-            opt.zero_grad()
-            with MemoryMeter(net, opt, device=dev) as meter:
-                meter.reset_peak()
-                net(x, x).backward()
-                states = sum(model_state_bytes(net, opt).values())
-                opt.step()
-                opt.zero_grad()
-                end = meter.mark("step")
-            out.append(dict(n=n, states=states, peak=end["peak"], psi=count_params(TinyGPT(LONG))))
-        dist.barrier()
-    return dict(info=checks.run_info(), rows=out)
-
-
-floor = minizero.launch(stage3_by_n, 4, [1, 2, 4], backend="gloo", verbose=False)[0]
-for r in floor["rows"]:
-    rest = r["peak"] - r["states"]
-    print(
-        f"N = {r['n']}: peak {format_bytes(r['peak'])} = model states {format_bytes(r['states'])} "
-        f"+ the rest {format_bytes(rest)}"
-    )
-
-# %%
-rows = floor["rows"]
-psi, rest = rows[0]["psi"], statistics.fmean(r["peak"] - r["states"] for r in rows)
-fig, ax = plt.subplots(figsize=(7, 3.5))
-ns = [r["n"] for r in rows]
-ax.bar([str(n) for n in ns], [r["states"] / 2**20 for r in rows], label="model states (16Ψ/N)")
-ax.bar([str(n) for n in ns], [(r["peak"] - r["states"]) / 2**20 for r in rows],
-       bottom=[r["states"] / 2**20 for r in rows], label="the rest of the peak", hatch="//",
-       color="#DDDDDD")  # fmt: skip
-for n in (64, 1024):  # the formula's model states, the measured rest
-    label = "16Ψ/N by formula + the measured rest" if n == 64 else None
-    ax.bar(f"{n}\n(formula)", (16 * psi / n + rest) / 2**20, color="#BBBBBB", label=label)
-ax.set_ylabel("peak per rank (MiB)")
-ax.set_xlabel("N: ranks in the process group")
-info = floor["info"]
-ax.set_title(f"stage 3, TinyGPT L=2 h=64 s=128 b=2, bf16; {info['backend']} · {info['device']}, "
-             f"groups of the first N of {info['world']} ranks\n{plots.GLOO_MEMORY_NOTE}",
-             fontsize=9)  # fmt: skip
-ax.legend(fontsize=8)
-fig.tight_layout()
-plt.show()
+lab.show_stage3_by_n(lab.stage3_by_n(worlds=(1, 2, 4)), formula_ns=(64, 1024))  # and its figure
 
 # %% [markdown]
 # The model states halve with each doubling of N; the rest of the peak stays where it is. At

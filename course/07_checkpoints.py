@@ -4,8 +4,8 @@
 # A training run that cannot be saved is lost when one machine dies. With DDP saving is easy:
 # every rank holds everything, so rank 0 calls `torch.save`. With ZeRO it is not: at stages 1-3
 # each rank's optimizer holds the states of *its* elements only, and at stage 3 its parameters
-# too. torch's `optimizer.state_dict()` is a different, partial thing on every rank, and nothing
-# in it says which rank or which world size it came from. The habit "save on rank 0, load everywhere"
+# too. `optimizer.state_dict()` is a different, partial thing on every rank, and nothing in it
+# says which rank or which world size it came from. The habit "save on rank 0, load everywhere"
 # then resumes with the wrong optimizer states on every rank but 0, silently.
 #
 # The real systems took years here. DeepSpeed's stages 1 and 2 could reload their optimizer
@@ -28,45 +28,10 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import json
-import shutil
-import tempfile
-from pathlib import Path
+from minizero.course.labs.lesson07 import *  # torch, dist, minizero, hint, lab, lesson07, TinyGPT
 
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
-
-import minizero
-from minizero.checkpoint import CheckpointError, checkpoint_bytes
-from minizero.course import checks, hint
-from minizero.course.checks import lesson07
-from minizero.launcher import LaunchError
-from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-GPT = GPTConfig.tiny()
-PSI = count_params(TinyGPT(GPT))
 CKPT = Path(tempfile.mkdtemp(prefix="minizero-07-"))  # this lesson's checkpoints
-print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,} | checkpoints in {CKPT}")
-
-
-def nanogpt_adamw(model):
-    """nanoGPT's configure_optimizers: weight decay on the >= 2-D parameters only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
-
-
-def gpt_batch(step):
-    """This rank's slice of step ``step``'s global batch of 12 rows (12 divides by 1, 2, 3, 4)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return synthetic_batch("gpt", 12, step, rank=rank, world=world, seq_len=GPT.block_size,
-                           device=checks.rank_device())  # fmt: skip
-
+NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI, "checkpoints in": CKPT})
 
 # %% [markdown]
 # ## 1. What each rank's optimizer holds
@@ -78,32 +43,14 @@ def gpt_batch(step):
 
 
 # %%
-def state_sizes():
-    torch.manual_seed(0)
-    model = TinyGPT(GPT)
-    model, opt = minizero.parallelize(model, 2, nanogpt_adamw(model))
-    model(*gpt_batch(0)).backward()
-    opt.step()
-    held = sum(st["exp_avg"].numel() for st in opt.state.values())
-    # torch's own numbering of what this optimizer steps (minizero's state_dict() renumbers it
-    # by parameter, marks each entry's element range, and warns that it holds one shard)
-    raw = torch.optim.Optimizer.state_dict(opt)
-    return held, len(opt.state), len(raw["state"])
-
-
-for rank, (held, tensors, entries) in enumerate(minizero.launch(state_sizes, NPROCS)):
-    print(f"rank {rank}: exp_avg covers {held:,} of Ψ = {PSI:,} elements, in {tensors} "
-          f"tensors; torch's state dict of them has {entries} entries, numbered from 0")  # fmt: skip
+lab.show_state_sizes(lab.state_sizes(NPROCS, stage=2))
 
 # %% [markdown]
-# Each rank holds 1/N of the states, and torch's `state_dict()` numbers them 0, 1, 2, ... in the
+# Each rank holds 1/N of the states, and its `state_dict()` numbers them 0, 1, 2, ... in the
 # order of its own fragments: entry 3 on rank 0 and entry 3 on rank 1 are parts of different
 # parameters, of different sizes. Rank 0's file loaded on every rank would hand rank 1 the
 # states of rank 0's elements. A checkpoint must say *what* each saved number is: which
-# parameter, which elements. (minizero's `optimizer.state_dict()` says it, warns that it holds
-# one rank's shard, and refuses to load elsewhere; a whole state on rank 0 needs every rank:
-# `minizero.consolidate_state_dict(model, opt)`. This lesson builds the checkpoint that needs
-# neither.)
+# parameter, which elements.
 #
 # ## Exercise 1 — what each rank owns, by name and range
 #
@@ -181,39 +128,13 @@ lesson07.check_owned_ranges(owned_ranges, NPROCS)
 
 
 # %%
-def save_one(stage, path):
-    torch.manual_seed(0)
-    model = TinyGPT(GPT)
-    cap = None if stage == 3 else 0.1  # stage 3 cuts by units, not buckets
-    model, opt = minizero.parallelize(model, stage, nanogpt_adamw(model), bucket_cap_mb=cap)
-    model(*gpt_batch(0)).backward()
-    opt.step()
-    opt.zero_grad()
-    minizero.save_checkpoint(path, model, opt, extra={"step": 1})
-
-
-minizero.launch(save_one, NPROCS, 2, CKPT / "stage2")
-for f in sorted((CKPT / "stage2").iterdir()):
-    print(f"{f.name:16} {f.stat().st_size:>9,} bytes")
-record = json.loads((CKPT / "stage2" / "minizero.json").read_text())
-print("saved with", record["saved_with"], "| optimizer", record["optimizer"])
-print("wte.weight:", record["params"]["wte.weight"], "| lm_head.weight is stored as",
-      dict((k[0], k[2]) for k in record["keys"] if k[1] == "param")["lm_head.weight"])  # fmt: skip
+lab.show_files(lab.save_one(NPROCS, stage=2, path=CKPT / "stage2", bucket_cap_mb=0.1))
 
 # %% [markdown]
 # DCP's metadata says which chunks of which tensor were saved, and in which rank's file:
 
 # %%
-META = FileSystemReader(CKPT / "stage2").read_metadata()
-split = [k for k, v in META.state_dict_metadata.items() if k.startswith("model/") and
-         len(getattr(v, "chunks", [])) > 1]  # fmt: skip
-for key in [*split[:3], f"optim/{split[0][len('model/') :]}/exp_avg", "model/ln_f.weight"]:
-    stored = META.state_dict_metadata[key]
-    files = {i.offset[0]: w.relative_path for i, w in META.storage_data.items() if i.fqn == key}
-    pieces = [f"[{c.offsets[0]:,}, {c.offsets[0] + c.sizes[0]:,}) in {files[c.offsets[0]]}"
-              for c in stored.chunks]  # fmt: skip
-    print(f"{key} ({stored.size[0]:,} elements): " + ", ".join(pieces))
-print(f"{len(split)} parameters are split between ranks; the others lie whole in one rank's file")
+lab.show_chunks(CKPT / "stage2")
 
 # %% [markdown]
 # ## Exercise 2 — reading the ranges a rank owns now
@@ -278,10 +199,9 @@ STEPS, EVERY = 16, 4
 
 
 def train(stage, log, resume_from=None, crash_at=None):
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = TinyGPT(GPT)
-    opt = nanogpt_adamw(model)
+    opt = lab.nanogpt_adamw(model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     model, opt = minizero.parallelize(model, stage, opt)
     start = 0
@@ -290,32 +210,20 @@ def train(stage, log, resume_from=None, crash_at=None):
         sched.load_state_dict(extra["sched"])
         start = extra["step"]
     for step in range(start, STEPS):
-        loss = model(*gpt_batch(step))
+        loss = model(*lab.gpt_batch(step))
         loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # the global batch's loss: the mean of the ranks' means
-        if rank == 0:
-            with open(CKPT / f"{log}.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
+        lab.log_loss(Path(f"{log}.jsonl"), step, loss)  # rank 0: the global batch's loss
         if (step + 1) % EVERY == 0:
-            if step + 1 == crash_at and rank == 1:
+            if step + 1 == crash_at and dist.get_rank() == 1:
                 lesson07.crash_during_next_save("rank 1 lost power")
             extra = {"step": step + 1, "sched": sched.state_dict()}
-            minizero.save_checkpoint(CKPT / log / f"step_{step + 1}", model, opt, extra)
+            minizero.save_checkpoint(Path(log) / f"step_{step + 1}", model, opt, extra)
 
 
-try:
-    minizero.launch(train, 2, 2, "crashed", crash_at=12, backend="gloo")
-except LaunchError as e:
-    print("the run died:", next(ln for ln in str(e).splitlines() if "save_checkpoint fail" in ln))
-print(sorted(p.name for p in (CKPT / "crashed").iterdir()))
-try:
-    minizero.consolidate(CKPT / "crashed" / "step_12")
-except CheckpointError as e:
-    print("step_12:", e)
+lab.run_that_dies(train, 2, 2, CKPT / "crashed", crash_at=12)
 
 # %% [markdown]
 # The save of step 12 never committed: `step_12.incomplete/` holds rank 0's part and no record,
@@ -323,34 +231,17 @@ except CheckpointError as e:
 # reference:
 
 # %%
-done = [p for p in (CKPT / "crashed").iterdir() if (p / "minizero.json").exists()]
-latest = max(done, key=lambda p: int(p.name.split("_")[1]))
+latest = lab.latest_checkpoint(CKPT / "crashed")
 print("resuming from", latest.name)
-minizero.launch(train, 3, 3, "resumed", resume_from=latest, backend="gloo")
-minizero.launch(train, 2, 2, "reference", backend="gloo")
-
-
-def read_log(name):
-    rows = [json.loads(line) for line in (CKPT / f"{name}.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-LOGS = {name: read_log(name) for name in ("reference", "crashed", "resumed")}
-fig, ax = plt.subplots(figsize=(8, 4))
-ax.plot(*zip(*LOGS["reference"].items()), "k-", lw=3, alpha=0.25,
-        label="reference: 16 steps, stage 2, 2 ranks")  # fmt: skip
-ax.plot(*zip(*LOGS["crashed"].items()), "o-", label="stage 2 on 2 ranks, dies at step 12's save")
-ax.plot(*zip(*LOGS["resumed"].items()), "x--", label=f"from {latest.name}: stage 3, 3 ranks")
-ax.axvline(int(latest.name.split("_")[1]) - 0.5, color="gray", ls=":", lw=1)
-ax.set_xlabel("step")
-ax.set_ylabel("loss of the global batch")
-ax.legend(fontsize=8)
-ax.set_title("a run killed and resumed on another world size and stage (gloo, CPU)", fontsize=9)
-fig.tight_layout()
-plt.show()
-gap = max(abs(LOGS["resumed"][s] - LOGS["reference"][s]) for s in LOGS["resumed"])
-print(f"resumed vs reference, steps {min(LOGS['resumed'])}-{max(LOGS['resumed'])}: "
-      f"max |Δloss| = {gap:.1e}")  # fmt: skip
+minizero.launch(train, 3, 3, CKPT / "resumed", resume_from=latest, backend="gloo")
+minizero.launch(train, 2, 2, CKPT / "reference", backend="gloo")
+LABELS = {
+    "reference": "reference: 16 steps, stage 2, 2 ranks",
+    "crashed": "stage 2 on 2 ranks, dies at step 12's save",
+    "resumed": f"from {latest.name}: stage 3, 3 ranks",
+}
+LOGS = lab.read_logs(CKPT, list(LABELS))
+lab.plot_resume(LOGS, LABELS, resumed_from=int(latest.name.split("_")[1]))
 
 # %% [markdown]
 # The resumed curve lies on the reference: the fp32 masters, Adam's moments and step counts, the
@@ -370,8 +261,8 @@ for run in ("resumed", "reference"):
     plain = TinyGPT(GPT)
     plain.load_state_dict(minizero.consolidate(CKPT / run / f"step_{STEPS}"), strict=True)
     with torch.no_grad():
-        print(f"plain TinyGPT from {run}/step_{STEPS}: loss {plain(x, y).item():.7f} on the next "
-              "batch")  # fmt: skip
+        loss = plain(x, y).item()
+    print(f"plain TinyGPT from {run}/step_{STEPS}: loss {loss:.7f} on the next batch")
 
 # %% [markdown]
 # ## 4. Bytes written per rank
@@ -386,39 +277,9 @@ for run in ("resumed", "reference"):
 
 
 # %%
-def save_every_stage(root):
-    for stage in (0, 1, 2, 3):
-        torch.manual_seed(0)
-        model = TinyGPT(GPT)
-        model, opt = minizero.parallelize(model, stage, nanogpt_adamw(model), precision="bf16")
-        model(*gpt_batch(0)).backward()
-        opt.step()
-        minizero.save_checkpoint(root / f"s{stage}", model, opt)
-
-
-minizero.launch(save_every_stage, NPROCS, CKPT / "bytes")
-BYTES = {s: checkpoint_bytes(CKPT / "bytes" / f"s{s}") for s in range(4)}
-fig, ax = plt.subplots(figsize=(8, 4))
-width = 0.8 / NPROCS
-for r in range(NPROCS):
-    xs = [s + (r - (NPROCS - 1) / 2) * width for s in range(4)]
-    shards = [BYTES[s][r]["shards"] / 2**20 for s in range(4)]
-    files = [BYTES[s][r]["files"] / 2**20 for s in range(4)]
-    ax.bar(xs, files, width, color=f"C{r}", alpha=0.3)
-    ax.bar(xs, shards, width, color=f"C{r}", label=f"rank {r}: shards (files: light)")
-ax.axhline((2 + 12) * PSI / NPROCS / 2**20, color="k", ls="--", lw=1, label="(2 + K)Ψ / N")
-ax.axhline((2 + 12) * PSI / 2**20, color="r", ls=":", lw=1, label="(2 + K)Ψ: all on one rank")
-ax.set_xticks(range(4), ["stage 0\n(DDP)", "stage 1", "stage 2", "stage 3"])
-ax.set_ylabel("MiB written")
-ax.legend(fontsize=8)
-ax.set_title(f"checkpoint bytes per rank, TinyGPT bf16 AdamW: {checks.describe(INFO)}",
-             fontsize=9)  # fmt: skip
-fig.tight_layout()
-plt.show()
-for s in range(4):
-    print(f"stage {s}: " + ", ".join(f"rank {r} {b['shards']:,} B of shards ({b['elements']:,} "
-                                     f"elements), {b['files']:,} B of files"
-                                     for r, b in enumerate(BYTES[s])))  # fmt: skip
+GOT = lab.bytes_per_stage(NPROCS, CKPT / "bytes", stages=(0, 1, 2, 3))  # bf16, AdamW: K = 12
+lab.plot_bytes_per_stage(GOT, per_rank=(2 + 12) * PSI / NPROCS, one_rank=(2 + 12) * PSI)
+lab.show_bytes_per_stage(GOT)
 print(f"(2 + 12)Ψ/N = {(2 + 12) * PSI / NPROCS:,.0f} B; the full working copy 2Ψ = {2 * PSI:,} B")
 
 # %% [markdown]

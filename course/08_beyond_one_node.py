@@ -708,8 +708,8 @@ lesson08.check_predict_step_time(predict_step_time)
 # The same model, fed with this machine's fits, its measured compute and the buckets the stages
 # made, against the step times section 1 measured (the slowest rank's; every time in this section
 # is the fastest of 5, each after a barrier: on a shared machine noise only adds). gloo's
-# reduce-scatter is costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's prediction:
-# `MICRO` forward + backward passes of the plain model, then the collectives. It leaves out
+# reduce-scatter is costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's
+# prediction: `MICRO` forward + backward passes of the plain model, then the collectives. It leaves out
 # three things a step does, which section 1 measured on every rank at once (4 ranks share this
 # machine's cores, as they do in a step; minizero/analysis/step_parts.py):
 #

@@ -17,8 +17,12 @@ hints.py             ``hint("MyZeRO2")`` in a notebook: an exercise's hints, one
 workflow.py          ``python -m minizero start``: the student's own copies (``my-lessons/``)
 grade.py             ``python -m minizero grade``: run notebooks, PASS/FAIL per check cell
 checks/              the check cells' code, one file per lesson: ``checks/lessonNN.py`` holds
-                     lesson NN's checks; ``checks/common.py`` what every check and lesson shares;
+                     lesson NN's checks; ``checks/common.py`` what every check shares;
                      ``checks/common_zero.py`` what the ZeRO checks of lessons 02-04 share
+labs/                the experiments the lessons run, one file per lesson: ``labs/lessonNN.py``
+                     measures (functions returning rows or a dataclass) and shows (``show_*``,
+                     ``plot_*``) what lesson NN measures, and its ``__all__`` is the lesson's one
+                     import line; ``labs/common.py`` what several lessons measure alike
 plots.py             the lessons' figures of measured stages and of the paper's formulas
 plots_budget.py      lesson 05's memory budget figure and its ipywidgets calculator
 compare.py           every stage measured side by side (``profile_stages``, ``workload``) and
@@ -30,8 +34,9 @@ each collective ran, from the profiler) are library a lesson calls, like ``memor
 benchmarks (``bench.py``, ``bench_steps.py``), ``demo.py`` and ``doctor.py`` are tools for a
 command line, which no notebook needs; ``cli.py`` is what those commands' parsers share.
 
-Lessons import ``from minizero.course import checks, hint`` (the helpers of ``checks/common.py``;
-the hints on demand) and their own checks, e.g. ``from minizero.course.checks import lesson02``.
+A lesson opens with ``from minizero.course.labs.lessonNN import *`` and ``NPROCS, INFO =
+setup()``: the libraries its own code uses, ``hint``, its checks (``lessonNN``) and its lab
+(``lab``). Lessons not yet moved onto a lab import ``from minizero.course import checks, hint``.
 """
 
 from minizero.course.hints import hint

@@ -79,7 +79,7 @@ def profile_stage(
     would hold every gradient at once during backward.
     """
     from minizero.analysis.memory import MemoryMeter, model_state_bytes
-    from minizero.course.checks import rank_device
+    from minizero.launcher import rank_device
     from minizero.models import count_params
     from minizero.parallelize import parallelize
 
@@ -208,12 +208,13 @@ def compare_stages(
     import matplotlib.pyplot as plt
     import torch._dynamo  # noqa: F401  (torch.optim imports it; once here, not once per rank)
 
-    from minizero.course import checks
+    from minizero.launcher import default_nprocs
+    from minizero.launcher.progress import launch_with_progress
 
-    nprocs = nprocs or checks.default_nprocs()
+    nprocs = nprocs or default_nprocs()
     print(f"minizero compare: stages 0-3 on {nprocs} ranks, {precision}, TinyGPT tiny and an MLP, "
           f"{steps} timed steps each ...", flush=True)  # fmt: skip
-    res = checks.launch_with_progress(
+    res = launch_with_progress(
         profile_stages, nprocs, models=("gpt", "mlp"), precision=precision, steps=steps,
         total=8, desc="stages", verbose=False,
     )[0]  # fmt: skip

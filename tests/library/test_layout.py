@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
@@ -49,7 +50,13 @@ def minizero_modules(tree: ast.AST) -> dict[str, str]:
                     bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else "minizero"
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "minizero":
             for a in node.names:
-                if is_module(f"{node.module}.{a.name}"):
+                if a.name == "*":  # a lesson's lab: the minizero modules its __all__ names
+                    module = importlib.import_module(node.module)
+                    for name in module.__all__:
+                        value = getattr(module, name)
+                        if inspect.ismodule(value) and value.__name__.startswith("minizero"):
+                            bound[name] = value.__name__
+                elif is_module(f"{node.module}.{a.name}"):
                     bound[a.asname or a.name] = f"{node.module}.{a.name}"
         elif (
             isinstance(node, ast.Assign)
@@ -415,9 +422,10 @@ def test_every_minizero_name_a_lesson_uses_exists(source):
                     importlib.import_module(a.name)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minizero"):
             module = importlib.import_module(node.module)
-            for a in node.names:
-                found = hasattr(module, a.name) or is_module(f"{node.module}.{a.name}")
-                assert found, f"{source.name}:{node.lineno}: {node.module} has no {a.name}"
+            names = module.__all__ if node.names[0].name == "*" else [a.name for a in node.names]
+            for name in names:
+                found = hasattr(module, name) or is_module(f"{node.module}.{name}")
+                assert found, f"{source.name}:{node.lineno}: {node.module} has no {name}"
     modules = minizero_modules(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):

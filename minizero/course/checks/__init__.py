@@ -3,10 +3,8 @@
 ================  ==========================================================  ===============
 file              checks                                                      lesson
 ================  ==========================================================  ===============
-common.py         what every check shares (``CheckFailed``, ``guard``, ...)   every lesson
-                  and the helpers lessons call (``run_info``, ``describe``; and,
-                  from minizero.launcher, ``rank_device``, ``default_nprocs``,
-                  ``launch_with_progress``)
+common.py         what every check shares (``CheckFailed``, ``guard``,       every lesson
+                  ``launch_check``, ``run_info``, ``describe``, ...)
 lesson00.py       ``check_all_reduce_via_rs_ag``                              00_collectives
 lesson01.py       ``check_allreduce_gradients``, ``check_bucketed_ddp``       01_ddp
 common_zero.py    the ZeRO checks' runs side by side, compared step by step   02, 03, 04
@@ -20,10 +18,12 @@ lesson08.py       ``check_predict_step_time``, ``check_choose``               08
 lesson09.py       ``check_estimate_loss``                                     09_capstone
 ================  ==========================================================  ===============
 
-A lesson imports ``from minizero.course import checks`` for the shared helpers
-(``checks.rank_device()``, ``checks.describe(info)``: the names of :mod:`.common`, importable from
-here) and its own file for its exercises, e.g. ``from minizero.course.checks import lesson02``,
-then ``lesson02.check_zero1(MyZeRO1)``.
+A lesson calls its own file's checks, e.g. ``lesson02.check_zero1(MyZeRO1)``; its one import
+line (:mod:`minizero.course.labs`) brings ``lesson02``. This package holds checks only: the
+launcher's helpers a lesson's own cells use (``rank_device``, ``default_nprocs``,
+``launch_with_progress``) live in :mod:`minizero.launcher` and come with the lab. A notebook
+copied before they moved still reaches them here, as ``checks.rank_device()`` (module
+``__getattr__`` below), without their being part of this package.
 """
 
 from minizero.course.checks.common import (
@@ -35,10 +35,18 @@ from minizero.course.checks.common import (
     report_pass,
     run_info,
 )
-from minizero.launcher import default_nprocs, rank_device
-from minizero.launcher.progress import Progress, launch_with_progress
 
-__all__ = [
-    "TIMEOUT", "CheckFailed", "Progress", "default_nprocs", "describe", "guard", "launch_check",
-    "launch_with_progress", "rank_device", "report_pass", "run_info",
-]  # fmt: skip
+__all__ = ["TIMEOUT", "CheckFailed", "describe", "guard", "launch_check", "report_pass", "run_info"]
+
+
+def __getattr__(name: str):
+    """The launcher's helpers, for a lesson copied (``start``) before they moved out of here."""
+    if name in ("default_nprocs", "rank_device"):
+        from minizero import launcher
+
+        return getattr(launcher, name)
+    if name in ("launch_with_progress", "Progress"):
+        from minizero.launcher import progress
+
+        return getattr(progress, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,220 @@
+"""Lesson 00's experiments (``course/00_collectives.py``): what a collective moves and costs.
+
+``volumes`` (section 3) the paper's volume of each collective, from the ledger;
+``ledger_cost`` (section 3) what the ledger's own timing costs per call;
+``bandwidth`` (section 4) time, algbw and busbw per op over message sizes, nccl-tests' way;
+``show_fit`` / ``plot_fit`` (section 5) those rows beside the α-β model fitted to them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+import minizero
+from minizero import collectives as C
+from minizero.analysis import cost
+from minizero.analysis.ledger import CommLedger
+from minizero.collectives import all_gather, reduce_scatter
+from minizero.course import hint
+from minizero.course.checks import lesson00
+from minizero.course.labs import describe, rank_device, run_info, setup
+from minizero.launcher.progress import launch_with_progress
+
+lab = sys.modules[__name__]
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "C", "all_gather", "cost", "dist"]
+__all__ += ["lesson00", "rank_device", "reduce_scatter", "run_info"]
+
+CALLS = {  # full: (S,), shard: (S/N,)
+    "all_reduce": lambda full, shard: C.all_reduce(full),
+    "reduce_scatter": lambda full, shard: C.reduce_scatter(shard, full),
+    "all_gather": lambda full, shard: C.all_gather(full, shard),
+}
+
+
+def _volumes(elements: int) -> CommLedger:
+    world, dev = dist.get_world_size(), rank_device()
+    full = torch.ones(elements, device=dev)  # (S,)
+    shard = torch.empty(elements // world, device=dev)  # (S/N,)
+    with CommLedger() as ledger:
+        C.all_reduce(full, tag="all-reduce")
+        C.reduce_scatter(shard, full, tag="reduce-scatter half")
+        C.all_gather(full, shard, tag="all-gather half")
+    return ledger
+
+
+def volumes(nprocs: int, elements: int = 1200) -> CommLedger:
+    """Lesson 00, section 3: one all-reduce, then one reduce-scatter and one all-gather of
+    ``elements`` float32 (a multiple of ``nprocs``), recorded by a ledger; rank 0's ledger."""
+    if elements % nprocs:
+        raise ValueError(f"elements={elements} must divide by nprocs={nprocs}")
+    return minizero.launch(_volumes, nprocs, elements, verbose=False)[0]
+
+
+def show_volumes(ledger: CommLedger) -> None:
+    print(ledger.table())
+    print("volume (elements):", ledger.by_op())
+
+
+@dataclass
+class LedgerCost:
+    """Medians over the calls, on rank 0, in seconds."""
+
+    caller: float  # time.perf_counter() around the call
+    recorded: float  # what the ledger recorded
+    extra: float  # the difference: the ledger's own bookkeeping
+    info: dict
+
+
+def _ledger_cost(calls: int) -> LedgerCost:
+    dev = rank_device()
+    x = torch.zeros(1024, device=dev)  # (1024,) float32: 4 KiB, where a fixed cost shows most
+    caller = []
+    with CommLedger() as ledger:
+        for _ in range(calls):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            C.all_reduce(x)  # blocking: the ledger times issue -> return
+            caller.append(time.perf_counter() - t0)
+    seen = [r.seconds for r in ledger.records]
+    medians = [statistics.median(v) for v in (caller, seen, [c - s for c, s in zip(caller, seen)])]
+    return LedgerCost(*medians, info=run_info())
+
+
+def ledger_cost(nprocs: int, calls: int = 200) -> LedgerCost:
+    """Lesson 00, section 3: ``calls`` blocking 4 KiB all-reduces, timed by the caller and by the
+    ledger at once."""
+    return minizero.launch(_ledger_cost, nprocs, calls, verbose=False)[0]
+
+
+def show_ledger_cost(c: LedgerCost) -> None:
+    print(
+        f"4 KiB all-reduce on {describe(c.info)}, median on rank 0: caller sees "
+        f"{c.caller * 1e6:.1f} µs, the ledger records {c.recorded * 1e6:.1f} µs; bookkeeping "
+        f"{c.extra * 1e6:.1f} µs per call ({c.extra / c.caller:.0%})"
+    )
+
+
+def default_sizes(info: dict) -> list[int]:
+    """4 KiB to 16 MiB on CPUs, to 256 MiB on GPUs, in steps of 4x."""
+    top = 24 if info["device"].startswith("cpu") else 28
+    return [2**k for k in range(12, top + 1, 2)]
+
+
+def _bandwidth(ops: list[str], sizes: list[int], progress) -> list[dict]:
+    world, dev = dist.get_world_size(), rank_device()
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            n = max(world, nbytes // 4 // world * world)  # float32 elements, a multiple of N
+            full = torch.ones(n, device=dev)  # (S,)
+            shard = torch.empty(n // world, device=dev)  # (S/N,)
+            CALLS[op](full, shard)  # warm-up: connections, buffers
+            repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
+            with CommLedger() as ledger:
+                for _ in range(repeats):
+                    CALLS[op](full, shard)
+            m = sorted(ledger.records, key=lambda r: r.seconds)[repeats // 2]  # the median
+            rows.append(
+                dict(
+                    op=op,
+                    nbytes=m.nbytes,
+                    seconds=m.seconds,
+                    algbw=m.algbw,
+                    busbw=m.busbw,
+                    info=run_info(),
+                )
+            )
+            progress.tick()
+    return rows
+
+
+def bandwidth(nprocs: int, ops: list[str], sizes: list[int]) -> list[dict]:
+    """Lesson 00, section 4: each op at each size (bytes), a few calls each; rank 0's median call
+    per (op, size): ``op, nbytes, seconds, algbw, busbw`` (nccl-tests' definitions), ``info``."""
+    total = len(ops) * len(sizes)
+    return launch_with_progress(
+        _bandwidth, nprocs, ops, sizes, total=total, desc="collectives", verbose=False
+    )[0]
+
+
+def _gloo_note(rows: list[dict]) -> str:
+    gloo = rows[0]["info"]["backend"] == "gloo"
+    return " (gloo: reduce_scatter = all-reduce + copy)" if gloo else ""
+
+
+def plot_bandwidth(rows: list[dict]) -> None:
+    """busbw and time per call over the message size, one line per op."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        sizes = [r["nbytes"] for r in mine]
+        ax1.plot(sizes, [r["busbw"] / 1e9 for r in mine], "o-", label=op)
+        ax2.plot(sizes, [r["seconds"] * 1e6 for r in mine], "o-", label=op)
+    for ax, ylabel in ((ax1, "busbw (GB/s)"), (ax2, "time per call (µs)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S: message size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax2.set_yscale("log")
+    fig.suptitle(f"Collectives measured on {describe(rows[0]['info'])}{_gloo_note(rows)}")
+    fig.tight_layout()
+    plt.show()
+
+
+def show_ratios(rows: list[dict]) -> None:
+    """At the largest size: each half's time over the all-reduce's."""
+    largest = max(r["nbytes"] for r in rows)
+    t = {r["op"]: r["seconds"] for r in rows if r["nbytes"] == largest}
+    rs, ag, ar = t["reduce_scatter"], t["all_gather"], t["all_reduce"]
+    print(f"at S = {largest / 2**20:.0f} MiB on {describe(rows[0]['info'])}:")
+    print(f"  time(reduce_scatter) / time(all_reduce) = {rs / ar:.2f}")
+    print(f"  time(all_gather)     / time(all_reduce) = {ag / ar:.2f}")
+    print(f"  time(reduce_scatter + all_gather) / time(all_reduce) = {(rs + ag) / ar:.2f}")
+
+
+def show_fit(rows: list[dict], link: cost.Link, model: dict[str, float]) -> None:
+    """Each measured row beside the model's time for it (``model``: seconds per row index)."""
+    gloo = rows[0]["info"]["backend"] == "gloo"
+    print(
+        f"fitted on {describe(rows[0]['info'])}: α = {link.alpha * 1e6:.1f} µs per round, "
+        f"β = {link.beta / 1e9:.3f} GB/s" + ("  (gloo: reduce_scatter costed as all-reduce)" * gloo)
+    )
+    print(f"{'op':<16}{'S (bytes)':>11}{'measured µs':>13}{'model µs':>10}{'error':>8}")
+    for r, m in zip(rows, model):
+        print(
+            f"{r['op']:<16}{r['nbytes']:>11}{r['seconds'] * 1e6:>13.1f}{m * 1e6:>10.1f}"
+            f"{m / r['seconds'] - 1:>+8.0%}"
+        )
+
+
+def plot_fit(rows: list[dict], link: cost.Link, model: list[float]) -> None:
+    """Measured times (dots) and the α-β model (lines), per op, on log axes."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [(r, m) for r, m in zip(rows, model) if r["op"] == op]
+        sizes = [r["nbytes"] for r, _ in mine]
+        (line,) = ax.plot(sizes, [r["seconds"] * 1e6 for r, _ in mine], "o", label=f"{op} measured")
+        ax.plot(
+            sizes, [m * 1e6 for _, m in mine], "-", color=line.get_color(), label=f"{op} α-β model"
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("S: message size (bytes)")
+    ax.set_ylabel("time per call (µs)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    where = describe(rows[0]["info"])
+    ax.set_title(
+        f"α = {link.alpha * 1e6:.0f} µs, β = {link.beta / 1e9:.2f} GB/s on {where}", fontsize=9
+    )
+    fig.tight_layout()
+    plt.show()
