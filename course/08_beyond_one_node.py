@@ -709,9 +709,9 @@ lesson08.check_predict_step_time(predict_step_time)
 # made, against the step times section 1 measured (the slowest rank's; every time in this section
 # is the fastest of 5, each after a barrier: on a shared machine noise only adds). gloo's
 # reduce-scatter is costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's
-# prediction: `MICRO` forward + backward passes of the plain model, then the collectives. It leaves out
-# three things a step does, which section 1 measured on every rank at once (4 ranks share this
-# machine's cores, as they do in a step; minizero/analysis/step_parts.py):
+# prediction: `MICRO` forward + backward passes of the plain model, then the collectives. It
+# leaves out three things a step does, which section 1 measured on every rank at once (4 ranks
+# share this machine's cores, as they do in a step; minizero/analysis/step_parts.py):
 #
 # - the **optimizer step**: AdamW's `step()` and `zero_grad()` on the rank's share (all of Ψ at
 #   stage 0, Ψ/4 at stages 1-3);
