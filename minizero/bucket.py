@@ -4,7 +4,7 @@ Every stage of minizero moves data in buckets. A bucket holds a few parameters, 
 gradients become ready in backward, laid end to end in one flat buffer. One collective per bucket
 replaces one collective per parameter. As torch DDP, the first buckets are cut over a predicted
 order (the reverse of registration order, :func:`make_buckets`), and once more, by the same size
-rule, over the order the first backward really made them ready (minizero/habits/buckets.py): from
+rule, over the order the first backward really made them ready (minizero/rebuild.py): from
 the second iteration on they are torch DDP's buckets. torch puts parameters of different dtypes
 or devices in different buckets; minizero's trainable parameters share one dtype and device.
 
@@ -117,7 +117,7 @@ def make_buckets(
     parameters ready in registration order (``nn.LayerNorm``: weight, then bias) or where forward
     calls modules in another order than they were registered (minizero's MLP calls its tied
     layers before layers 1 and 2); the stages then cut the buckets again over the order recorded
-    in the first backward (:func:`buckets_in_order`, minizero/habits/buckets.py), as torch does.
+    in the first backward (:func:`buckets_in_order`, minizero/rebuild.py), as torch does.
     """
     return buckets_in_order(list(reversed(params)), bucket_cap_mb, world)
 

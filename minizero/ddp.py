@@ -42,7 +42,7 @@ class DDP(DataParallel):
     """
 
     STARTED = -1  # pending[b.index] once bucket b's collective has started
-    rebuilds_buckets = True  # cut again in ready order, as torch DDP (minizero/habits/buckets.py)
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (minizero/rebuild.py)
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ that names the habit and says what works instead.
                      its attributes and its state dict; every rank arriving at a collective
     optimizer.py     the optimizer: elementwise ones only at stages 1-3, no SparseAdam
                      (parallelize asks it; the others are Habits' guards, below)
-    buckets.py       torch DDP's buckets from its second iteration on: cut again in the order
+
                      the first backward made the gradients ready
 
 The core (data_parallel.py and the stages) imports none of this: it calls the extension points
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from minizero.data_parallel import DataParallel, Extension
 from minizero.habits import autograd, module
-from minizero.habits.buckets import Rebuild
+from minizero.rebuild import Rebuild
 from minizero.habits.guards import GradGuards
 from minizero.habits.sharded_grad import GradNorms
 from minizero.precision import full_dtype
