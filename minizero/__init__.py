@@ -77,7 +77,7 @@ from minizero.collectives import (  # noqa: E402
     reduce_scatter,
 )
 from minizero.ddp import DDP  # noqa: E402
-from minizero.habits import Habits  # noqa: E402, F401  (every wrapper composes the habits)
+from minizero.habits import Habits  # noqa: E402  (parallelize composes it: extension=Habits)
 from minizero.launcher import LaunchError, LaunchTimeout, launch  # noqa: E402
 from minizero.models import (  # noqa: E402
     MLP,
@@ -101,5 +101,5 @@ __all__ = [
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
     "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
     "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
-    "ShardedParameterError",
+    "ShardedParameterError", "Habits",
 ]  # fmt: skip

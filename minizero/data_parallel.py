@@ -31,6 +31,7 @@ core calls, one per moment. A reader of the core needs none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -68,17 +69,60 @@ class Fragment:
         return self.tensor is not self.param
 
 
+class UncopiedHook:
+    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
+    the whole wrapper, process group included): the copy is a plain, unsharded model."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _no_op
+
+
+def _no_op(*args) -> None:
+    return None
+
+
 class Extension:
-    """The extension points: the moments at which minizero/habits/ acts, one call each from the
-    core. Here each does nothing; ``DataParallel.extension`` is the class every wrapper builds
-    (``import minizero`` installs ``minizero.habits.Habits``)."""
+    """The one seam between the core and minizero/habits/: every call the core makes on the habits
+    is one of these methods (``wrapper.habits.<method>``), at the moment its docstring names. This
+    class is the plain behaviour: each does nothing, or what torch's own would. ``parallelize``
+    composes ``minizero.habits.Habits``; a wrapper built directly gets what its constructor's
+    ``extension=`` names (this class by default). Importing a module composes nothing."""
 
     def __init__(self, wrapper: DataParallel) -> None:
         """At construction, before any hook of the stage: may refuse the model."""
         self.wrapper = wrapper
 
+    @classmethod
+    def refuse_optimizer(cls, optimizer: Any, sharded: bool) -> None:
+        """``parallelize``, before wrapping: refuse an optimizer by its class (``sharded``: each
+        rank steps flat fragments, stages 1-3 or mixed precision). Here: none."""
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """``parallelize``, once wrapped, before ``attach``: refuse one by what it holds."""
+
+    def attached(self, optimizer: Any) -> Any:
+        """``parallelize``, after ``attach``: the optimizer the user gets. Here: it."""
+        return optimizer
+
+    def adopt(self, optimizer: Any) -> bool:
+        """``load_checkpoint``: make an optimizer built after wrapping this wrapper's; True when it
+        is. Here: only one already attached to it."""
+        return getattr(optimizer, "_wrapper", None) is self.wrapper
+
     def before_forward(self) -> None:
-        """At the start of every forward."""
+        """At the start of every forward, after the bucket rebuild's moment."""
+
+    def before_accumulate(self) -> None:
+        """A gradient reaches a parameter, before autograd adds it into ``p.grad``."""
+
+    def grad_accumulated(self, p: nn.Parameter) -> None:
+        """Autograd accumulated ``p.grad``; before the stage's ``on_grad_ready(p)``."""
 
     def after_backward(self) -> None:
         """Once a synchronised backward is over, after the stage's ``backward_end()``."""
@@ -87,8 +131,21 @@ class Extension:
         """At the step: id(p) of the parameters the optimizer skips; None: every one."""
         return set()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``optimizer.clip_grad_norm_``: here torch's, on this rank's ``p.grad``."""
+        grads = [p for p in self.wrapper.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
+
     def zero_grad(self, set_to_none: bool) -> None:
         """At ``zero_grad()``, before the stage's ``reset_grads``."""
+
+    def zero_grad_of(self, ids: set[int], set_to_none: bool = True) -> None:
+        """``zero_grad()`` of an optimizer over some parameters (``ids``): clear only theirs."""
+        for p in self.wrapper.module.parameters():
+            if id(p) in ids and p.requires_grad:
+                self.wrapper.clear_grad(p)
+                if set_to_none:
+                    p.grad = None
 
     def state_dict(self, destination: dict | None, prefix: str) -> dict:
         """``model.state_dict()``: here nn.Module's."""
@@ -107,7 +164,7 @@ class DataParallel(nn.Module):
     """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
 
     stage = 0
-    extension: type[Extension] = Extension
+    rebuild = None  # DDP's Rebuild (rebuild.py): cuts the buckets again in the ready order
 
     def __init__(
         self,
@@ -117,6 +174,7 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        extension: type[Extension] = Extension,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -141,7 +199,7 @@ class DataParallel(nn.Module):
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
         self.optimizers: list = []  # weak references to the optimizers attach()ed to it
-        self.habits = self.extension(self)  # before any hook of the stage (minizero/habits/)
+        self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
                 self.broadcast_from_rank0(t.data, "initial state")
@@ -184,6 +242,8 @@ class DataParallel(nn.Module):
         return [f.tensor for f in self.fragments]
 
     def forward(self, *args, **kwargs):
+        if self.rebuild is not None:  # first: p.grad still says whether gradients are held
+            self.rebuild.before_forward()
         self.habits.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
@@ -219,6 +279,26 @@ class DataParallel(nn.Module):
     require_backward_grad_sync = property(lambda s: s.require_sync, set_requires_gradient_sync)
 
     # -- backward ----------------------------------------------------------------------------------
+    def register_hooks(self, params: list[nn.Parameter]) -> None:
+        """Every per-parameter hook, registered here once per parameter. They run in this order:
+
+        1. before autograd adds a gradient into ``p.grad``: ``habits.before_accumulate()``;
+        2. once it has (:meth:`grad_accumulated`): ``habits.grad_accumulated(p)``, then the
+           rebuild notes the ready order (DDP), then the stage's ``on_grad_ready(p)``."""
+        for p in params:
+            p.register_hook(UncopiedHook(lambda grad: self.habits.before_accumulate()))
+            p.register_post_accumulate_grad_hook(self.grad_accumulated)
+
+    def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
+        self.habits.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
+        if self.rebuild is not None:
+            self.rebuild.note(p)
+        self.on_grad_ready(p)
+
+    def on_grad_ready(self, p: nn.Parameter) -> None:
+        """The stage's hook: ``p.grad`` holds this backward's gradient (accumulated)."""
+        self.queue_backward_end()
+
     def queue_backward_end(self) -> None:
         """From inside backward (a hook): run ``self.backward_end()`` once backward has finished,
         then the habits' ``after_backward()``. Safe to call from every hook: one per backward."""
@@ -295,6 +375,8 @@ class DataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.habits.zero_grad(set_to_none)
+        if self.rebuild is not None:  # before reset_grads: it clears the new buffers
+            self.rebuild.at_zero_grad()
         self.averaged = self.grads_ok = None
         self.reset_grads(set_to_none)
 

@@ -16,6 +16,7 @@ from minizero import collectives as C
 from minizero.bucket import Bucket, buckets_in_order, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
+from minizero.rebuild import Rebuild
 
 
 class DDP(DataParallel):
@@ -42,7 +43,7 @@ class DDP(DataParallel):
     """
 
     STARTED = -1  # pending[b.index] once bucket b's collective has started
-    rebuilds_buckets = True  # cut again in ready order, as torch DDP (minizero/rebuild.py)
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
 
     def __init__(
         self,
@@ -58,8 +59,8 @@ class DDP(DataParallel):
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+        self.rebuild = Rebuild(self)  # once, after the first backward (rebuild.py)
+        self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""

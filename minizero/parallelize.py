@@ -24,14 +24,10 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.habits.optimizer import (
-    adopt_on_first_step,
-    check_optimizer,
-    keep_scheduler_step,
-    refuse_optimizer,
-)
-from minizero.optimizer import attach, regroup
+from minizero.habits import Habits
+from minizero.optimizer import attach
 from minizero.precision import Precision, resolve
+from minizero.rebuild import regroup
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -102,7 +98,7 @@ def parallelize(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         built = build_optimizer(optimizer, model)  # a function params -> optimizer
     if built is not None:  # refused by name, before anything is wrapped (habits/optimizer.py)
-        refuse_optimizer(built, sharded=stage > 0 or policy.master)
+        Habits.refuse_optimizer(built, sharded=stage > 0 or policy.master)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     wrapped = cls(
@@ -111,17 +107,17 @@ def parallelize(
         process_group=process_group,
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
+        extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
         **stage_options,
     )
-    adopt_on_first_step(wrapped)  # an optimizer built after wrapping, over its parameters
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
     if built is None:
         return wrapped
-    check_optimizer(built, model)  # its parameters are the model's, once each (habits/)
+    wrapped.habits.check_optimizer(built)  # its parameters are the model's, once each
     if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
-    return wrapped, keep_scheduler_step(attach(built, wrapped))  # (a scheduler built before)
+    return wrapped, wrapped.habits.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
 def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:

@@ -1,83 +1,54 @@
 """torch DDP's buckets from its second iteration on: cut again, once, in the real ready order.
 
-torch 2.13's DDP starts with one bucket (``_BucketCapacityConfig.compute_bucket_size_limits`` in
-torch/nn/parallel/distributed.py; minizero's first buckets are the size rule over the predicted
-order instead, minizero/bucket.py). During the first synchronised backward its reducer notes each
-parameter as its gradient becomes ready (``rebuilt_params_``); before the next synchronised
-forward it cuts the buckets over that order with the same caps (``Reducer::rebuild_buckets`` in
-torch/csrc/distributed/c10d/reducer.cpp), every rank as rank 0 does (``sync_bucket_indices``), and
-never again. With ``find_unused_parameters`` (and no ``static_graph``) it keeps its first buckets.
-
-minizero does the same at stages 0-2 (stage 3's buckets are its units). :class:`ReadyOrder` notes
-the order, not under ``no_sync()``; the buckets are cut again at the first ``zero_grad()`` after
-that backward, where no gradient has to move, or at the next synchronised forward if every
-``p.grad`` is None by then (a plain optimizer's ``zero_grad()`` does not reach the wrapper). What
-moves is what sits on the buckets: the fp32 masters and each optimizer's param groups and states
-(at stages 1-2 a rank owns chunk r of each bucket, so ownership changes: collective). They move
-a parameter at a time, so that beyond its partition a rank holds at most one parameter's master
-and states while they move, never the model's KΨ that stages 1-2 partition. A checkpoint
-and an optimizer state dict record the order, and loading one cuts a fresh model's buckets the
-same way (:meth:`Rebuild.rebuild_as`), so a resumed run goes on in the saved run's layout.
+During its first synchronised backward torch's reducer notes each parameter as its gradient
+becomes ready; before the next synchronised forward it cuts the buckets over that order with the
+same caps (``Reducer::rebuild_buckets``, reducer.cpp), every rank as rank 0 does, and never again;
+with ``find_unused_parameters`` it keeps its first buckets. ``DDP`` (and ZeRO-1/2, which keep its
+buckets; stage 3's are its units) does the same: :meth:`Rebuild.note` records the order, and the
+buckets are cut again at the first ``zero_grad()`` after that backward (no gradient has to move),
+or at the next synchronised forward if every ``p.grad`` is None by then. What moves is what sits
+on the buckets: the fp32 masters and each attached optimizer's param groups and states. At
+stages 1-2 ownership follows the buckets, so they move between ranks, a parameter at a time: a
+rank never holds more than one parameter's master and states beyond its partition. A checkpoint
+and an optimizer state dict record the order (:meth:`Rebuild.order`); loading one cuts a fresh
+model's buckets the same way (:meth:`Rebuild.rebuild_as`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.data_parallel import DataParallel
-from minizero.optimizer import regroup
-
-
-class ReadyOrder:
-    """The parameters in the order synchronised backwards make their gradients ready (each once,
-    the first time), from a post-accumulate-grad hook on each, until :meth:`take`."""
-
-    def __init__(self, params: list[nn.Parameter], synced: Callable[[], bool]):
-        self.synced, self.expected = synced, len(params)
-        self.seen: dict[int, nn.Parameter] = {}  # id(p) -> p, in ready order (dicts keep it)
-        self.handles = [p.register_post_accumulate_grad_hook(self.ready) for p in params]
-
-    def ready(self, p: nn.Parameter) -> None:  # argument: the parameter
-        if self.synced():
-            self.seen.setdefault(id(p), p)
-
-    def complete(self) -> bool:
-        return len(self.seen) == self.expected
-
-    def take(self) -> list[nn.Parameter]:
-        for h in self.handles:
-            h.remove()
-        return list(self.seen.values())
 
 
 class Rebuild:
-    """One wrapper's rebuild: ``recorder`` notes the order until it is done (None: done, or
-    never)."""
+    """The rebuild of one wrapper (a DDP): the ready order, noted until the buckets are cut
+    again (``seen`` None: done, or never: ``on`` False)."""
 
-    def __init__(self, wrapper: DataParallel) -> None:
+    def __init__(self, wrapper) -> None:
         self.wrapper = wrapper
-        self.on = getattr(type(wrapper), "rebuilds_buckets", False)
-        self.on = self.on and not wrapper.find_unused_parameters  # as torch
-        params = [p for p in wrapper.module.parameters() if p.requires_grad]
-        self.recorder = ReadyOrder(params, lambda: wrapper.require_sync) if self.on else None
+        self.on = wrapper.rebuilds_buckets and not wrapper.find_unused_parameters  # as torch
+        self.seen: dict[int, nn.Parameter] | None = {} if self.on else None  # id(p) -> p, in order
+
+    def note(self, p: nn.Parameter) -> None:
+        """A synchronised backward made ``p``'s gradient ready (each parameter once)."""
+        if self.seen is not None and self.wrapper.require_sync:
+            self.seen.setdefault(id(p), p)
 
     def due(self) -> bool:
-        return self.recorder is not None and self.recorder.complete()
+        return self.seen is not None and len(self.seen) == len(self.wrapper.params)
 
     def at_zero_grad(self) -> None:
         if self.due():
-            self.rebuild(self.recorder.take())
+            self.rebuild(list(self.seen.values()))
 
     def before_forward(self) -> None:
-        w = self.wrapper
-        if self.due() and torch.is_grad_enabled() and w.require_sync:  # torch's moment, when
-            if all(p.grad is None for p in w.params):  # no gradient is held
-                self.rebuild(self.recorder.take())
+        w = self.wrapper  # torch's moment, when no gradient is held
+        if self.due() and torch.is_grad_enabled() and w.require_sync:
+            if all(p.grad is None for p in w.params):
+                self.rebuild(list(self.seen.values()))
 
     def order(self) -> list[str] | None:
         """The names the buckets are cut over, in order (None where they are not rebuilt)."""
@@ -94,30 +65,56 @@ class Rebuild:
         """Cut the buckets again over rank 0's ``ready``. The working copy moves as it is; the
         fp32 masters and each optimizer's states move a parameter at a time (:func:`move`)."""
         w = self.wrapper
-        self.recorder = None
+        self.seen = None
         index = {id(p): i for i, p in enumerate(w.params)}
         order = torch.tensor([index[id(p)] for p in ready], device=w.params[0].device)
         w.broadcast_from_rank0(order, "ready order")  # every rank cuts the same, as torch
         if all(m is None for m in w.masters):  # fp32 DDP: the parameters are the masters
-            w.lay_out([w.params[i] for i in order.tolist()])
-            return
+            return w.lay_out([w.params[i] for i in order.tolist()])
         old = dict(w.fragments_of)  # id(param) -> its fragments here, before the cut
-        alive = {id(o): o for o in (ref() for ref in w.optimizers) if o is not None}
-        held = {id(o): take_states(o, w) for o in alive.values()}  # before the fragments change
+        alive = [o for o in (ref() for ref in w.optimizers) if o is not None]
+        held = [take_states(o, w) for o in alive]  # before the fragments change
         w.lay_out([w.params[i] for i in order.tolist()])
-        for o in alive.values():
+        for o in alive:
             regroup(o, w)  # groups of the new fragments; their states follow, in move()
-        move(w, old, [(o, held[id(o)]) for o in alive.values()])
+        move(w, old, list(zip(alive, held, strict=True)))
 
 
-def take_states(optimizer: torch.optim.Optimizer, wrapper: DataParallel) -> dict:
+def regroup(optimizer: torch.optim.Optimizer, wrapper) -> None:
+    """Swap each param group's parameters for this rank's fragments of them (stages 1-3, and a
+    16-bit working copy: the optimizer steps fp32 masters). A parameter outside every group is
+    not trained; one that has state already (Adagrad's sum) gives each fragment its range."""
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for f in wrapper.fragments:
+        if id(f.param) in group_of:
+            new[group_of[id(f.param)]].append(f.tensor)
+    for group, params in zip(optimizer.param_groups, new, strict=True):
+        group["params"] = params
+    if optimizer.state:
+        old = dict(optimizer.state)
+        optimizer.state.clear()
+        for f in wrapper.fragments:
+            if f.param in old:
+                optimizer.state[f.tensor] = {k: fragment_of(v, f) for k, v in old[f.param].items()}
+
+
+def fragment_of(value, f) -> object:
+    """A per-parameter state value cut to fragment ``f``: tensors of the parameter's shape
+    give their range (flat, in the master's dtype); scalars (``step``) are copied."""
+    if isinstance(value, torch.Tensor) and value.shape == f.param.shape and value.dim() > 0:
+        return value.detach().reshape(-1)[f.start : f.end].to(f.tensor.dtype).clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def take_states(optimizer: torch.optim.Optimizer, wrapper) -> dict:
     """Give each param group its parameters back in place of this rank's fragments, and take
     the fragments' states out: ``{param index: (group, states by fragment start)}`` for the
     parameters this rank holds a fragment of, known on every rank (small: an all-gather of
     objects at stages 1-2, where a rank holds only its own fragments)."""
     frag = {id(f.tensor): f for f in wrapper.fragments}
     index = {id(p): i for i, p in enumerate(wrapper.params)}
-    mine: dict[int, tuple[int, list]] = {}  # param index -> (group, state keys and scalars)
+    mine: dict[int, tuple[int, list, dict]] = {}  # param index -> (group, state keys, scalars)
     states: dict[int, dict[int, dict]] = {}  # param index -> {fragment start: its state}
     for gi, group in enumerate(optimizer.param_groups):
         for t in [t for t in group["params"] if id(t) in frag]:
@@ -141,7 +138,7 @@ def _elementwise(v: object, f) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == f.numel
 
 
-def move(wrapper: DataParallel, old: dict, optimizers: list) -> None:
+def move(wrapper, old: dict, optimizers: list) -> None:
     """For each parameter in turn: its fp32 master and its elementwise states, put together
     whole from the old fragments (an all-reduce at stages 1-2, where each element is on one rank),
     then cut to the new fragments. One parameter at a time: the most a rank holds beyond its

@@ -164,24 +164,6 @@ class Accumulators:
             return False
 
 
-class UncopiedHook:
-    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
-    the whole wrapper, process group included): the copy is a plain, unsharded model."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo) -> Callable:
-        return _no_op
-
-
-def _no_op(*args) -> None:
-    return None
-
-
 def check_same_module(code: int, names: list[str], group, device: torch.device) -> None:
     """Stage 3's check that the ranks run the same unit modules: each rank all-gathers its
     ``code`` (2 * the module's index in ``names`` + 1 if backward starts from it) and all raise

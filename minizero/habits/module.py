@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minizero.data_parallel import UncopiedHook
 from minizero.precision import full_dtype
-from minizero.units import UncopiedHook, is_sharded
+from minizero.units import is_sharded
 
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
