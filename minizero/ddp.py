@@ -8,6 +8,9 @@ extends it, ZeRO2 extends ZeRO1, ZeRO3 extends ZeRO2.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,7 +19,6 @@ from minizero import collectives as C
 from minizero.bucket import Bucket, buckets_in_order, trainable_parameters
 from minizero.data_parallel import DataParallel
 from minizero.precision import Precision
-from minizero.rebuild import Rebuild
 
 
 class DDP(DataParallel):
@@ -52,14 +54,17 @@ class DDP(DataParallel):
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
-        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
+        rebuild: Callable[[DDP], Any] | None = None,  # parallelize: rebuild.Rebuild
+        **options,  # broadcast_buffers, find_unused_parameters, extension: see DataParallel
     ):
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        self.rebuild = Rebuild(self)  # once, after the first backward (rebuild.py)
+        # torch DDP's second cut of the buckets, in the order the first backward made them ready
+        # (parallelize composes rebuild.Rebuild; built directly, the first buckets stay)
+        self.rebuild = rebuild(self) if rebuild is not None else None
         self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:

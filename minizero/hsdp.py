@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.analysis.ledger import name_group
 from minizero.data_parallel import DataParallel
 from minizero.precision import divides_before_sum
 
@@ -68,8 +67,8 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             f"the mesh has {mesh.size()} ranks and the world {dist.get_world_size()}: "
             f"minizero's HSDP needs a mesh over every rank, {make}"
         )
-    shard = name_group(mesh.get_group("shard"), "shard")
-    replicate = name_group(mesh.get_group("replicate"), "replicate")
+    shard = C.name_group(mesh.get_group("shard"), "shard")
+    replicate = C.name_group(mesh.get_group("replicate"), "replicate")
     return shard, replicate
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from minizero import collectives as C
 from minizero.bucket import trainable_parameters
-from minizero.data_parallel import DataParallel, Extension
+from minizero.data_parallel import DataParallel
+from minizero.extension import Extension
 
 
 class NaiveDDP(DataParallel):

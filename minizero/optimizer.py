@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from minizero.data_parallel import Extension
+from minizero.extension import Extension
 from minizero.rebuild import Rebuild, regroup
 
 __all__ = ["StageStep", "attach", "regroup", "shard_record"]  # regroup: rebuild.py's

@@ -27,7 +27,7 @@ from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.optimizer import attach
 from minizero.precision import Precision, resolve
-from minizero.rebuild import regroup
+from minizero.rebuild import Rebuild, regroup
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -108,6 +108,7 @@ def parallelize(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
+        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (rebuild.py)
         **stage_options,
     )
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped

@@ -15,7 +15,7 @@ from torch.autograd import Variable
 from minizero import collectives as C
 from minizero import units as U
 from minizero.bucket import Bucket
-from minizero.data_parallel import UncopiedHook
+from minizero.extension import UncopiedHook
 from minizero.precision import Precision
 from minizero.units import Accumulators, Units, set_guard
 from minizero.zero2 import ZeRO2

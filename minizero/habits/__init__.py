@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from minizero.data_parallel import DataParallel, Extension
+from minizero.data_parallel import DataParallel
+from minizero.extension import Extension
 from minizero.habits import autograd, module
 from minizero.habits import optimizer as optimizer_habits
 from minizero.habits.guards import GradGuards

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.data_parallel import UncopiedHook
+from minizero.extension import UncopiedHook
 from minizero.precision import full_dtype
 from minizero.units import is_sharded
 
