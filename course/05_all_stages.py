@@ -104,7 +104,7 @@ print(f"{'bf16, TinyGPT':24}" + "".join(f"{c:>26}" for c in plots.CATS))
 for p in GPT:
     paper = paper_model_state_bytes(p["psi"], p["world"], p["stage"], "bf16")
     cells = [f"{format_bytes(p['states'][c])} [{format_bytes(paper[c])}]" for c in plots.CATS]
-    print(f"stage {p['stage']} {plots.STAGES[p['stage']]:16}" + "".join(f"{s:>26}" for s in cells))
+    print(f"stage {p['stage']} {plots.STAGE_NAMES[p['stage']]:16}" + "".join(f"{s:>26}" for s in cells))
 print("measured [paper's formula]")
 
 # %%
@@ -154,7 +154,7 @@ BIG_STATES = {}
 for s in STAGES:
     got = sum(simulate(lambda: FlatModel(BIG_PSI), s, BIG_N, "bf16").values())
     BIG_STATES[s] = sum(paper_model_state_bytes(BIG_PSI, BIG_N, s, "bf16").values())
-    print(f"{s}: {plots.STAGES[s]:13}{got / GB:18.2f}{BIG_STATES[s] / GB:10.2f}")
+    print(f"{s}: {plots.STAGE_NAMES[s]:13}{got / GB:18.2f}{BIG_STATES[s] / GB:10.2f}")
 
 # %% [markdown]
 # DDP holds 107 GB of model states per GPU: more than 80 GB before a single activation. Stage 1
@@ -176,7 +176,7 @@ for p in GPT:
     meta = sum(simulate(lambda: FlatModel(7_500_000_000), s, NPROCS, "bf16").values())
     paper = sum(paper_model_state_bytes(1, NPROCS, s, "bf16").values())
     real = sum(p["states"].values()) / p["psi"]
-    print(f"{s}: {plots.STAGES[s]:13}{real:22.3f}{meta / 7.5e9:20.3f}{paper:10.3f}")
+    print(f"{s}: {plots.STAGE_NAMES[s]:13}{real:22.3f}{meta / 7.5e9:20.3f}{paper:10.3f}")
 
 # %%
 fig = plots.table1_figure(rows)
@@ -488,12 +488,12 @@ print(
     f"{'':22}"
     + "".join(f"{plots.MODELS[m]} (Ψ = {ps[0]['psi']:,})".rjust(30) for m, ps in PROFILES.items())
 )
-for i, s_ in enumerate(plots.STAGES):
+for i, s_ in enumerate(plots.STAGE_NAMES):
     cells = [
         f"{p['volume'] / p['psi']:.4f}Ψ in {len(p['records'])} calls"
         for p in (PROFILES[m][i] for m in PROFILES)
     ]
-    print(f"stage {s_} {plots.STAGES[s_]:14}" + "".join(f"{c:>30}" for c in cells))
+    print(f"stage {s_} {plots.STAGE_NAMES[s_]:14}" + "".join(f"{c:>30}" for c in cells))
 
 for m, ps in PROFILES.items():  # stage 3: how often was each unit (a module's parameters) moved?
     counts = {

@@ -270,7 +270,7 @@ for rank in range(NPROCS):
         width * 0.9,
         label=f"rank {rank}",
     )
-ax.set_xticks(list(LEDGERS), [f"{s}: {plots.STAGES[s]}" for s in LEDGERS])
+ax.set_xticks(list(LEDGERS), [f"{s}: {plots.STAGE_NAMES[s]}" for s in LEDGERS])
 ax.set_ylabel("elements moved per step / Ψ")
 ax.set_title(f"every rank moves the same: MLP, one step, {checks.describe(INFO)}", fontsize=10)
 ax.legend(fontsize=8)
@@ -384,7 +384,7 @@ for (name, by_stage), make in zip(res4[0].items(), (MLP, ConvNet)):
 for stage, ledgers in LEDGERS.items():
     by_op = {op: v / PSI for op, v in ledgers[0].by_op().items()}
     print(
-        f"stage {stage} {plots.STAGES[stage]:9}: {ledgers[0].volume_elements / PSI:.3f}Ψ = {by_op}"
+        f"stage {stage} {plots.STAGE_NAMES[stage]:9}: {ledgers[0].volume_elements / PSI:.3f}Ψ = {by_op}"
     )
 
 # %% [markdown]
@@ -449,7 +449,7 @@ for stage, m in acts.items():
     fwd = m["fwd"]  # CPU: the split; CUDA: total - model states (the allocator gives no split)
     alive = fwd["activations"] if fwd["at_peak"] is not None else fwd["total"] - m["states"]
     print(
-        f"{stage}: {plots.STAGES[stage]:9}{format_bytes(m['states']):>14}{format_bytes(alive):>30}"
+        f"{stage}: {plots.STAGE_NAMES[stage]:9}{format_bytes(m['states']):>14}{format_bytes(alive):>30}"
         f"{format_bytes(m['peak'] - m['states']):>16}"
     )
 
@@ -690,7 +690,7 @@ fig, ax = plt.subplots(figsize=(7, 3.5))
 xs = [share[V] for V in VOCABS]
 for stage in (2, 3):
     ys = [r["peak"] / r["psi"] for V in VOCABS for r in sweep if (r["V"], r["stage"]) == (V, stage)]
-    ax.plot(xs, ys, "o-", label=f"stage {stage}: {plots.STAGES[stage]}")
+    ax.plot(xs, ys, "o-", label=f"stage {stage}: {plots.STAGE_NAMES[stage]}")
 ax.set_xlabel("the embedding's share of Ψ (V × h, in the root's unit)")
 ax.set_ylabel("peak bytes per rank / Ψ")
 note = f"\n{plots.GLOO_MEMORY_NOTE}" if INFO["backend"] == "gloo" else ""

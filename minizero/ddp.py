@@ -44,7 +44,6 @@ class DDP(DataParallel):
     results. ``backward_end()`` reduces the buckets still pending, then finishes.
     """
 
-    STARTED = -1  # pending[b.index] once bucket b's collective has started
     rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
 
     def __init__(
@@ -69,8 +68,8 @@ class DDP(DataParallel):
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
-        self.buckets = self.make_buckets(ready)
-        self.bucket_index = {id(p): b for b in self.buckets for p in b.params}
+        self.buckets = self.cut_buckets(ready)
+        self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
         # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
         # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
         self.masters = [self.take_master(b) for b in self.buckets]
@@ -78,14 +77,15 @@ class DDP(DataParallel):
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
+        self.started = [False] * len(self.buckets)  # bucket b's collective has started
         self.next_bucket = 0  # buckets below it are started (reduce_in_order)
 
     # -- layout ------------------------------------------------------------------------------
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
         return buckets_in_order(ready, self.bucket_cap_mb)
 
     def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self.bucket_index[id(p)]
+        return self.param_bucket[id(p)]
 
     def owned(self, b: Bucket) -> tuple[int, int]:
         """The range [lo, hi) of bucket ``b`` this rank owns: all of it (DDP)."""
@@ -146,7 +146,7 @@ class DDP(DataParallel):
         self.works.append(
             C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
         )
-        self.pending[b.index] = self.STARTED
+        self.started[b.index] = True
 
     def finish_in_flight(self) -> None:
         for w in self.works:
@@ -157,13 +157,14 @@ class DDP(DataParallel):
         if not self.require_sync:
             return
         for b in self.buckets:  # buckets with parameters unused in this backward
-            if self.pending[b.index] != self.STARTED:
+            if not self.started[b.index]:
                 for p in b.params:
                     if p.grad is None:  # unused here: its slot is 0 and still averaged
                         p.grad = self.visible_grad(p)
                 self.reduce_bucket(b)
         self.finish_in_flight()
         self.pending = [len(b.params) for b in self.buckets]
+        self.started = [False] * len(self.buckets)
         self.next_bucket = 0
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
-STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
+STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
 ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
 STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
@@ -86,7 +86,7 @@ def parallelize(
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    cls = STAGES[stage]
+    cls = STAGE_CLASSES[stage]
     if stage_options or (bucket_cap_mb is not None and stage == 3):
         cls = stage3_class(stage, stage_options, bucket_cap_mb)
     if bucket_cap_mb is not None:

@@ -48,7 +48,7 @@ class ZeRO1(DDP):
     stage = 1
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
         return self.flatten(buckets_in_order(ready, self.bucket_cap_mb, self.world))
 
     def flatten(self, buckets: list[Bucket]) -> list[Bucket]:

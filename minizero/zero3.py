@@ -65,7 +65,7 @@ class ZeRO3(ZeRO2):
     ``pre_forward(m, args)``, before a unit module's forward: gather (and wait for) ``units_of[m]``,
     then start, without waiting, the gathers of ``neighbour(m, +prefetch)``. ``pre_backward(m)``,
     when backward reaches m's output: ``queue_backward_end()``, gather ``units_of[m]``, prefetch
-    ``neighbour(m, -prefetch)`` except units already reduce-scattered (``pending[i] == STARTED``).
+    ``neighbour(m, -prefetch)`` except units already reduce-scattered (``started[i]``).
     """
 
     stage = 3
@@ -129,7 +129,7 @@ class ZeRO3(ZeRO2):
     # -- layout: one unit per selected module, the root holding the rest --------------------------
     rebuilds_buckets = False  # units are modules, not buckets cut in ready order
 
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
         unit_modules = U.select_units(self.module, self._units_arg)
         # self.units_of: unit module -> the units its forward needs (its own, tied ones)
         groups, owners, self.units_of = U.assign_params(self.module, unit_modules)
@@ -150,7 +150,7 @@ class ZeRO3(ZeRO2):
         self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
 
     def load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
-        if id(p) not in self.bucket_index:  # frozen: replicated in full, in the working dtype
+        if id(p) not in self.param_bucket:  # frozen: replicated in full, in the working dtype
             p.data.copy_(full)
             return
         flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
@@ -279,7 +279,7 @@ class ZeRO3(ZeRO2):
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):
-            if self.pending[i] != self.STARTED:  # not a unit whose backward is already over
+            if not self.started[i]:  # not a unit whose backward is already over
                 self.gather(i, wait=False)
 
     # -- gradients: kept as autograd made them until the unit's last one, as FSDP2 does ----------
@@ -296,7 +296,7 @@ class ZeRO3(ZeRO2):
         from the first gradient on; here it is allocated only now, when the unit's activations
         are gone, which keeps the peak at the start of a unit's backward as low as FSDP2's."""
         self.finish_in_flight()  # the previous buffer is freed before this one exists
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:
             buf = self.new_bucket_buffer(b)
         for q in b.params:

@@ -74,7 +74,8 @@ def trace_steps(stage: int) -> set[tuple[str, int]]:
     ) else None
     threading_profile(profile)
     try:
-        model, opt = parallelize(MLP(), stage, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        net = MLP()
+        model, opt = parallelize(net, stage, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3))
         for step in range(2):
             x, y = synthetic_batch("mlp", 4, step, rank=model.rank, world=model.world)
             loss = torch.nn.functional.mse_loss(model(x), y)

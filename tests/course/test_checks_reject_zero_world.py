@@ -201,7 +201,7 @@ class _PrefetchFirst(ZeRO3):
     def pre_backward(self, m):
         self.queue_backward_end()
         for i in self.neighbour(m, -self.prefetch):
-            if self.pending[i] != -1:
+            if not self.started[i]:
                 self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
