@@ -10,7 +10,6 @@ What a call moves, in the ZeRO paper's accounting (§7.1): an all-reduce of ``n`
 tensor of ``n`` elements moves ``n``, a broadcast moves ``n``. The instrument that counts it, times
 it and orders it against the step (``CommLedger``) is minizero/analysis/ledger.py: while a ledger
 is open each call goes through its ``recorder``; otherwise nothing but torch.distributed runs.
-:func:`name_group` names a group in the ledger's records (HSDP's "shard", ZeRO++'s "hpZ").
 """
 
 from __future__ import annotations
@@ -105,37 +104,3 @@ def broadcast(
     global_src = src if group is None else dist.get_global_rank(group, src)
     fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)
     return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag, src)
-
-
-# Names of process groups in ledger records, by torch's unique ``group_name`` (a string: no group
-# is kept alive by being named). Written only by name_group.
-_group_names: dict[str, str] = {}
-
-
-def name_group(group: dist.ProcessGroup, name: str) -> dist.ProcessGroup:
-    """Name ``group`` in every ledger's records (e.g. "shard", "replicate"); returns ``group``.
-    Call it where ``dist.new_group`` is called, on every rank: on a rank outside the group
-    (``new_group`` returns a placeholder there) it does nothing.
-
-    >>> shard = name_group(dist.new_group([0, 1]), "shard")
-    """
-    if not isinstance(name, str) or not name or name == "world":
-        raise ValueError(
-            f"a group's name must be a non-empty string other than 'world', got {name!r}"
-        )
-    if group is None or group == dist.group.WORLD:
-        raise ValueError(
-            "the default group is always named 'world'; name a group made with dist.new_group"
-        )
-    if isinstance(group, dist.ProcessGroup):
-        _group_names[group.group_name] = name
-    return group
-
-
-def group_label(group) -> str:
-    """What records call ``group``: "world" for the default group (None), the name given by
-    :func:`name_group`, else "ranks [a, b, ..]" (its global ranks)."""
-    if group is None or group == dist.group.WORLD:
-        return "world"
-    name = _group_names.get(group.group_name)
-    return name if name is not None else f"ranks {dist.get_process_group_ranks(group)}"

@@ -1,32 +1,21 @@
-"""What every data-parallel wrapper shares: ranks, the forward, the fragments, the step's protocol.
+"""What every data-parallel wrapper shares: ranks, the forward, the fragments, the step's moments.
 
 Taught in lesson 01 (01_ddp); every stage builds on it. The wrappers (NaiveDDP, then the paper's
 chain DDP -> ZeRO1 -> ZeRO2 -> ZeRO3, each extending the one before) are ``nn.Module``s that hold
-the user's model as ``.module`` and run it unchanged; what differs between them is only what they
-keep, and which collectives they issue, from backward to the end of ``optimizer.step()``.
+the user's model as ``.module`` and run it unchanged; they differ only in what they keep, and in
+the collectives they issue from backward to the end of ``optimizer.step()``. One layout serves
+communication and the optimizer (lesson 02): flat buckets, rank r owning a range of each (all of
+it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per parameter and range.
+The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
+:class:`~minizero.extension.Extension` (extension.py).
 
-One layout serves communication and the optimizer (lesson 02): flat buckets; rank r owns a range of
-each (all of it for DDP, chunk r for ZeRO), its fp32 masters one ``(owned,)`` tensor per bucket. The
-optimizer gets one tensor per :class:`Fragment`: the part of one parameter in this rank's range, a
-view into that master tensor, in the parameter's own param group.
-
-One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
-
-    before_step()   grads = step_grads()        per bucket, this rank's averaged fp32 range
-                                                (the stage's ``reduce_gradients()``), unscaled
-                    fragment.tensor.grad = its range of grads
-    <the user's optimizer steps the fragments>
-    after_step()    the stage's own: masters -> working copy (and all-gather, ZeRO 1-2)
-    end_step()      forget this step's gradients
-
-What a stage provides: ``reduce_gradients()``, ``after_step()``, ``reset_grads(set_to_none)``,
-``full_params()``; for loading, ``load_param(p, full)``; for the habits, ``visible_grad(p)`` and
-``clear_grad(p)``.
-
-The habits of a PyTorch loop (a parameter without gradient, ``clip_grad_norm_`` on ``p.grad``,
-``p.grad = None`` by hand, double backward, attributes of the wrapped model, ...) are not here:
-minizero/habits/ composes them around every wrapper through :class:`Extension`, whose methods the
-core calls, one per moment. A reader of the core needs none of them.
+The shape (why a dozen methods are defined three times or more along the chain): each stage is the
+one before with one more state partitioned, as in the paper, so each overrides the moments that
+state changes and inherits the rest; a stage file is that delta, and its opening table names the
+moments it overrides. The price is dispatch: following one parameter means knowing which method
+runs at each moment; the tables at the top of ddp.py, zero1.py, zero2.py and zero3.py answer it.
+Flattening the chain (one whole class per stage) would repeat DDP's bucket machinery four times;
+strategy objects per state would hide the chain the course teaches. So the chain stays.
 """
 
 from __future__ import annotations
@@ -69,7 +58,16 @@ class Fragment:
 
 
 class DataParallel(nn.Module):
-    """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
+    """Base class: ``module`` replicated on every rank of ``process_group``, same start.
+
+    The moments a stage may override, the one list (each stage file's table names its own):
+    backward: ``on_grad_ready(p)`` (every hook's order: ``register_hooks``), ``backward_end()``;
+    step: ``reduce_gradients()`` (per bucket this rank's averaged range, reduced by now),
+    ``after_step()`` (masters -> working copy); ``zero_grad()``: ``reset_grads(set_to_none)``;
+    ``p.grad``: ``visible_grad(p)``, ``clear_grad(p)``; layout and loading: ``cast_working()``,
+    ``full_params()``, ``load_param(p, full)``, ``params_written()``. A stage sets ``params``
+    (trainable, registration order), ``buckets`` (bucket.py's), ``fragments``
+    (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
     rebuild = None  # DDP's Rebuild (rebuild.py): cuts the buckets again in the ready order
@@ -188,11 +186,9 @@ class DataParallel(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
-        """Every per-parameter hook, registered here once per parameter. They run in this order:
-
-        1. before autograd adds a gradient into ``p.grad``: ``habits.before_accumulate()``;
-        2. once it has (:meth:`grad_accumulated`): ``habits.grad_accumulated(p)``, then the
-           rebuild notes the ready order (DDP), then the stage's ``on_grad_ready(p)``."""
+        """Every per-parameter hook, registered here, in the order they run: before autograd adds
+        into ``p.grad``, ``habits.before_accumulate()``; after, :meth:`grad_accumulated`: the
+        habits', the rebuild's note of the ready order (DDP), the stage's ``on_grad_ready(p)``."""
         for p in params:
             p.register_hook(UncopiedHook(lambda grad: self.habits.before_accumulate()))
             p.register_post_accumulate_grad_hook(self.grad_accumulated)

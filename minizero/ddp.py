@@ -4,6 +4,20 @@ The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): e
 model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
 elements, which moves 2Ψ (§7.1). ``DDP`` is the first link of the chain: ZeRO1 (zero1.py)
 extends it, ZeRO2 extends ZeRO1, ZeRO3 extends ZeRO2.
+
+The moments it overrides (data_parallel.py lists them all), and the bucket moments it adds:
+
+    on_grad_ready(p)    p.grad becomes its view of the bucket; the bucket's last gradient:
+                        reduce_in_order(b) -> reduce_bucket(b), an async all-reduce
+    backward_end()      all-reduce the buckets unused parameters left incomplete, wait for all
+    reduce_gradients()  the gradient buffers themselves: averaged in backward, all this rank's
+    after_step()        mixed precision: fp32 masters -> 16-bit working copy (fp32: nothing)
+    reset_grads()       zero the buffers (they persist, as torch DDP's reducer buckets)
+    visible_grad(p), clear_grad(p), full_params(): the bucket view of p, the masters
+
+Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
+reduce_bucket(b), finish_in_flight(). ``rebuild`` (parallelize composes rebuild.Rebuild) cuts
+the buckets again once, in the order the first backward made the gradients ready.
 """
 
 from __future__ import annotations
@@ -28,20 +42,13 @@ class DDP(DataParallel):
     Communication per step: one all-reduce of every bucket, 2Ψ elements (ZeRO §7.1).
 
     Gradients live in flat buckets (``p.grad`` is a view into its bucket, as with torch DDP's
-    ``gradient_as_bucket_view=True``). When the last gradient of a bucket is accumulated, the
-    bucket is divided by the world size and its all-reduce starts asynchronously; at the end of
-    backward every pending all-reduce is waited on, so ``optimizer.step()`` sees averaged gradients.
+    ``gradient_as_bucket_view=True``), each all-reduced as soon as it is complete (the table).
 
-    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (one flat
-    gradient buffer per bucket), ``masters`` (this rank's fp32 range of each bucket, or None) and
-    the optimizer's ``fragments`` over them. Rank r owns all of every bucket; ZeRO: chunk r.
-
-    Public hooks (what a stage overrides; lesson 01's ``BucketedDDP`` has the first):
-    ``on_grad_ready(p)``, the post-accumulate-grad hook of every parameter (its argument is the
-    parameter: the gradient is ``p.grad``); ``reduce_bucket(b)``, called once every gradient of
-    bucket ``b`` is in: start its collective without waiting (``pending[b.index]`` becomes
-    ``STARTED``); ``finish_in_flight()``: wait for the collectives started, and take their
-    results. ``backward_end()`` reduces the buckets still pending, then finishes.
+    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (DDP and
+    ZeRO1: one persistent flat gradient buffer per bucket), ``masters`` (this rank's fp32 range
+    of each bucket, or None) and the optimizer's ``fragments`` over them. Rank r owns all of
+    every bucket; ZeRO: chunk r. Per bucket, ``pending`` counts the gradients still to come in
+    this backward and ``started`` says its collective has started.
     """
 
     rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)

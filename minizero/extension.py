@@ -36,11 +36,7 @@ def _no_op(*args) -> None:
 
 
 class Extension:
-    """The one seam between the core and minizero/habits/: every call the core makes on the habits
-    is one of these methods (``wrapper.habits.<method>``), at the moment its docstring names. This
-    class is the plain behaviour: each does nothing, or what torch's own would. ``parallelize``
-    composes ``minizero.habits.Habits``; a wrapper built directly gets what its constructor's
-    ``extension=`` names (this class by default). Importing a module composes nothing."""
+    """Every call the core makes on ``wrapper.habits``, each with its plain behaviour."""
 
     def __init__(self, wrapper: nn.Module) -> None:  # a data_parallel.DataParallel
         """At construction, before any hook of the stage: may refuse the model."""

@@ -24,16 +24,14 @@ from minizero import collectives as C
 
 
 class Rebuild:
-    """The rebuild of one wrapper (a DDP): the ready order, noted until the buckets are cut
-    again (``seen`` None: done, or never: ``on`` False)."""
+    """One DDP's rebuild; ``seen``: the ready order so far (None: done, or never)."""
 
     def __init__(self, wrapper) -> None:
         self.wrapper = wrapper
         self.on = wrapper.rebuilds_buckets and not wrapper.find_unused_parameters  # as torch
         self.seen: dict[int, nn.Parameter] | None = {} if self.on else None  # id(p) -> p, in order
 
-    def note(self, p: nn.Parameter) -> None:
-        """A synchronised backward made ``p``'s gradient ready (each parameter once)."""
+    def note(self, p: nn.Parameter) -> None:  # each parameter once, synchronised backwards
         if self.seen is not None and self.wrapper.require_sync:
             self.seen.setdefault(id(p), p)
 
@@ -62,19 +60,23 @@ class Rebuild:
             self.rebuild([named[n] for n in names])
 
     def rebuild(self, ready: list[nn.Parameter]) -> None:
-        """Cut the buckets again over rank 0's ``ready``. The working copy moves as it is; the
-        fp32 masters and each optimizer's states move a parameter at a time (:func:`move`)."""
-        w = self.wrapper
-        self.seen = None
+        """Cut the buckets again over rank 0's ``ready`` (fp32 DDP: nothing else moves)."""
+        w, self.seen = self.wrapper, None
         index = {id(p): i for i, p in enumerate(w.params)}
         order = torch.tensor([index[id(p)] for p in ready], device=w.params[0].device)
         w.broadcast_from_rank0(order, "ready order")  # every rank cuts the same, as torch
+        ready = [w.params[i] for i in order.tolist()]
         if all(m is None for m in w.masters):  # fp32 DDP: the parameters are the masters
-            return w.lay_out([w.params[i] for i in order.tolist()])
+            return w.lay_out(ready)
+        self.move_states(ready)
+
+    def move_states(self, ready: list[nn.Parameter]) -> None:
+        """Cut, and move the fp32 masters and each optimizer's states, a parameter at a time."""
+        w = self.wrapper
         old = dict(w.fragments_of)  # id(param) -> its fragments here, before the cut
         alive = [o for o in (ref() for ref in w.optimizers) if o is not None]
         held = [take_states(o, w) for o in alive]  # before the fragments change
-        w.lay_out([w.params[i] for i in order.tolist()])
+        w.lay_out(ready)
         for o in alive:
             regroup(o, w)  # groups of the new fragments; their states follow, in move()
         move(w, old, list(zip(alive, held, strict=True)))
@@ -109,9 +111,8 @@ def fragment_of(value, f) -> object:
 
 def take_states(optimizer: torch.optim.Optimizer, wrapper) -> dict:
     """Give each param group its parameters back in place of this rank's fragments, and take
-    the fragments' states out: ``{param index: (group, states by fragment start)}`` for the
-    parameters this rank holds a fragment of, known on every rank (small: an all-gather of
-    objects at stages 1-2, where a rank holds only its own fragments)."""
+    their states out: ``{param index: (group, states by fragment start)}``, known on every rank
+    (an all-gather of small objects at stages 1-2)."""
     frag = {id(f.tensor): f for f in wrapper.fragments}
     index = {id(p): i for i, p in enumerate(wrapper.params)}
     mine: dict[int, tuple[int, list, dict]] = {}  # param index -> (group, state keys, scalars)
@@ -139,10 +140,9 @@ def _elementwise(v: object, f) -> bool:
 
 
 def move(wrapper, old: dict, optimizers: list) -> None:
-    """For each parameter in turn: its fp32 master and its elementwise states, put together
-    whole from the old fragments (an all-reduce at stages 1-2, where each element is on one rank),
-    then cut to the new fragments. One parameter at a time: the most a rank holds beyond its
-    partition is one parameter's master and states, never the whole model's KΨ."""
+    """Per parameter: its fp32 master and elementwise states made whole from the old fragments
+    (an all-reduce at stages 1-2, each element on one rank), then cut to the new ones: beyond its
+    partition a rank holds one parameter's, never the model's KΨ."""
     w = wrapper
     like = next(m for m in w.masters if m is not None)  # the masters' dtype and device
     for i, p in enumerate(w.params):

@@ -2,6 +2,17 @@
 
 Rajbhandari et al., arXiv 1910.02054, §5.2. What this file adds to zero1.py: gradients are
 reduce-scattered bucket by bucket *during* backward, and each rank keeps only its own shard of them.
+
+The moments it overrides, and what each does differently from ZeRO1:
+
+    init_grads()        no persistent buffers: ``grad_shards`` (shard,) and ``filling`` (padded,)
+                        per bucket, None until used
+    on_grad_ready(p)    copy p.grad into the bucket it fills, drop it; last one: reduce_bucket
+    reduce_bucket(b)    async reduce-scatter into chunk r, one in flight at a time
+    finish_in_flight()  wait, average, add into ``grad_shards``, free the buffer
+    backward_end()      DDP's again: reduce what unused parameters left incomplete, then finish
+    reduce_gradients()  nothing left to reduce: the shards backward reduced
+    no_sync(), visible_grad(p), clear_grad(p), reset_grads(): no local full gradient to keep
 """
 
 from __future__ import annotations
@@ -24,15 +35,10 @@ class ZeRO2(ZeRO1):
     Model states per rank: 2Ψ + (2 + K)Ψ/N in mixed precision (4Ψ + (4 + K)Ψ/N in fp32).
     Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as DDP and stage 1 (§7.2.1).
 
-    As autograd produces each parameter's gradient, the hook copies it into its bucket's flat
-    buffer (``filling[b.index]``, which exists only while the bucket fills) and drops
-    ``p.grad``. When a bucket is complete its reduce-scatter starts at once, while
-    backward goes on, and its result is added to this rank's gradient shard. Full gradients live
-    only in bucket buffers, and at most two at a time: the one being filled and the one whose
-    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does).
-    After backward the gradient is in ``grad_shards``; until the next forward ``p.grad`` is a
-    :class:`~minizero.habits.sharded_grad.ShardedGrad` (no memory), so that torch's
-    ``clip_grad_norm_`` works on the shards.
+    Full gradients live only in bucket buffers (the table), at most two at a time: the one being
+    filled and the one whose reduce-scatter is in flight (double buffering, as DeepSpeed's
+    ``overlap_comm``). After backward the gradient is in ``grad_shards``; until the next forward
+    ``p.grad`` is a ShardedGrad (habits/sharded_grad.py), which ``clip_grad_norm_`` works on.
 
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
     frees its sharded gradients: between steps a rank keeps no gradient at all, and each shard is
@@ -112,10 +118,16 @@ class ZeRO2(ZeRO1):
             self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
-    backward_end = DDP.backward_end  # stage 2 reduces during backward again, as DDP does
+    # Stage 1's backward_end does nothing (it reduces at the step); stage 2 reduces during
+    # backward again, as DDP does, so it needs DDP's: reduce the buckets that parameters unused in
+    # this backward left incomplete (zeros, so that every rank issues the same reduce-scatters),
+    # wait for the one in flight, reset the counts. Its reduce_bucket is this file's.
+    backward_end = DDP.backward_end
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        return self.grad_shards  # reduced during backward already (None: no backward since)
+        """Nothing left to reduce: each bucket was reduce-scattered during backward. The step's
+        moment keeps its name (what the step gets here is reduced, wherever it was)."""
+        return self.grad_shards  # (shard,) per bucket; None: no backward since zero_grad()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return None  # the full gradient of p exists only while its bucket fills

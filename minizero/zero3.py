@@ -3,6 +3,16 @@
 Rajbhandari et al., arXiv 1910.02054, §5.3. What this file adds to zero2.py: parameters too live
 sharded between uses; each unit's are all-gathered just before its forward and again before its
 backward, and freed right after. Which modules are units: minizero/units.py.
+
+The moments it overrides, and what each does differently from ZeRO2:
+
+    cut_buckets(ready)  one bucket per unit (a module's own parameters), not cut by size
+    take_master, cast_working, load_param, params_written: ``param_shards`` are the parameters
+    forward             module hooks: gather a unit before its forward, free it after
+    on_grad_ready(p)    only count: autograd's gradients stay until the unit's last one
+    reduce_bucket(b)    copy the unit's gradients into a buffer then, reduce-scatter, free it
+    backward_end()      ZeRO2's, then free every unit still gathered
+    after_step()        masters -> param_shards, no all-gather (the next forward gathers)
 """
 
 from __future__ import annotations

@@ -98,10 +98,12 @@ class SecondaryShards:
 
     def __init__(self, k: int, n_units: int) -> None:
         world = dist.get_world_size()
-        groups = [dist.new_group(list(range(s, s + k))) for s in range(0, world, k)]
+        # group_desc: what ledgers call the group (analysis/ledger.py's group_label)
+        blocks = [list(range(s, s + k)) for s in range(0, world, k)]
+        groups = [dist.new_group(ranks, group_desc="hpZ") for ranks in blocks]
         rank = dist.get_rank()
         self.k, self.index = k, rank % k  # this rank's chunk of the unit within its block
-        self.group = C.name_group(groups[rank // k], "hpZ")
+        self.group = groups[rank // k]
         self.shards: list[torch.Tensor | None] = [None] * n_units  # (padded / k,) per unit
 
     def keep(self, i: int, flat: torch.Tensor) -> None:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from minizero import collectives as C
 from minizero.analysis.topology import ring_bytes
-from minizero.collectives import group_label, name_group  # noqa: F401  (name_group: lessons)
 
 # nccl-tests' bus-bandwidth factors, as functions of the group size n.
 BUSBW_FACTOR = {
@@ -188,6 +187,43 @@ class CommLedger:
 # Ledgers open on this process, innermost last. A stack, not a singleton: it is empty whenever
 # no `with CommLedger()` block is running, so nothing has to be reset between tests.
 _open_ledgers: list[CommLedger] = []
+
+
+# Names given to process groups, by torch's unique ``group_name`` (a string: no group is kept
+# alive by being named). Written only by name_group.
+_group_names: dict[str, str] = {}
+
+
+def name_group(group: dist.ProcessGroup, name: str) -> dist.ProcessGroup:
+    """Name ``group`` in every ledger's records (e.g. "shard", "replicate"); returns ``group``.
+    Call it where ``dist.new_group`` is called, on every rank: on a rank outside the group
+    (``new_group`` returns a placeholder there) it does nothing.
+
+    >>> shard = name_group(dist.new_group([0, 1]), "shard")
+    """
+    if not isinstance(name, str) or not name or name == "world":
+        raise ValueError(
+            f"a group's name must be a non-empty string other than 'world', got {name!r}"
+        )
+    if group is None or group == dist.group.WORLD:
+        raise ValueError(
+            "the default group is always named 'world'; name a group made with dist.new_group"
+        )
+    if isinstance(group, dist.ProcessGroup):
+        _group_names[group.group_name] = name
+    return group
+
+
+def group_label(group) -> str:
+    """What records call ``group``: "world" for the default group (None), the name given by
+    :func:`name_group`, else its ``group_desc`` (``new_group(ranks, group_desc="hpZ")``; a
+    DeviceMesh names its groups after their dims: "shard", "replicate"), else "ranks [a, b, ..]"."""
+    if group is None or group == dist.group.WORLD:
+        return "world"
+    name = _group_names.get(group.group_name)
+    if name is None and group.group_desc not in ("undefined", "default_pg"):
+        name = group.group_desc.removeprefix("mesh_")  # torch's: a mesh dim's, or new_group's
+    return name if name is not None else f"ranks {dist.get_process_group_ranks(group)}"
 
 
 def _sync(t: torch.Tensor) -> None:
