@@ -21,11 +21,7 @@ from torch import nn
 
 class Bucket:
     """``params`` end to end in a flat buffer of ``padded`` elements: ``world`` chunks of ``shard``.
-
-    The bucket stores the layout only; each stage decides which flat buffers it keeps alive
-    (DDP: a gradient buffer; ZeRO-1: + parameter buffer; ZeRO-3: a parameter buffer that lives only
-    while gathered).
-    """
+    The layout only: each stage decides which flat buffers it keeps alive (DDP: gradients)."""
 
     def __init__(self, params: list[nn.Parameter], index: int, world: int = 1):
         self.params = params

@@ -9,13 +9,10 @@ it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per par
 The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
 :class:`~minizero.extension.Extension` (extension.py).
 
-The shape (why a dozen methods are defined three times or more along the chain): each stage is the
-one before with one more state partitioned, as in the paper, so each overrides the moments that
-state changes and inherits the rest; a stage file is that delta, and its opening table names the
-moments it overrides. The price is dispatch: following one parameter means knowing which method
-runs at each moment; the tables at the top of ddp.py, zero1.py, zero2.py and zero3.py answer it.
-Flattening the chain (one whole class per stage) would repeat DDP's bucket machinery four times;
-strategy objects per state would hide the chain the course teaches. So the chain stays.
+The shape, a decision: a dozen methods are defined 3+ times along the chain, because each stage
+is the one before with one more state partitioned (the paper's chain), overriding the moments that
+state changes; each stage file's opening table names them. Flattened classes would repeat DDP's
+buckets four times, strategy objects would hide the chain; so it stays (docs/: the reasoning).
 """
 
 from __future__ import annotations
@@ -28,16 +25,15 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.extension import Extension, UncopiedHook
+from minizero.extension import Extension
 from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
 
 
 @dataclass(frozen=True, eq=False)
 class Fragment:
-    """Elements [start, end) of ``param`` (flattened) that this rank owns; they sit at
-    [offset, offset + end - start) of this rank's owned range of bucket ``bucket``. ``tensor`` is
-    what the optimizer steps for them: a (numel,) view of the fp32 master range, or, for fp32
-    DDP, the parameter itself."""
+    """Elements [start, end) of ``param`` (flattened) that this rank owns, at [offset, offset +
+    numel) of its range of bucket ``bucket``; ``tensor``: what the optimizer steps for them, a
+    (numel,) view of the fp32 masters, or (fp32 DDP) the parameter itself."""
 
     name: str
     param: nn.Parameter
@@ -190,7 +186,7 @@ class DataParallel(nn.Module):
         into ``p.grad``, ``habits.before_accumulate()``; after, :meth:`grad_accumulated`: the
         habits', the rebuild's note of the ready order (DDP), the stage's ``on_grad_ready(p)``."""
         for p in params:
-            p.register_hook(UncopiedHook(lambda grad: self.habits.before_accumulate()))
+            p.register_hook(lambda grad: self.habits.before_accumulate())  # (deepcopy drops it)
             p.register_post_accumulate_grad_hook(self.grad_accumulated)
 
     def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
@@ -235,8 +231,7 @@ class DataParallel(nn.Module):
         raise NotImplementedError
 
     def step_grads(self) -> list[torch.Tensor | None]:
-        """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once a step
-        (``clip_grad_norm_`` and ``step()`` share them)."""
+        """This step's fp32 gradients, per bucket (owned,), unscaled; made once a step."""
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
             full = full_dtype(self.precision)
             self.averaged = [None if g is None else g.to(full) for g in self.reduce_gradients()]
@@ -248,7 +243,7 @@ class DataParallel(nn.Module):
 
     def before_step(self) -> bool:
         """Hand each fragment its range of the averaged gradient; False: skip the update (fp16
-        overflow). The habits name the parameters without a gradient: the optimizer skips them."""
+        overflow). Parameters the habits name as without a gradient get none (not stepped)."""
         skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
         if skip is None:  # no backward since zero_grad(): every p.grad is None, and torch's
             for f in self.fragments:  # optimizers skip a parameter without one

@@ -44,11 +44,9 @@ class DDP(DataParallel):
     Gradients live in flat buckets (``p.grad`` is a view into its bucket, as with torch DDP's
     ``gradient_as_bucket_view=True``), each all-reduced as soon as it is complete (the table).
 
-    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (DDP and
-    ZeRO1: one persistent flat gradient buffer per bucket), ``masters`` (this rank's fp32 range
-    of each bucket, or None) and the optimizer's ``fragments`` over them. Rank r owns all of
-    every bucket; ZeRO: chunk r. Per bucket, ``pending`` counts the gradients still to come in
-    this backward and ``started`` says its collective has started.
+    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (one flat
+    gradient buffer per bucket, persistent), ``masters`` (this rank's fp32 range of each bucket,
+    or None), ``fragments``; per bucket ``pending`` (gradients still to come) and ``started``.
     """
 
     rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
@@ -136,11 +134,9 @@ class DDP(DataParallel):
             self.reduce_in_order(b)
 
     def reduce_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may run
-        other graphs and complete buckets in other orders (a parameter used on some ranks only):
-        then start the complete buckets in index order, as torch DDP does, so that every rank
-        issues the same collectives in the same order. Otherwise every rank completes them in
-        the same order, and each goes as soon as it is complete (the most overlap)."""
+        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may complete
+        buckets in other orders: then start the complete ones in index order, as torch DDP, so
+        that every rank issues the same collectives in the same order."""
         if not self.find_unused_parameters:
             return self.reduce_bucket(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:

@@ -2,37 +2,17 @@
 
 The core (data_parallel.py, the stages, the optimizer, checkpoints, parallelize) calls the habits
 only as ``wrapper.habits.<method>(...)``, a method of :class:`Extension`, at the moment its
-docstring names; this class is the plain behaviour (each does nothing, or what torch's own
-would). ``parallelize`` composes ``minizero.habits.Habits`` (``extension=Habits``); a wrapper
-built directly gets what its constructor's ``extension=`` names, this class by default. Importing
-a module composes nothing. ``tests/library/test_layout.py`` holds the core to this.
+docstring names; this class is the plain behaviour (nothing, or torch's own). ``parallelize``
+composes ``minizero.habits.Habits``; a wrapper built directly gets its constructor's
+``extension=`` (this class by default). Importing a module composes nothing (test_layout.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-
-
-class UncopiedHook:
-    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
-    the whole wrapper, process group included): the copy is a plain, unsharded model."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo) -> Callable:
-        return _no_op
-
-
-def _no_op(*args) -> None:
-    return None
 
 
 class Extension:

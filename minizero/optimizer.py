@@ -81,8 +81,7 @@ class StageStep:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: the gradients of this optimizer's parameters (all of them: the stage's
-        ``zero_grad``; some: those only, the others keep accumulating, as in torch)."""
+        """As torch's: the gradients of this optimizer's parameters (the others keep theirs)."""
         trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
         if trains is None or all(id(p) in trains for p in self._wrapper.params):
             self._wrapper.zero_grad(set_to_none)

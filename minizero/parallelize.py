@@ -65,21 +65,13 @@ def parallelize(
 ) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
 
-    ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
-    per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are kept;
-    at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
-    must be elementwise (SGD, Adam, AdamW, ... or subclasses). Without ``optimizer`` only the model
-    is returned (FSDP2's order: ``model = parallelize(model, 3); opt = AdamW(model.parameters())``):
-    a torch optimizer over its parameters is adopted at its first ``step()``, as if it had been
-    passed here (habits/optimizer.py). ``precision``: "fp32", "bf16", "fp16" (adds dynamic loss
-    scaling) or a :class:`minizero.Precision` (FSDP2's field names). ``bucket_cap_mb``: gradient
-    bucket size in MiB (stages 0-2), torch DDP's rule, cut again in ready order after the first
-    backward as torch DDP does (minizero/bucket.py). ``process_group``: the
-    ranks to train on (default: the world). ``mesh``: hybrid sharding, a 2-D ``DeviceMesh``
-    (minizero/hsdp.py). ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean
-    for torch DDP. Stage 3's own options: :func:`stage3_class`. Under NCCL the model is moved to
-    this rank's GPU.
-    """
+    ``optimizer``: a torch optimizer over ``model``'s parameters (any param groups; elementwise
+    at stages 1-3 and in mixed precision, where it steps this rank's fp32 shards), or a function
+    ``params -> optimizer``; without one only the model is returned, and an optimizer built over
+    its parameters afterwards (FSDP2's order) is adopted at its first ``step()``. ``precision``:
+    "fp32", "bf16", "fp16" or a :class:`minizero.Precision`; ``bucket_cap_mb``: torch DDP's, in MiB
+    (stages 0-2); ``mesh``: HSDP (hsdp.py); the rest as torch DDP's; stage 3's options:
+    :func:`stage3_class`. Under NCCL the model moves to this rank's GPU."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
     if isinstance(model, DataParallel):

@@ -332,3 +332,21 @@ def summon_full_params(wrapper, writeback: bool = True):
             for b, buf, shard in zip(wrapper.buckets, bufs, wrapper.param_shards, strict=True):
                 shard.copy_(b.chunk(buf, wrapper.rank))
         wrapper.params_written()
+
+
+class UncopiedHook:
+    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
+    the whole wrapper, process group included): the copy is a plain, unsharded model."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _no_op
+
+
+def _no_op(*args) -> None:
+    return None

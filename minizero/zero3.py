@@ -25,9 +25,8 @@ from torch.autograd import Variable
 from minizero import collectives as C
 from minizero import units as U
 from minizero.bucket import Bucket
-from minizero.extension import UncopiedHook
 from minizero.precision import Precision
-from minizero.units import Accumulators, Units, set_guard
+from minizero.units import Accumulators, UncopiedHook, Units, set_guard
 from minizero.zero2 import ZeRO2
 
 

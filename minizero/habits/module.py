@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero.extension import UncopiedHook
 from minizero.precision import full_dtype
-from minizero.units import is_sharded
+from minizero.units import UncopiedHook, is_sharded
 
 SAVE_ON_RANK_0 = "save on rank 0 only: `sd = model.state_dict(); if rank == 0: torch.save(sd, p)`"
 
