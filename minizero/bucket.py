@@ -14,6 +14,7 @@ of a bucket leaves each rank the chunk it owns; an all-gather of the chunks rebu
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -26,12 +27,9 @@ class Bucket:
     def __init__(self, params: list[nn.Parameter], index: int, world: int = 1):
         self.params = params
         self.index = index
-        self.offsets: list[int] = []  # params[i] lives at [offsets[i], offsets[i] + numel)
-        n = 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
+        sizes = [p.numel() for p in params]
+        self.offsets = list(accumulate(sizes, initial=0))  # params[i]: [offsets[i], offsets[i+1])
+        self.numel = n = self.offsets.pop()
         self.world = world
         self.shard = math.ceil(n / world)  # chunk size; rank r owns [r * shard, (r + 1) * shard)
         self.padded = self.shard * world  # numel rounded up to a multiple of world
@@ -72,11 +70,9 @@ FIRST_CAP_MB = 1  # its first bucket at that default (torch.distributed._DEFAULT
 
 
 def assign_by_size(nbytes: list[int], bucket_cap_mb: float | None = None) -> list[list[int]]:
-    """torch DDP's bucket rule over sizes in bytes, in the order given: indices per bucket. A
-    bucket closes once it holds ``bucket_cap_mb`` MiB *or more* (a tensor over the cap is alone;
-    ``0``: one per tensor); at the default (None: 25 MiB) the first closes at 1 MiB. As torch
-    2.13's DDP (distributed.py's ``_BucketCapacityConfig``, reducer.cpp's
-    ``compute_bucket_assignment_by_size``)."""
+    """torch 2.13 DDP's bucket rule (reducer.cpp's ``compute_bucket_assignment_by_size``) over
+    sizes in bytes, in order: a bucket closes once it holds ``bucket_cap_mb`` MiB or more; at the
+    default (None: 25 MiB) the first closes at 1 MiB. Returns indices per bucket."""
     if bucket_cap_mb is not None and bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0 (MiB), got {bucket_cap_mb}")
     cap = (DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20

@@ -145,7 +145,7 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.rebuild is not None:  # first: p.grad still says whether gradients are held
-            self.rebuild.before_forward()
+            self.rebuild.when_due(forward=True)
         self.habits.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
@@ -182,9 +182,8 @@ class DataParallel(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
-        """Every per-parameter hook, registered here, in the order they run: before autograd adds
-        into ``p.grad``, ``habits.before_accumulate()``; after, :meth:`grad_accumulated`: the
-        habits', the rebuild's note of the ready order (DDP), the stage's ``on_grad_ready(p)``."""
+        """Every per-parameter hook, in the order they run: ``habits.before_accumulate()``, then
+        :meth:`grad_accumulated`: the habits', the rebuild's, the stage's ``on_grad_ready``."""
         for p in params:
             p.register_hook(lambda grad: self.habits.before_accumulate())  # (deepcopy drops it)
             p.register_post_accumulate_grad_hook(self.grad_accumulated)
@@ -200,8 +199,7 @@ class DataParallel(nn.Module):
         self.queue_backward_end()
 
     def queue_backward_end(self) -> None:
-        """From inside backward (a hook): run ``self.backward_end()`` once backward has finished,
-        then the habits' ``after_backward()``. Safe to call from every hook: one per backward."""
+        """From any hook: ``backward_end()``, then ``habits.after_backward()``, once it is over."""
         if not self.backward_end_queued:
             self.backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_once)
@@ -245,10 +243,8 @@ class DataParallel(nn.Module):
         """Hand each fragment its range of the averaged gradient; False: skip the update (fp16
         overflow). Parameters the habits name as without a gradient get none (not stepped)."""
         skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
-        if skip is None:  # no backward since zero_grad(): every p.grad is None, and torch's
-            for f in self.fragments:  # optimizers skip a parameter without one
-                if f.is_master:
-                    f.tensor.grad = None
+        if skip is None:  # no backward since zero_grad(): no fragment gets a gradient, and
+            self.end_step()  # torch's optimizers skip a parameter without one
             return True
         grads = self.step_grads()
         if not self.grads_ok:
@@ -275,7 +271,7 @@ class DataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.habits.zero_grad(set_to_none)
         if self.rebuild is not None:  # before reset_grads: it clears the new buffers
-            self.rebuild.at_zero_grad()
+            self.rebuild.when_due(forward=False)
         self.averaged = self.grads_ok = None
         self.reset_grads(set_to_none)
 

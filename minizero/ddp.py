@@ -58,7 +58,7 @@ class DDP(DataParallel):
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
-        rebuild: Callable[[DDP], Any] | None = None,  # parallelize: rebuild.Rebuild
+        rebuild: Callable[[DDP], Any] | None = None,  # cuts again in ready order: rebuild.py
         **options,  # broadcast_buffers, find_unused_parameters, extension: see DataParallel
     ):
         super().__init__(module, precision=precision, process_group=process_group, **options)
@@ -66,8 +66,6 @@ class DDP(DataParallel):
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        # torch DDP's second cut of the buckets, in the order the first backward made them ready
-        # (parallelize composes rebuild.Rebuild; built directly, the first buckets stay)
         self.rebuild = rebuild(self) if rebuild is not None else None
         self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
@@ -75,9 +73,8 @@ class DDP(DataParallel):
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
         self.buckets = self.cut_buckets(ready)
         self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
-        # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
-        # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
-        self.masters = [self.take_master(b) for b in self.buckets]
+        # this rank's fp32 range of each bucket (in KΨ's K), taken before the 16-bit cast; None:
+        self.masters = [self.take_master(b) for b in self.buckets]  # the optimizer steps params
         self.fragments, self.fragments_of = [], {}
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()

@@ -64,7 +64,6 @@ def parallelize(
     **stage_options,
 ) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
-
     ``optimizer``: a torch optimizer over ``model``'s parameters (any param groups; elementwise
     at stages 1-3 and in mixed precision, where it steps this rank's fp32 shards), or a function
     ``params -> optimizer``; without one only the model is returned, and an optimizer built over

@@ -35,18 +35,14 @@ class Rebuild:
         if self.seen is not None and self.wrapper.require_sync:
             self.seen.setdefault(id(p), p)
 
-    def due(self) -> bool:
-        return self.seen is not None and len(self.seen) == len(self.wrapper.params)
-
-    def at_zero_grad(self) -> None:
-        if self.due():
-            self.rebuild(list(self.seen.values()))
-
-    def before_forward(self) -> None:
-        w = self.wrapper  # torch's moment, when no gradient is held
-        if self.due() and torch.is_grad_enabled() and w.require_sync:
-            if all(p.grad is None for p in w.params):
-                self.rebuild(list(self.seen.values()))
+    def when_due(self, forward: bool) -> None:
+        """Cut at ``zero_grad()``, or at a synchronised training forward with no gradient held."""
+        w, seen = self.wrapper, self.seen
+        if seen is None or len(seen) < len(w.params):
+            return
+        held = any(p.grad is not None for p in w.params)
+        if not forward or (torch.is_grad_enabled() and w.require_sync and not held):
+            self.rebuild(list(seen.values()))
 
     def order(self) -> list[str] | None:
         """The names the buckets are cut over, in order (None where they are not rebuilt)."""
@@ -83,9 +79,8 @@ class Rebuild:
 
 
 def regroup(optimizer: torch.optim.Optimizer, wrapper) -> None:
-    """Swap each param group's parameters for this rank's fragments of them (stages 1-3, and a
-    16-bit working copy: the optimizer steps fp32 masters). A parameter outside every group is
-    not trained; one that has state already (Adagrad's sum) gives each fragment its range."""
+    """Swap each param group's parameters for this rank's fragments of them (the optimizer steps
+    fp32 masters); a state already there (Adagrad's sum) gives each fragment its range."""
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for f in wrapper.fragments:
@@ -110,9 +105,8 @@ def fragment_of(value, f) -> object:
 
 
 def take_states(optimizer: torch.optim.Optimizer, wrapper) -> dict:
-    """Give each param group its parameters back in place of this rank's fragments, and take
-    their states out: ``{param index: (group, states by fragment start)}``, known on every rank
-    (an all-gather of small objects at stages 1-2)."""
+    """Each param group gets its parameters back, the fragments' states are taken out: per
+    parameter index, (group, state keys, scalars) known on every rank, states by fragment start."""
     frag = {id(f.tensor): f for f in wrapper.fragments}
     index = {id(p): i for i, p in enumerate(wrapper.params)}
     mine: dict[int, tuple[int, list, dict]] = {}  # param index -> (group, state keys, scalars)
@@ -140,9 +134,8 @@ def _elementwise(v: object, f) -> bool:
 
 
 def move(wrapper, old: dict, optimizers: list) -> None:
-    """Per parameter: its fp32 master and elementwise states made whole from the old fragments
-    (an all-reduce at stages 1-2, each element on one rank), then cut to the new ones: beyond its
-    partition a rank holds one parameter's, never the model's KΨ."""
+    """Per parameter, its master and states made whole from the old fragments (an all-reduce at
+    stages 1-2) and cut to the new: a rank holds one parameter's beyond its partition, not KΨ."""
     w = wrapper
     like = next(m for m in w.masters if m is not None)  # the masters' dtype and device
     for i, p in enumerate(w.params):

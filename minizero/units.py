@@ -335,8 +335,7 @@ def summon_full_params(wrapper, writeback: bool = True):
 
 
 class UncopiedHook:
-    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
-    the whole wrapper, process group included): the copy is a plain, unsharded model."""
+    """A hook that ``copy.deepcopy`` of the user's model makes a no-op (not a wrapper's copy)."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn

@@ -41,9 +41,7 @@ class ZeRO2(ZeRO1):
     ``p.grad`` is a ShardedGrad (habits/sharded_grad.py), which ``clip_grad_norm_`` works on.
 
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
-    frees its sharded gradients: between steps a rank keeps no gradient at all, and each shard is
-    allocated again when the next backward launches its bucket's reduce-scatter. (Stage 1 and
-    DDP keep their flat gradient buffers, as torch DDP keeps its reducer's buckets.)
+    does: between steps a rank keeps no gradient; the next backward allocates each again.
 
     What lesson 03 asks you to write: ``on_grad_ready(p)`` (fill ``filling[b.index]``,
     count ``pending``, ``reduce_bucket(b)`` when complete) and ``finish_in_flight()`` (wait for
