@@ -1,7 +1,7 @@
 """The habits of a PyTorch training loop that a data-parallel wrapper must notice, in one place.
 
 Each guard stands for one habit that would otherwise train a different model without a word, or
-hang (the README's "What a PyTorch user expects" says, habit by habit, what happens). A guard
+hang (docs/package.md, "What a PyTorch user expects", says, habit by habit, what happens). A guard
 either makes the habit mean what it means with torch DDP and FSDP2, or refuses it with one message
 that names the habit and says what works instead.
 
@@ -15,7 +15,7 @@ that names the habit and says what works instead.
                      (parallelize asks it through Extension; adopted after wrapping)
 
 The core (data_parallel.py, the stages, the optimizer, checkpoints) imports none of this: it calls
-the methods of :class:`~minizero.data_parallel.Extension`, one per moment, on ``wrapper.habits``.
+the methods of :class:`~minizero.extension.Extension`, one per moment, on ``wrapper.habits``.
 :class:`Habits` implements them; ``parallelize`` composes it (``extension=Habits``), and a wrapper
 built directly gets it only when its constructor is told so. Importing this package changes
 nothing.

@@ -531,10 +531,10 @@ def test_every_minizero_name_a_lesson_uses_exists(source):
                 )
 
 
-def test_the_readmes_table_of_concepts_matches_the_tree():
-    """Every file the README's table names exists, and every library module and subpackage has a
-    row (a file named bare, ``x.py``, sits in the folder the row named last)."""
-    text = (ROOT / "README.md").read_text()
+def test_the_design_pages_table_of_concepts_matches_the_tree():
+    """Every file the table of docs/design.md names exists, and every library module and
+    subpackage has a row (a file named bare, ``x.py``, sits in the folder the row named last)."""
+    text = (ROOT / "docs" / "design.md").read_text()
     table = text[text.index("| concept | file |") :].split("\n\n")[0].splitlines()[2:]
     named = set()
     for row in table:
@@ -547,10 +547,10 @@ def test_the_readmes_table_of_concepts_matches_the_tree():
                 assert folder is not None, f"{ref!r} in a row that names no folder first: {row}"
                 path = folder / ref
             path = path.with_name(path.name.replace("NN", "01"))  # lessonNN.py: each lesson's
-            assert path.exists(), f"the README's table names {ref}, which does not exist ({path})"
+            assert path.exists(), f"docs/design.md names {ref}, which does not exist ({path})"
             named.add(path.resolve())
     top = [p for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")]
     subpackages = [p.parent for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "course"]
     seen = lambda p: p.resolve() in named or any(n.is_relative_to(p.resolve()) for n in named)
     missing = [p.relative_to(ROOT).as_posix() for p in top + subpackages if not seen(p)]
-    assert not missing, f"no row in the README's table for {missing}"
+    assert not missing, f"no row in docs/design.md's table for {missing}"
