@@ -40,8 +40,10 @@ from minizero.course.checks.common import (
     two_ranks_hint,
 )
 from minizero.course.checks.compare_zero import compare
+from minizero.habits import Habits
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
+from minizero.rebuild import Rebuild
 from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
@@ -74,11 +76,13 @@ def one_process(module: nn.Module):
 
 
 def minizero_build(cls, precision: str = "fp32", **kw):
-    """``cls(module, ...)`` with Adam on what it says to optimize, as ``minizero.parallelize``."""
+    """``cls(module, ...)`` with Adam on what it says to optimize, composed as
+    ``minizero.parallelize`` composes it: the habits around the core, the buckets rebuilt."""
 
     def build(module: nn.Module):
         cap = {} if issubclass(cls, ZeRO3) else {"bucket_cap_mb": CAP_MB}  # stage 3: units
-        model = cls(module, precision=lib_precision(precision), **cap, **kw)
+        parts = {"extension": Habits, "rebuild": Rebuild}  # parallelize's composition
+        model = cls(module, precision=lib_precision(precision), **cap, **parts, **kw)
         opt = attach(torch.optim.Adam(model.optimizer_params(), lr=LR), model)
         if isinstance(model, ZeRO3):  # full parameters live only while gathered: ask the masters
             return (
