@@ -104,6 +104,5 @@ def buckets_in_order(
     ready: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
 ) -> list[Bucket]:
     """Cut ``ready`` (the order gradients become ready) by :func:`assign_by_size` (MiB)."""
-    nbytes = [p.numel() * p.element_size() for p in ready]
-    groups = [[ready[i] for i in idx] for idx in assign_by_size(nbytes, bucket_cap_mb)]
-    return [Bucket(g, i, world) for i, g in enumerate(groups)]
+    groups = assign_by_size([p.numel() * p.element_size() for p in ready], bucket_cap_mb)
+    return [Bucket([ready[i] for i in idx], k, world) for k, idx in enumerate(groups)]

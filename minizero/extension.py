@@ -39,6 +39,10 @@ class Extension:
         is. Here: only one already attached to it."""
         return getattr(optimizer, "_wrapper", None) is self.wrapper
 
+    def adopt_on_first_step(self) -> None:
+        """``parallelize``, once wrapped: adopt an optimizer built afterwards at its first step
+        (FSDP2's order). Here: none."""
+
     def before_forward(self) -> None:
         """At the start of every forward, after the bucket rebuild's moment."""
 

@@ -102,6 +102,7 @@ def parallelize(
         rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (rebuild.py)
         **stage_options,
     )
+    wrapped.habits.adopt_on_first_step()  # an optimizer built after wrapping, over its parameters
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
     if built is None:

@@ -47,7 +47,6 @@ class Habits(Extension):
         self.arrival = module.ArrivalCheck(wrapper.group, wrapper.world)
         self.norms = GradNorms(wrapper)
         self.grads = GradGuards(wrapper, self.norms)
-        optimizer_habits.adopt_on_first_step(wrapper)  # an optimizer built after wrapping (FSDP2's)
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
         # own load_state_dict refreshes the masters, its state_dict is full fp32
         model.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
@@ -66,6 +65,9 @@ class Habits(Extension):
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer_habits.adopt(optimizer, self.wrapper)
+
+    def adopt_on_first_step(self) -> None:
+        optimizer_habits.adopt_on_first_step(self.wrapper)
 
     def before_forward(self) -> None:
         self.flags.check()
