@@ -230,7 +230,7 @@ class _WastedBackwardGathers(ZeRO3):
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):
-            self.gather(i, wait=False)  # self.pending[i] == -1 not asked
+            self.gather(i, wait=False)  # self.started[i] not asked
 
 
 def test_zero3_prefetch_rejects_wasted_backward_gathers():
@@ -239,7 +239,7 @@ def test_zero3_prefetch_rejects_wasted_backward_gathers():
         _WastedBackwardGathers,
         "a model whose first layer runs twice",
         "gathered after its backward was over",
-        "self.pending[i] == -1",
+        "self.started[i]",
     )
 
 
