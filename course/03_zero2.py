@@ -87,7 +87,7 @@ print(
 # is what the gradient hook does. Per bucket `b`:
 #
 # 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
-#    `self.grad_buffers[b.index]` (None while `b` is not filling), in the policy's reduce dtype
+#    `self.filling[b.index]` (None while `b` is not filling), in the policy's reduce dtype
 #    `self.precision.reduce_dtype` (bf16 gradients may be reduced in fp32: then it is not
 #    `p.grad`'s dtype);
 # 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
@@ -130,28 +130,28 @@ class MyZeRO2(ZeRO2):
         self.queue_backward_end()  # given: runs self.backward_end() once backward is over
         # BEGIN SOLUTION
         # TODO: p's gradient lives only in its bucket's buffer; a complete bucket is reduced
-        # HINT: self.grad_buffers[b.index] is the (padded,) buffer b fills in this backward; it is
+        # HINT: self.filling[b.index] is the (padded,) buffer b fills in this backward; it is
         #       None until b's first gradient arrives. That one allocates it: zeros (padding must
         #       add nothing), in the reduce dtype self.precision.reduce_dtype (not always p.grad's)
-        #       on p.grad's device, stored in self.grad_buffers[b.index].
+        #       on p.grad's device, stored in self.filling[b.index].
         # HINT: Copy p.grad into p's slot, b.view(buf, p), then drop it: p.grad = None. Stage 2
         #       keeps no full gradient outside its bucket (the check looks for a p.grad after
         #       backward).
         # HINT: self.pending[b.index] counts b's gradients still to come: one fewer. At 0,
         #       self.reduce_bucket(b) starts b's reduce-scatter (it first finishes the one in
         #       flight).
-        # HINT: buf = self.grad_buffers[b.index]
+        # HINT: buf = self.filling[b.index]
         #       if buf is None:
         #           buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype,
         #                             device=p.grad.device)
-        #           self.grad_buffers[b.index] = buf
+        #           self.filling[b.index] = buf
         #       b.view(buf, p).copy_(p.grad)
         #       p.grad = None
         #       ...  # one fewer pending; at 0, reduce b
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:  # (padded,) zero-padded, reduce dtype; b's first gradient of this backward
             buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype, device=p.grad.device)
-            self.grad_buffers[b.index] = buf
+            self.filling[b.index] = buf
         b.view(buf, p).copy_(p.grad)
         p.grad = None  # the full gradient of p now lives only in the bucket
         self.pending[b.index] -= 1

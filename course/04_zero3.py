@@ -199,7 +199,7 @@ lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 # Backward runs the modules in the reverse of the order in which they *finished* forward
 # (`self.ends`), not the order they started: the root starts first and finishes last, so in
 # backward its hook fires first. One rule remains: a unit whose gradients are all in has been
-# reduce-scattered and freed (`self.pending[i] == self.STARTED`, -1); nothing in this backward
+# reduce-scattered and freed (`self.started[i]`); nothing in this backward
 # needs it again, so backward never prefetches such a unit (it would gather Ψ/N for nothing; a
 # model that calls one module twice can reach that case).
 #
@@ -245,16 +245,16 @@ class PrefetchZeRO3(ZeRO3):
         # TODO: as in pre_forward, backward's way; no unit already reduce-scattered is prefetched
         # HINT: Backward runs the modules in reverse: the module to prefetch is self.prefetch places
         #       BEFORE m. A unit whose gradients are all in was reduce-scattered and freed
-        #       (self.pending[i] == self.STARTED): gathering it again would move Ψ/N for nothing.
+        #       (self.started[i]): gathering it again would move Ψ/N for nothing.
         # HINT: for i in self.units_of[m]:
         #           self.gather(i)
         #       for i in self.neighbour(m, -self.prefetch):
-        #           if self.pending[i] != self.STARTED:
+        #           if not self.started[i]:
         #               self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):  # backward runs the modules in reverse order
-            if self.pending[i] != self.STARTED:  # its backward is over: gathering it is wasted
+            if not self.started[i]:  # its backward is over: gathering it is wasted
                 self.gather(i, wait=False)
         # END SOLUTION
 

@@ -1,22 +1,26 @@
 """minizero: data parallelism and ZeRO stages 1-3, built from scratch and measured.
 
-Three layers, and dependencies point one way (library <- analysis, checkpoint, launcher <- tools
-<- course; ``tests/library/test_layout.py`` keeps it so):
+Layers, lowest first: core <- habits <- parallelize <- analysis <- package <- tools <- course <-
+cli. A module imports its own layer and those below, never above, and no import cycle
+(``tests/library/test_layout.py`` draws the import graph and holds both):
 
-* the library a student reads: the files at the top of ``minizero/`` (the table below) and the
-  launcher. The stages form the paper's chain, each class extending the one before:
-  ``DataParallel`` (what every stage shares) <- ``DDP`` <- ``ZeRO1`` (P_os) <- ``ZeRO2`` (+g)
-  <- ``ZeRO3`` (+p); each stage's file is the delta: it holds what that stage adds and nothing
-  else. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages, not inside them.
-* ``habits/``: the habits of a PyTorch loop a wrapper must notice (a parameter without gradient,
-  ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's attributes, ...),
-  composed around the core through ``data_parallel.Extension``; the core never imports it.
-* subpackages named for what they are: ``launcher/`` (run a function on N ranks; torchrun),
-  ``checkpoint/`` (save, load, reshard, consolidate), ``analysis/`` (the ledger of collectives,
-  memory meters, a step's memory budget, the timeline of collectives, ZeRO's Table 1 simulated),
-  ``tools/`` (``bench``, ``demo``, ``doctor``, the command line's shared parser).
-* the course machinery, ``minizero/course/``: notebooks built from ``course/*.py``, students'
-  copies, grading, the check cells (``checks/lessonNN.py``), the lessons' figures.
+* core: the library a student reads, the files at the top of ``minizero/`` (the table below; all
+  but parallelize), ``launcher/`` (run a function on N ranks; torchrun) and ``checkpoint/`` (save,
+  load, reshard, consolidate). The stages form the paper's chain, each class extending the one
+  before: ``DataParallel`` (what every stage shares) <- ``DDP`` <- ``ZeRO1`` (P_os) <- ``ZeRO2``
+  (+g) <- ``ZeRO3`` (+p); each stage's file is the delta and opens with the moments it
+  overrides. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages.
+* habits: ``minizero/habits/``, the habits of a PyTorch loop a wrapper must notice (a parameter
+  without gradient, ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's
+  attributes, ...). The core calls them only through ``extension.Extension``'s methods.
+* parallelize: ``parallelize.py``, the one module that composes them (``extension=Habits``,
+  ``rebuild=Rebuild``); importing a module composes nothing.
+* analysis: ``minizero/analysis/`` (the ledger of collectives, memory meters, a step's memory
+  budget, the timeline, ZeRO's Table 1 simulated); it watches the collectives
+  (``collectives.recorder``), and the core imports none of it.
+* package: this file's names; tools: ``minizero/tools/`` (``bench``, ``demo``, ``doctor``, ...);
+  course: ``minizero/course/`` (notebooks built from ``course/*.py``, grading, the check cells
+  ``checks/lessonNN.py``, the lessons' figures); cli: ``__main__``.
 
 Where each piece is taught (lessons/ holds the exercises, solutions/ the same notebooks solved):
 
@@ -30,8 +34,10 @@ CommLedger, name_group  minizero/analysis/ledger.py     00_collectives
 ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
+Extension               minizero/extension.py           the seam to minizero/habits/
 DDP                     minizero/ddp.py                 01_ddp
 NaiveDDP                minizero/naive_ddp.py           01_ddp
+Rebuild                 minizero/rebuild.py             01_ddp (buckets cut in ready order)
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1
@@ -77,7 +83,7 @@ from minizero.collectives import (  # noqa: E402
     reduce_scatter,
 )
 from minizero.ddp import DDP  # noqa: E402
-from minizero.habits import Habits  # noqa: E402, F401  (every wrapper composes the habits)
+from minizero.habits import Habits  # noqa: E402  (parallelize composes it: extension=Habits)
 from minizero.launcher import LaunchError, LaunchTimeout, launch  # noqa: E402
 from minizero.models import (  # noqa: E402
     MLP,
@@ -106,5 +112,5 @@ __all__ = [
     "model_state_bytes", "model_state_report", "paper_model_state_bytes", "MLP", "GPTConfig",
     "TinyGPT", "count_params", "synthetic_batch", "FlatModel", "simulate", "table1", "Precision",
     "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
-    "ShardedParameterError",
+    "ShardedParameterError", "Habits",
 ]  # fmt: skip

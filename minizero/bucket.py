@@ -2,23 +2,19 @@
 
 Every stage of minizero moves data in buckets. A bucket holds a few parameters, in the order their
 gradients become ready in backward, laid end to end in one flat buffer. One collective per bucket
-replaces one collective per parameter. As torch DDP, the first buckets are cut over a predicted
-order (the reverse of registration order, :func:`make_buckets`), and once more, by the same size
-rule, over the order the first backward really made them ready (minizero/habits/buckets.py): from
-the second iteration on they are torch DDP's buckets. torch puts parameters of different dtypes
-or devices in different buckets; minizero's trainable parameters share one dtype and device.
+replaces one collective per parameter. Two cuts, by torch DDP's size rule: :func:`make_buckets`
+over a predicted order (the reverse of registration order), then :func:`buckets_in_order` over the
+order the first backward made them ready (minizero/rebuild.py), as torch DDP does.
 
-For ZeRO the flat buffer is padded to a multiple of the world size ``n`` and cut into ``n`` equal
-chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter of a bucket leaves each rank
-exactly the chunk it owns, and an all-gather of the chunks rebuilds the bucket on every rank.
-ZeRO-1/2 keep torch's buckets; where they differ from torch: the padding, not counted against the
-cap, and ownership, which follows the buckets, so that cutting them again moves the fp32 masters
-and the optimizer's states between ranks (torch DDP, which shards nothing, moves no state).
+For ZeRO the flat buffer is padded to a multiple of the world size ``n`` (not counted against the
+cap) and cut into ``n`` equal chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter
+of a bucket leaves each rank the chunk it owns; an all-gather of the chunks rebuilds the bucket.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -26,21 +22,14 @@ from torch import nn
 
 class Bucket:
     """``params`` end to end in a flat buffer of ``padded`` elements: ``world`` chunks of ``shard``.
-
-    The bucket stores the layout only; each stage decides which flat buffers it keeps alive
-    (DDP: a gradient buffer; ZeRO-1: + parameter buffer; ZeRO-3: a parameter buffer that lives only
-    while gathered).
-    """
+    The layout only: each stage decides which flat buffers it keeps alive (DDP: gradients)."""
 
     def __init__(self, params: list[nn.Parameter], index: int, world: int = 1):
         self.params = params
         self.index = index
-        self.offsets: list[int] = []  # params[i] lives at [offsets[i], offsets[i] + numel)
-        n = 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
+        sizes = [p.numel() for p in params]
+        self.offsets = list(accumulate(sizes, initial=0))  # params[i]: [offsets[i], offsets[i+1])
+        self.numel = n = self.offsets.pop()
         self.world = world
         self.shard = math.ceil(n / world)  # chunk size; rank r owns [r * shard, (r + 1) * shard)
         self.padded = self.shard * world  # numel rounded up to a multiple of world
@@ -81,16 +70,9 @@ FIRST_CAP_MB = 1  # its first bucket at that default (torch.distributed._DEFAULT
 
 
 def assign_by_size(nbytes: list[int], bucket_cap_mb: float | None = None) -> list[list[int]]:
-    """torch DDP's bucket rule over sizes in bytes, taken in the order given: indices per bucket.
-
-    A bucket closes once it holds ``bucket_cap_mb`` MiB *or more*: the tensor that reaches or
-    passes the cap is its last (so a tensor larger than the cap is alone, and ``0`` gives one
-    bucket per tensor). At the default cap (``None``: 25 MiB) the first bucket closes at 1 MiB
-    instead; a cap the user sets applies to the first bucket too. This is what torch 2.13's DDP
-    does (``torch/nn/parallel/distributed.py``: ``_BucketCapacityConfig``, first bucket 1 MiB only
-    when ``bucket_cap_mb`` is None; ``torch/csrc/distributed/c10d/reducer.cpp``:
-    ``compute_bucket_assignment_by_size``), when it rebuilds its buckets after the first iteration.
-    """
+    """torch 2.13 DDP's bucket rule (reducer.cpp's ``compute_bucket_assignment_by_size``) over
+    sizes in bytes, in order: a bucket closes once it holds ``bucket_cap_mb`` MiB or more; at the
+    default (None: 25 MiB) the first closes at 1 MiB. Returns indices per bucket."""
     if bucket_cap_mb is not None and bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0 (MiB), got {bucket_cap_mb}")
     cap = (DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20
@@ -109,16 +91,12 @@ def assign_by_size(nbytes: list[int], bucket_cap_mb: float | None = None) -> lis
 def make_buckets(
     params: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
 ) -> list[Bucket]:
-    """Group ``params`` into buckets by torch DDP's rule (:func:`assign_by_size`; the cap is in
-    MiB), last parameter first: bucket 0 holds the first gradients backward makes ready.
-
-    The ready order is predicted here as the reverse of registration order, as torch DDP predicts
-    it for its first buckets. The prediction is wrong where a module's backward makes its
-    parameters ready in registration order (``nn.LayerNorm``: weight, then bias) or where forward
-    calls modules in another order than they were registered (minizero's MLP calls its tied
-    layers before layers 1 and 2); the stages then cut the buckets again over the order recorded
-    in the first backward (:func:`buckets_in_order`, minizero/habits/buckets.py), as torch does.
-    """
+    """``params`` in registration order, cut by :func:`assign_by_size` (MiB) *reversed*: the
+    ready order predicted as torch DDP predicts it for its first buckets, so bucket 0 holds the
+    last parameters. Wrong where backward makes a module's parameters ready in registration order
+    (``nn.LayerNorm``) or forward calls modules out of order (minizero's MLP): the stages then cut
+    again over the recorded order (``DDP.cut_buckets(ready)``: :func:`buckets_in_order`, no
+    reversal; minizero/rebuild.py)."""
     return buckets_in_order(list(reversed(params)), bucket_cap_mb, world)
 
 
@@ -126,6 +104,5 @@ def buckets_in_order(
     ready: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
 ) -> list[Bucket]:
     """Cut ``ready`` (the order gradients become ready) by :func:`assign_by_size` (MiB)."""
-    nbytes = [p.numel() * p.element_size() for p in ready]
-    groups = [[ready[i] for i in idx] for idx in assign_by_size(nbytes, bucket_cap_mb)]
-    return [Bucket(g, i, world) for i, g in enumerate(groups)]
+    groups = assign_by_size([p.numel() * p.element_size() for p in ready], bucket_cap_mb)
+    return [Bucket([ready[i] for i in idx], k, world) for k, idx in enumerate(groups)]

@@ -132,10 +132,7 @@ def reduce_scatter(
     tag: str = "",
 ):
     """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
-
-    S = input.numel(), the full size. gloo has no native reduce-scatter: it runs an all-reduce of
-    the whole input and keeps one chunk, so its wall time is that of an all-reduce.
-    """
+    S = input.numel(). gloo runs it as an all-reduce of the whole input (its wall time too)."""
     fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
     io = (output, input)
     return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag, tensors=io)

@@ -1,54 +1,39 @@
-"""What every data-parallel wrapper shares: ranks, the forward, the fragments, the step's protocol.
+"""What every data-parallel wrapper shares: ranks, the forward, the fragments, the step's moments.
 
 Taught in lesson 01 (01_ddp); every stage builds on it. The wrappers (NaiveDDP, then the paper's
 chain DDP -> ZeRO1 -> ZeRO2 -> ZeRO3, each extending the one before) are ``nn.Module``s that hold
-the user's model as ``.module`` and run it unchanged; what differs between them is only what they
-keep, and which collectives they issue, from backward to the end of ``optimizer.step()``.
+the user's model as ``.module`` and run it unchanged; they differ only in what they keep, and in
+the collectives they issue from backward to the end of ``optimizer.step()``. One layout serves
+communication and the optimizer (lesson 02): flat buckets, rank r owning a range of each (all of
+it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per parameter and range.
+The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
+:class:`~minizero.extension.Extension` (extension.py).
 
-One layout serves communication and the optimizer (lesson 02): flat buckets; rank r owns a range of
-each (all of it for DDP, chunk r for ZeRO), its fp32 masters one ``(owned,)`` tensor per bucket. The
-optimizer gets one tensor per :class:`Fragment`: the part of one parameter in this rank's range, a
-view into that master tensor, in the parameter's own param group.
-
-One optimizer step (``optimizer.step()``, see optimizer.py), top to bottom:
-
-    before_step()   grads = step_grads()        per bucket, this rank's averaged fp32 range
-                                                (the stage's ``reduce_gradients()``), unscaled
-                    fragment.tensor.grad = its range of grads
-    <the user's optimizer steps the fragments>
-    after_step()    the stage's own: masters -> working copy (and all-gather, ZeRO 1-2)
-    end_step()      forget this step's gradients
-
-What a stage provides: ``reduce_gradients()``, ``after_step()``, ``reset_grads(set_to_none)``,
-``full_params()``; for loading, ``load_param(p, full)``; for the habits, ``visible_grad(p)`` and
-``clear_grad(p)``.
-
-The habits of a PyTorch loop (a parameter without gradient, ``clip_grad_norm_`` on ``p.grad``,
-``p.grad = None`` by hand, double backward, attributes of the wrapped model, ...) are not here:
-minizero/habits/ composes them around every wrapper through :class:`Extension`, whose methods the
-core calls, one per moment. A reader of the core needs none of them.
+The shape, a decision: a dozen methods are defined 3+ times along the chain, because each stage
+is the one before with one more state partitioned (the paper's chain), overriding the moments that
+state changes; each stage file's opening table names them. Flattened classes would repeat DDP's
+buckets four times, strategy objects would hide the chain; so it stays (docs/: the reasoning).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
+from minizero.extension import Extension
 from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
 
 
 @dataclass(frozen=True, eq=False)
 class Fragment:
-    """Elements [start, end) of ``param`` (flattened) that this rank owns; they sit at
-    [offset, offset + end - start) of this rank's owned range of bucket ``bucket``. ``tensor`` is
-    what the optimizer steps for them: a (numel,) view of the fp32 master range, or, for fp32
-    DDP, the parameter itself."""
+    """Elements [start, end) of ``param`` (flattened) that this rank owns, at [offset, offset +
+    numel) of its range of bucket ``bucket``; ``tensor``: what the optimizer steps for them, a
+    (numel,) view of the fp32 masters, or (fp32 DDP) the parameter itself."""
 
     name: str
     param: nn.Parameter
@@ -68,46 +53,20 @@ class Fragment:
         return self.tensor is not self.param
 
 
-class Extension:
-    """The extension points: the moments at which minizero/habits/ acts, one call each from the
-    core. Here each does nothing; ``DataParallel.extension`` is the class every wrapper builds
-    (``import minizero`` installs ``minizero.habits.Habits``)."""
-
-    def __init__(self, wrapper: DataParallel) -> None:
-        """At construction, before any hook of the stage: may refuse the model."""
-        self.wrapper = wrapper
-
-    def before_forward(self) -> None:
-        """At the start of every forward."""
-
-    def after_backward(self) -> None:
-        """Once a synchronised backward is over, after the stage's ``backward_end()``."""
-
-    def params_without_grad(self) -> set[int] | None:
-        """At the step: id(p) of the parameters the optimizer skips; None: every one."""
-        return set()
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        """At ``zero_grad()``, before the stage's ``reset_grads``."""
-
-    def state_dict(self, destination: dict | None, prefix: str) -> dict:
-        """``model.state_dict()``: here nn.Module's."""
-        return nn.Module.state_dict(self.wrapper, destination=destination, prefix=prefix)
-
-    def load_state_dict(self, state_dict: dict, strict: bool):
-        """``model.load_state_dict(sd)``: here nn.Module's."""
-        return nn.Module.load_state_dict(self.wrapper, state_dict, strict)
-
-    def missing_attribute(self, name: str) -> Any:
-        """An attribute the wrapper does not have: return one, or raise AttributeError."""
-        raise AttributeError(f"{type(self.wrapper).__name__!r} object has no attribute {name!r}")
-
-
 class DataParallel(nn.Module):
-    """Base class: ``module`` replicated on every rank of ``process_group``, same start."""
+    """Base class: ``module`` replicated on every rank of ``process_group``, same start.
+
+    The moments a stage may override, the one list (each stage file's table names its own):
+    backward: ``on_grad_ready(p)`` (every hook's order: ``register_hooks``), ``backward_end()``;
+    step: ``reduce_gradients()`` (per bucket this rank's averaged range, reduced by now),
+    ``after_step()`` (masters -> working copy); ``zero_grad()``: ``reset_grads(set_to_none)``;
+    ``p.grad``: ``visible_grad(p)``, ``clear_grad(p)``; layout and loading: ``cast_working()``,
+    ``full_params()``, ``load_param(p, full)``, ``params_written()``. A stage sets ``params``
+    (trainable, registration order), ``buckets`` (bucket.py's), ``fragments``
+    (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
-    extension: type[Extension] = Extension
+    rebuild = None  # DDP's Rebuild (rebuild.py): cuts the buckets again in the ready order
 
     def __init__(
         self,
@@ -117,6 +76,7 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        extension: type[Extension] = Extension,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -141,7 +101,7 @@ class DataParallel(nn.Module):
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
         self.optimizers: list = []  # weak references to the optimizers attach()ed to it
-        self.habits = self.extension(self)  # before any hook of the stage (minizero/habits/)
+        self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
         with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
             for t in list(module.parameters()) + list(module.buffers()):
                 self.broadcast_from_rank0(t.data, "initial state")
@@ -184,6 +144,8 @@ class DataParallel(nn.Module):
         return [f.tensor for f in self.fragments]
 
     def forward(self, *args, **kwargs):
+        if self.rebuild is not None:  # first: p.grad still says whether gradients are held
+            self.rebuild.when_due(forward=True)
         self.habits.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
@@ -219,9 +181,25 @@ class DataParallel(nn.Module):
     require_backward_grad_sync = property(lambda s: s.require_sync, set_requires_gradient_sync)
 
     # -- backward ----------------------------------------------------------------------------------
+    def register_hooks(self, params: list[nn.Parameter]) -> None:
+        """Every per-parameter hook, in the order they run: ``habits.before_accumulate()``, then
+        :meth:`grad_accumulated`: the habits', the rebuild's, the stage's ``on_grad_ready``."""
+        for p in params:
+            p.register_hook(lambda grad: self.habits.before_accumulate())  # (deepcopy drops it)
+            p.register_post_accumulate_grad_hook(self.grad_accumulated)
+
+    def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
+        self.habits.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
+        if self.rebuild is not None:
+            self.rebuild.note(p)
+        self.on_grad_ready(p)
+
+    def on_grad_ready(self, p: nn.Parameter) -> None:
+        """The stage's hook: ``p.grad`` holds this backward's gradient (accumulated)."""
+        self.queue_backward_end()
+
     def queue_backward_end(self) -> None:
-        """From inside backward (a hook): run ``self.backward_end()`` once backward has finished,
-        then the habits' ``after_backward()``. Safe to call from every hook: one per backward."""
+        """From any hook: ``backward_end()``, then ``habits.after_backward()``, once it is over."""
         if not self.backward_end_queued:
             self.backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_once)
@@ -251,8 +229,7 @@ class DataParallel(nn.Module):
         raise NotImplementedError
 
     def step_grads(self) -> list[torch.Tensor | None]:
-        """This step's gradients in fp32, per bucket (owned,), unscaled (fp16); made once a step
-        (``clip_grad_norm_`` and ``step()`` share them)."""
+        """This step's fp32 gradients, per bucket (owned,), unscaled; made once a step."""
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
             full = full_dtype(self.precision)
             self.averaged = [None if g is None else g.to(full) for g in self.reduce_gradients()]
@@ -264,12 +241,10 @@ class DataParallel(nn.Module):
 
     def before_step(self) -> bool:
         """Hand each fragment its range of the averaged gradient; False: skip the update (fp16
-        overflow). The habits name the parameters without a gradient: the optimizer skips them."""
+        overflow). Parameters the habits name as without a gradient get none (not stepped)."""
         skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
-        if skip is None:  # no backward since zero_grad(): every p.grad is None, and torch's
-            for f in self.fragments:  # optimizers skip a parameter without one
-                if f.is_master:
-                    f.tensor.grad = None
+        if skip is None:  # no backward since zero_grad(): no fragment gets a gradient, and
+            self.end_step()  # torch's optimizers skip a parameter without one
             return True
         grads = self.step_grads()
         if not self.grads_ok:
@@ -295,6 +270,8 @@ class DataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.habits.zero_grad(set_to_none)
+        if self.rebuild is not None:  # before reset_grads: it clears the new buffers
+            self.rebuild.when_due(forward=False)
         self.averaged = self.grads_ok = None
         self.reset_grads(set_to_none)
 

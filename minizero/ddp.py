@@ -4,9 +4,26 @@ The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): e
 model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
 elements, which moves 2Ψ (§7.1). ``DDP`` is the first link of the chain: ZeRO1 (zero1.py)
 extends it, ZeRO2 extends ZeRO1, ZeRO3 extends ZeRO2.
+
+The moments it overrides (data_parallel.py lists them all), and the bucket moments it adds:
+
+    on_grad_ready(p)    p.grad becomes its view of the bucket; the bucket's last gradient:
+                        reduce_in_order(b) -> reduce_bucket(b), an async all-reduce
+    backward_end()      all-reduce the buckets unused parameters left incomplete, wait for all
+    reduce_gradients()  the gradient buffers themselves: averaged in backward, all this rank's
+    after_step()        mixed precision: fp32 masters -> 16-bit working copy (fp32: nothing)
+    reset_grads()       zero the buffers (they persist, as torch DDP's reducer buckets)
+    visible_grad(p), clear_grad(p), full_params(): the bucket view of p, the masters
+
+Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
+reduce_bucket(b), finish_in_flight(). ``rebuild`` (parallelize composes rebuild.Rebuild) cuts
+the buckets again once, in the order the first backward made the gradients ready.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,24 +42,14 @@ class DDP(DataParallel):
     Communication per step: one all-reduce of every bucket, 2Ψ elements (ZeRO §7.1).
 
     Gradients live in flat buckets (``p.grad`` is a view into its bucket, as with torch DDP's
-    ``gradient_as_bucket_view=True``). When the last gradient of a bucket is accumulated, the
-    bucket is divided by the world size and its all-reduce starts asynchronously; at the end of
-    backward every pending all-reduce is waited on, so ``optimizer.step()`` sees averaged gradients.
+    ``gradient_as_bucket_view=True``), each all-reduced as soon as it is complete (the table).
 
     The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (one flat
-    gradient buffer per bucket), ``masters`` (this rank's fp32 range of each bucket, or None) and
-    the optimizer's ``fragments`` over them. Rank r owns all of every bucket; ZeRO: chunk r.
-
-    Public hooks (what a stage overrides; lesson 01's ``BucketedDDP`` has the first):
-    ``on_grad_ready(p)``, the post-accumulate-grad hook of every parameter (its argument is the
-    parameter: the gradient is ``p.grad``); ``reduce_bucket(b)``, called once every gradient of
-    bucket ``b`` is in: start its collective without waiting (``pending[b.index]`` becomes
-    ``STARTED``); ``finish_in_flight()``: wait for the collectives started, and take their
-    results. ``backward_end()`` reduces the buckets still pending, then finishes.
+    gradient buffer per bucket, persistent), ``masters`` (this rank's fp32 range of each bucket,
+    or None), ``fragments``; per bucket ``pending`` (gradients still to come) and ``started``.
     """
 
-    STARTED = -1  # pending[b.index] once bucket b's collective has started
-    rebuilds_buckets = True  # cut again in ready order, as torch DDP (minizero/habits/buckets.py)
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
 
     def __init__(
         self,
@@ -51,35 +58,36 @@ class DDP(DataParallel):
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
-        **options,  # broadcast_buffers, find_unused_parameters: see DataParallel
+        rebuild: Callable[[DDP], Any] | None = None,  # cuts again in ready order: rebuild.py
+        **options,  # broadcast_buffers, find_unused_parameters, extension: see DataParallel
     ):
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.params = trainable_parameters(module)
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+        self.rebuild = rebuild(self) if rebuild is not None else None
+        self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
-        self.buckets = self.make_buckets(ready)
-        self.bucket_index = {id(p): b for b in self.buckets for p in b.params}
-        # masters: this rank's range of each bucket in fp32 (the K in KΨ includes it), taken from
-        # the fp32 weights before the cast to 16 bits; None: the optimizer steps the parameters
-        self.masters = [self.take_master(b) for b in self.buckets]
+        self.buckets = self.cut_buckets(ready)
+        self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
+        # this rank's fp32 range of each bucket (in KΨ's K), taken before the 16-bit cast; None:
+        self.masters = [self.take_master(b) for b in self.buckets]  # the optimizer steps params
         self.fragments, self.fragments_of = [], {}
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
+        self.started = [False] * len(self.buckets)  # bucket b's collective has started
         self.next_bucket = 0  # buckets below it are started (reduce_in_order)
 
     # -- layout ------------------------------------------------------------------------------
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
         return buckets_in_order(ready, self.bucket_cap_mb)
 
     def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self.bucket_index[id(p)]
+        return self.param_bucket[id(p)]
 
     def owned(self, b: Bucket) -> tuple[int, int]:
         """The range [lo, hi) of bucket ``b`` this rank owns: all of it (DDP)."""
@@ -123,11 +131,9 @@ class DDP(DataParallel):
             self.reduce_in_order(b)
 
     def reduce_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may run
-        other graphs and complete buckets in other orders (a parameter used on some ranks only):
-        then start the complete buckets in index order, as torch DDP does, so that every rank
-        issues the same collectives in the same order. Otherwise every rank completes them in
-        the same order, and each goes as soon as it is complete (the most overlap)."""
+        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may complete
+        buckets in other orders: then start the complete ones in index order, as torch DDP, so
+        that every rank issues the same collectives in the same order."""
         if not self.find_unused_parameters:
             return self.reduce_bucket(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
@@ -140,7 +146,7 @@ class DDP(DataParallel):
         self.works.append(
             C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
         )
-        self.pending[b.index] = self.STARTED
+        self.started[b.index] = True
 
     def finish_in_flight(self) -> None:
         for w in self.works:
@@ -151,13 +157,14 @@ class DDP(DataParallel):
         if not self.require_sync:
             return
         for b in self.buckets:  # buckets with parameters unused in this backward
-            if self.pending[b.index] != self.STARTED:
+            if not self.started[b.index]:
                 for p in b.params:
                     if p.grad is None:  # unused here: its slot is 0 and still averaged
                         p.grad = self.visible_grad(p)
                 self.reduce_bucket(b)
         self.finish_in_flight()
         self.pending = [len(b.params) for b in self.buckets]
+        self.started = [False] * len(self.buckets)
         self.next_bucket = 0
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:

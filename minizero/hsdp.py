@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.analysis.ledger import name_group
 from minizero.data_parallel import DataParallel
 from minizero.precision import divides_before_sum
 
@@ -51,7 +50,7 @@ MESH_DIMS = ("replicate", "shard")  # FSDP2's HSDP order: dim 0 across nodes, di
 
 def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard, replicate): this rank's groups of a 2-D mesh with dims ("replicate", "shard"),
-    named "shard" and "replicate" in every ledger. Refuses any other mesh with what to do."""
+    which ledgers call "shard" and "replicate" (their ``group_desc``). Refuses any other mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
     make = 'init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))'
@@ -68,9 +67,7 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             f"the mesh has {mesh.size()} ranks and the world {dist.get_world_size()}: "
             f"minizero's HSDP needs a mesh over every rank, {make}"
         )
-    shard = name_group(mesh.get_group("shard"), "shard")
-    replicate = name_group(mesh.get_group("replicate"), "replicate")
-    return shard, replicate
+    return mesh.get_group("shard"), mesh.get_group("replicate")  # ledgers: "shard", "replicate"
 
 
 def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: str) -> None:

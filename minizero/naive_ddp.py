@@ -12,6 +12,7 @@ from torch import nn
 from minizero import collectives as C
 from minizero.bucket import trainable_parameters
 from minizero.data_parallel import DataParallel
+from minizero.extension import Extension
 
 
 class NaiveDDP(DataParallel):
@@ -27,14 +28,17 @@ class NaiveDDP(DataParallel):
         *,
         process_group: dist.ProcessGroup | None = None,
         find_unused_parameters: bool = False,
+        extension: type[Extension] = Extension,
     ):
         super().__init__(
-            module, process_group=process_group, find_unused_parameters=find_unused_parameters
+            module,
+            process_group=process_group,
+            find_unused_parameters=find_unused_parameters,
+            extension=extension,
         )
         self.params = trainable_parameters(module)
-        for p in self.params:
-            # The hook's argument is the *parameter*; its gradient is p.grad, already accumulated.
-            p.register_post_accumulate_grad_hook(lambda p: self.queue_backward_end())
+        # on_grad_ready (DataParallel's): backward's end is queued; all-reduce everything there
+        self.register_hooks(self.params)
 
     def backward_end(self) -> None:
         if not self.require_sync:

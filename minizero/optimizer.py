@@ -26,13 +26,18 @@ from typing import Protocol
 import torch
 
 from minizero import optimizer_state as S
+from minizero.extension import Extension
+from minizero.rebuild import Rebuild, regroup
+
+__all__ = ["StageStep", "attach", "regroup", "shard_record"]  # regroup: rebuild.py's
 
 
 class Wrapper(Protocol):
     """What the optimizer needs of the wrapper (data_parallel.DataParallel)."""
 
     fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
-    habits: object  # minizero.habits.Habits: .norms.clip_grad_norm_, .grads.zero_grad_of
+    habits: Extension  # the seam to minizero/habits/: clip_grad_norm_, zero_grad_of
+    rebuild: Rebuild | None  # DDP's bucket rebuild (rebuild.py): order, rebuild_as
 
     def before_step(self) -> bool: ...
     def after_step(self) -> None: ...
@@ -78,13 +83,12 @@ class StageStep:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: the gradients of this optimizer's parameters (all of them: the stage's
-        ``zero_grad``; some: those only, the others keep accumulating, as in torch)."""
+        """As torch's: the gradients of this optimizer's parameters (the others keep theirs)."""
         trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
         if trains is None or all(id(p) in trains for p in self._wrapper.params):
             self._wrapper.zero_grad(set_to_none)
         else:
-            self._wrapper.habits.grads.zero_grad_of(trains, set_to_none)
+            self._wrapper.habits.zero_grad_of(trains, set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group`` (a parameter that starts training later, with its own
@@ -106,7 +110,7 @@ class StageStep:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        return self._wrapper.habits.norms.clip_grad_norm_(max_norm, norm_type)
+        return self._wrapper.habits.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
         """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
@@ -142,7 +146,7 @@ class StageStep:
         saved = None if saved is None else {k: v for k, v in saved.items() if k != "numbering"}
         here = shard_record(self._wrapper)
         if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
-            self._wrapper.habits.buckets.rebuild_as(saved["ready"])  # cut here as there
+            self._wrapper.rebuild.rebuild_as(saved["ready"])  # cut here as there
             here = shard_record(self._wrapper)
         if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
             other = "" if saved["layout"] == here["layout"] else " with another layout"
@@ -174,33 +178,6 @@ class StageStep:
         return {"optimizer": tensors}
 
 
-def regroup(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> None:
-    """Swap each param group's parameters for this rank's fragments of them (stages 1-3, and a
-    16-bit working copy: the optimizer steps fp32 masters). A parameter outside every group is
-    not trained; one that has state already (Adagrad's sum) gives each fragment its range."""
-    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    new: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-    for f in wrapper.fragments:
-        if id(f.param) in group_of:
-            new[group_of[id(f.param)]].append(f.tensor)
-    for group, params in zip(optimizer.param_groups, new, strict=True):
-        group["params"] = params
-    if optimizer.state:
-        old = dict(optimizer.state)
-        optimizer.state.clear()
-        for f in wrapper.fragments:
-            if f.param in old:
-                optimizer.state[f.tensor] = {k: _fragment_of(v, f) for k, v in old[f.param].items()}
-
-
-def _fragment_of(value, f) -> object:
-    """A per-parameter state value cut to fragment ``f``: tensors of the parameter's shape
-    give their range (flat, in the master's dtype); scalars (``step``) are copied."""
-    if isinstance(value, torch.Tensor) and value.shape == f.param.shape and value.dim() > 0:
-        return value.detach().reshape(-1)[f.start : f.end].to(f.tensor.dtype).clone()
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
 def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` and ``zero_grad()`` run ``wrapper``'s part too; return it."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -220,7 +197,7 @@ def shard_record(wrapper) -> dict:
     frags = [(f.name, f.start, f.end) for f in wrapper.fragments]
     return {
         "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
-        "ready": wrapper.habits.buckets.order(),  # what DDP's buckets were cut over, or None
+        "ready": wrapper.rebuild.order() if wrapper.rebuild else None,  # DDP's buckets' order
         "sharded": wrapper.stage > 0,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip

@@ -24,15 +24,10 @@ from torch import nn
 from minizero import hsdp
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
-from minizero.habits.optimizer import (
-    adopt,
-    adopt_on_first_step,
-    check_optimizer,
-    keep_scheduler_step,
-    refuse_optimizer,
-)
-from minizero.optimizer import attach, regroup
+from minizero.habits import Habits
+from minizero.optimizer import attach
 from minizero.precision import Precision, resolve
+from minizero.rebuild import Rebuild, regroup
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -44,7 +39,7 @@ if TYPE_CHECKING:
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
-STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
+STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
 ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
 STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
@@ -69,29 +64,20 @@ def parallelize(
     **stage_options,
 ) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
     """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
-
-    ``optimizer``: a torch optimizer built over ``model``'s parameters (any param groups and
-    per-group settings), or a function ``params -> optimizer`` that builds one. Its groups are kept;
-    at stages 1-3 and in mixed precision it steps this rank's fp32 shards of each parameter, so it
-    must be elementwise (SGD, Adam, AdamW, ... or subclasses). Without ``optimizer`` only the model
-    is returned (FSDP2's order: ``model = parallelize(model, 3); opt = AdamW(model.parameters())``):
-    a torch optimizer over its parameters is adopted at its first ``step()``, as if it had been
-    passed here (habits/optimizer.py). ``precision``: "fp32", "bf16", "fp16" (adds dynamic loss
-    scaling) or a :class:`minizero.Precision` (FSDP2's field names). ``bucket_cap_mb``: gradient
-    bucket size in MiB (stages 0-2), torch DDP's rule, cut again in ready order after the first
-    backward as torch DDP does (minizero/bucket.py). ``process_group``: the
-    ranks to train on (default: the world). ``mesh``: hybrid sharding, a 2-D ``DeviceMesh``
-    (minizero/hsdp.py). ``broadcast_buffers`` and ``find_unused_parameters`` mean what they mean
-    for torch DDP. Stage 3's own options: :func:`stage3_class`. Under NCCL the model is moved to
-    this rank's GPU.
-    """
+    ``optimizer``: a torch optimizer over ``model``'s parameters (any param groups; elementwise
+    at stages 1-3 and in mixed precision, where it steps this rank's fp32 shards), or a function
+    ``params -> optimizer``; without one only the model is returned, and an optimizer built over
+    its parameters afterwards (FSDP2's order) is adopted at its first ``step()``. ``precision``:
+    "fp32", "bf16", "fp16" or a :class:`minizero.Precision`; ``bucket_cap_mb``: torch DDP's, in MiB
+    (stages 0-2); ``mesh``: HSDP (hsdp.py); the rest as torch DDP's; stage 3's options:
+    :func:`stage3_class`. Under NCCL the model moves to this rank's GPU."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
     if isinstance(model, DataParallel):
         raise ValueError("model is already parallelized; pass the plain nn.Module")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    cls = STAGES[stage]
+    cls = STAGE_CLASSES[stage]
     if stage_options or (bucket_cap_mb is not None and stage == 3):
         cls = stage3_class(stage, stage_options, bucket_cap_mb)
     if bucket_cap_mb is not None:
@@ -103,7 +89,7 @@ def parallelize(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         built = build_optimizer(optimizer, model)  # a function params -> optimizer
     if built is not None:  # refused by name, before anything is wrapped (habits/optimizer.py)
-        refuse_optimizer(built, sharded=stage > 0 or policy.master)
+        Habits.refuse_optimizer(built, sharded=stage > 0 or policy.master)
     if dist.is_initialized() and dist.get_backend(process_group) == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     wrapped = cls(
@@ -112,17 +98,19 @@ def parallelize(
         process_group=process_group,
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
+        extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
+        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (rebuild.py)
         **stage_options,
     )
-    adopt_on_first_step(wrapped)  # an optimizer built after wrapping, over its parameters
+    wrapped.habits.adopt_on_first_step()  # an optimizer built after wrapping, over its parameters
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
     if built is None:
         return wrapped
-    check_optimizer(built, model)  # its parameters are the model's, once each (habits/)
+    wrapped.habits.check_optimizer(built)  # its parameters are the model's, once each
     if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
-    return wrapped, keep_scheduler_step(attach(built, wrapped))  # (a scheduler built before)
+    return wrapped, wrapped.habits.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
 def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
@@ -210,7 +198,7 @@ def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, t
             f"consolidate_state_dict takes the model minizero.parallelize returned, got "
             f"{type(model).__name__}"
         )
-    if getattr(optimizer, "_wrapper", None) is not model and not adopt(optimizer, model):
+    if getattr(optimizer, "_wrapper", None) is not model and not model.habits.adopt(optimizer):
         raise ValueError(
             "this optimizer holds none of the model's parameters: pass the optimizer built "
             "over model.parameters()"

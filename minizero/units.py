@@ -164,24 +164,6 @@ class Accumulators:
             return False
 
 
-class UncopiedHook:
-    """A hook that ``copy.deepcopy`` of the user's model turns into a no-op (instead of copying
-    the whole wrapper, process group included): the copy is a plain, unsharded model."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo) -> Callable:
-        return _no_op
-
-
-def _no_op(*args) -> None:
-    return None
-
-
 # The usual cause (issue 32): nanoGPT's train.py evaluates on rank 0 alone, while the others go
 # on to the next training step. The fix lesson 09 teaches: every rank evaluates, rank 0 prints.
 ONE_RANK_FORWARD = (
@@ -363,3 +345,20 @@ def summon_full_params(wrapper, writeback: bool = True):
             for b, buf, shard in zip(wrapper.buckets, bufs, wrapper.param_shards, strict=True):
                 shard.copy_(b.chunk(buf, wrapper.rank))
         wrapper.params_written()
+
+
+class UncopiedHook:
+    """A hook that ``copy.deepcopy`` of the user's model makes a no-op (not a wrapper's copy)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _no_op
+
+
+def _no_op(*args) -> None:
+    return None

@@ -6,6 +6,16 @@ model on its own micro-batch; what changes is who keeps which optimizer state. W
 to ddp.py: buckets padded to a multiple of N and cut into N chunks; rank r owns chunk r (its
 masters and optimizer states cover only that); the all-reduce becomes a reduce-scatter at the
 step, and the updated chunks are all-gathered back.
+
+The moments it overrides, and what each does differently from DDP:
+
+    cut_buckets, owned, take_master, cast_working   flat parameter buffers; chunk r is this rank's
+    on_grad_ready(p)    only accumulate into the bucket view: no collective in backward
+    backward_end()      nothing to finish (no collective was started)
+    visible_grad(p)     None once the step has reduced: the local sums are not p's gradient
+    reduce_gradients()  reduce-scatter every bucket now: this rank's chunk, averaged
+    after_step()        masters -> own chunk, all-gather every chunk into the flat parameters
+    full_params()       all-gather the fp32 masters
 """
 
 from __future__ import annotations
@@ -29,12 +39,9 @@ class ZeRO1(DDP):
     Layout: DDP's buckets, each one's parameters made views of one flat buffer (``flat_params``),
     zero-padded to a multiple of the world size N and cut into N equal chunks. Rank r owns chunk
     r of every bucket: its master weights and optimizer states cover exactly those chunks.
-    Gradients are views of a flat buffer of the same layout (``grad_buffers``, as DDP's).
-
-    Step: backward accumulates full local gradients (no communication, so gradient accumulation
-    and ``no_sync()`` need nothing special); ``optimizer.step()`` reduce-scatters each bucket, so
-    rank r receives the averaged gradient of its chunk, steps its chunk, and all-gathers the
-    updated chunks back into every rank's full parameters.
+    Gradients are views of a flat buffer of the same layout (``grad_buffers``, as DDP's): backward
+    accumulates full local gradients (no communication: accumulation and ``no_sync()`` need
+    nothing special), and the step reduce-scatters them (the table above).
 
     What lesson 02 asks you to write: ``reduce_gradients()``. Called once a step, by the first
     of ``clip_grad_norm_`` and ``step()`` (``step_grads()`` keeps its result for both); may
@@ -48,7 +55,7 @@ class ZeRO1(DDP):
     stage = 1
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
         return self.flatten(buckets_in_order(ready, self.bucket_cap_mb, self.world))
 
     def flatten(self, buckets: list[Bucket]) -> list[Bucket]:

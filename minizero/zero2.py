@@ -2,6 +2,18 @@
 
 Rajbhandari et al., arXiv 1910.02054, §5.2. What this file adds to zero1.py: gradients are
 reduce-scattered bucket by bucket *during* backward, and each rank keeps only its own shard of them.
+
+The moments it overrides, and what each does differently from ZeRO1:
+
+    init_grads()        no persistent buffers: ``grad_shards`` (shard,) and ``filling`` (padded,)
+                        per bucket, None until used
+    on_grad_ready(p)    copy p.grad into the bucket it fills, drop it; last one: reduce_bucket
+    reduce_bucket(b)    async reduce-scatter into chunk r, one in flight at a time
+    finish_in_flight()  wait, average, add into ``grad_shards``, free the buffer
+    backward_end()      DDP's again: reduce what unused parameters left incomplete, then finish
+    reduce_gradients()  nothing left to reduce: the shards backward reduced
+    visible_grad(p), clear_grad(p), reset_grads(): no local full gradient to keep
+    no_sync()           DataParallel's, as DDP: full gradients accumulate in ``filling`` (Ψ)
 """
 
 from __future__ import annotations
@@ -22,23 +34,17 @@ class ZeRO2(ZeRO1):
     Model states per rank: 2Ψ + (2 + K)Ψ/N in mixed precision (4Ψ + (4 + K)Ψ/N in fp32).
     Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as DDP and stage 1 (§7.2.1).
 
-    As autograd produces each parameter's gradient, the hook copies it into its bucket's flat
-    buffer (``grad_buffers[b.index]``, which exists only while the bucket fills) and drops
-    ``p.grad``. When a bucket is complete its reduce-scatter starts at once, while
-    backward goes on, and its result is added to this rank's gradient shard. Full gradients live
-    only in bucket buffers, and at most two at a time: the one being filled and the one whose
-    reduce-scatter is in flight (double buffering, as DeepSpeed's ``overlap_comm`` does); inside
-    ``no_sync()`` every bucket's, accumulating, until the next synchronised backward (below).
-    After backward the gradient is in ``grad_shards``; until the next forward ``p.grad`` is a
-    :class:`~minizero.habits.sharded_grad.ShardedGrad` (no memory), so that torch's
-    ``clip_grad_norm_`` works on the shards.
+    Full gradients live only in bucket buffers (the table), at most two at a time: the one being
+    filled and the one whose reduce-scatter is in flight (double buffering, as DeepSpeed's
+    ``overlap_comm``). After backward the gradient is in ``grad_shards``; until the next forward
+    ``p.grad`` is a ShardedGrad (habits/sharded_grad.py), which ``clip_grad_norm_`` works on.
+    Inside ``no_sync()`` every bucket's buffer stays, accumulating, until the next synchronised
+    backward reduce-scatters the sum (below).
 
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
-    frees its sharded gradients: between steps a rank keeps no gradient at all, and each shard is
-    allocated again when the next backward launches its bucket's reduce-scatter. (Stage 1 and
-    DDP keep their flat gradient buffers, as torch DDP keeps its reducer's buckets.)
+    does: between steps a rank keeps no gradient; the next backward allocates each again.
 
-    What lesson 03 asks you to write: ``on_grad_ready(p)`` (fill ``grad_buffers[b.index]``,
+    What lesson 03 asks you to write: ``on_grad_ready(p)`` (fill ``filling[b.index]``,
     count ``pending``, ``reduce_bucket(b)`` when complete) and ``finish_in_flight()`` (wait for
     ``in_flight``, average, add into ``grad_shards``, forget the buffer).
     """
@@ -50,7 +56,7 @@ class ZeRO2(ZeRO1):
         # None between zero_grad() and the bucket's next reduce-scatter (no gradient held)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         # (padded,) per bucket while it fills, until its reduce-scatter is done; else None
-        self.grad_buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.filling: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
 
     # no_sync() (and require_backward_grad_sync = False, FSDP2's set_requires_gradient_sync)
@@ -62,18 +68,18 @@ class ZeRO2(ZeRO1):
 
     def holds_unsynced_grads(self) -> bool:
         """True while no_sync() backwards have left full gradients in the bucket buffers."""
-        return self.in_flight is None and any(g is not None for g in self.grad_buffers)
+        return self.in_flight is None and any(g is not None for g in self.filling)
 
     def new_bucket_buffer(self, b: Bucket) -> torch.Tensor:
         """(padded,) zeros in the reduce dtype: parameters without gradients stay 0."""
         dev = b.params[0].device
         buf = torch.zeros(b.padded, dtype=self.precision.reduce_dtype, device=dev)
-        self.grad_buffers[b.index] = buf
+        self.filling[b.index] = buf
         return buf
 
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self.bucket_of(p)
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:
             buf = self.new_bucket_buffer(b)
         b.view(buf, p).add_(p.grad)  # (into zeros; or the no_sync() backwards' sum)
@@ -91,16 +97,16 @@ class ZeRO2(ZeRO1):
             self.grad_shards[b.index] = torch.zeros(
                 b.shard, dtype=self.precision.reduce_dtype, device=b.params[0].device
             )
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:  # no parameter of b was used in this backward
             buf = self.new_bucket_buffer(b)
-        self.grad_buffers[b.index] = None  # in_flight keeps it until the reduce-scatter is done
+        self.filling[b.index] = None  # in_flight keeps it until the reduce-scatter is done
         out = b.chunk(buf, self.rank)  # (shard,) in place: chunk r of the bucket gets the sum
         if divides_before_sum(buf):
             buf.div_(self.world)
         work = self.reduce_scatter(out, buf, f"zero2 grads {b.index}")
         self.in_flight = (b, work, buf, out)
-        self.pending[b.index] = self.STARTED
+        self.started[b.index] = True
 
     def reduce_scatter(self, out: torch.Tensor, buf: torch.Tensor, tag: str):
         """Start the sum over ranks of chunk r of ``buf`` (padded,) into ``out`` (shard,)."""
@@ -115,10 +121,16 @@ class ZeRO2(ZeRO1):
             self.grad_shards[b.index].add_(out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
-    backward_end = DDP.backward_end  # stage 2 reduces during backward again, as DDP does
+    # Stage 1's backward_end does nothing (it reduces at the step); stage 2 reduces during
+    # backward again, as DDP does, so it needs DDP's: reduce the buckets that parameters unused in
+    # this backward left incomplete (zeros, so that every rank issues the same reduce-scatters),
+    # wait for the one in flight, reset the counts. Its reduce_bucket is this file's.
+    backward_end = DDP.backward_end
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        return self.grad_shards  # reduced during backward already (None: no backward since)
+        """Nothing left to reduce: each bucket was reduce-scattered during backward. The step's
+        moment keeps its name (what the step gets here is reduced, wherever it was)."""
+        return self.grad_shards  # (shard,) per bucket; None: no backward since zero_grad()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return None  # the full gradient of p exists only while its bucket fills
@@ -130,7 +142,7 @@ class ZeRO2(ZeRO1):
                 shard[f.offset : f.offset + f.numel].zero_()
 
     def reset_grads(self, set_to_none: bool) -> None:
-        self.grad_buffers = [None] * len(self.buckets)  # no_sync() backwards' sums: dropped
+        self.filling = [None] * len(self.buckets)  # no_sync() backwards' sums: dropped
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:

@@ -3,6 +3,16 @@
 Rajbhandari et al., arXiv 1910.02054, §5.3. What this file adds to zero2.py: parameters too live
 sharded between uses; each unit's are all-gathered just before its forward and again before its
 backward, and freed right after. Which modules are units: minizero/units.py.
+
+The moments it overrides, and what each does differently from ZeRO2:
+
+    cut_buckets(ready)  one bucket per unit (a module's own parameters), not cut by size
+    take_master, cast_working, load_param, params_written: ``param_shards`` are the parameters
+    forward             module hooks: gather a unit before its forward, free it after
+    on_grad_ready(p)    only count: autograd's gradients stay until the unit's last one
+    reduce_bucket(b)    copy the unit's gradients into a buffer then, reduce-scatter, free it
+    backward_end()      ZeRO2's, then free every unit still gathered
+    after_step()        masters -> param_shards, no all-gather (the next forward gathers)
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ class ZeRO3(ZeRO2):
     ``pre_forward(m, args)``, before a unit module's forward: gather (and wait for) ``units_of[m]``,
     then start, without waiting, the gathers of ``neighbour(m, +prefetch)``. ``pre_backward(m)``,
     when backward reaches m's output: ``queue_backward_end()``, gather ``units_of[m]``, prefetch
-    ``neighbour(m, -prefetch)`` except units already reduce-scattered (``pending[i] == STARTED``).
+    ``neighbour(m, -prefetch)`` except units already reduce-scattered (``started[i]``).
     """
 
     stage = 3
@@ -128,7 +138,7 @@ class ZeRO3(ZeRO2):
     # -- layout: one unit per selected module, the root holding the rest --------------------------
     rebuilds_buckets = False  # units are modules, not buckets cut in ready order
 
-    def make_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
+    def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
         unit_modules = U.select_units(self.module, self._units_arg)
         # self.units_of: unit module -> the units its forward needs (its own, tied ones)
         groups, owners, self.units_of = U.assign_params(self.module, unit_modules)
@@ -149,7 +159,7 @@ class ZeRO3(ZeRO2):
         self.param_shards = [s.to(dtype) for s in self.param_shards]  # (shard,) working dtype
 
     def load_param(self, p: nn.Parameter, full: torch.Tensor) -> None:
-        if id(p) not in self.bucket_index:  # frozen: replicated in full, in the working dtype
+        if id(p) not in self.param_bucket:  # frozen: replicated in full, in the working dtype
             p.data.copy_(full)
             return
         flat = full.reshape(-1).to(self.param_shards[0].device)  # only this rank's ranges
@@ -278,7 +288,7 @@ class ZeRO3(ZeRO2):
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):
-            if self.pending[i] != self.STARTED:  # not a unit whose backward is already over
+            if not self.started[i]:  # not a unit whose backward is already over
                 self.gather(i, wait=False)
 
     # -- gradients: kept as autograd made them until the unit's last one, as FSDP2 does ----------
@@ -286,7 +296,7 @@ class ZeRO3(ZeRO2):
         b = self.bucket_of(p)
         self.queue_backward_end()
         if not self.require_sync:  # no_sync(): into the unit's full (padded,) buffer, kept
-            buf = self.grad_buffers[b.index]  # until a synchronised backward reduces the sum
+            buf = self.filling[b.index]  # until a synchronised backward reduces the sum
             if buf is None:  # (ZeRO2's no_sync(), at FSDP2's cost: the unsharded gradient)
                 buf = self.new_bucket_buffer(b)
             b.view(buf, p).add_(p.grad)
@@ -304,7 +314,7 @@ class ZeRO3(ZeRO2):
             self.pending[b.index] = self.STARTED  # (not prefetched again in this backward)
             return self.release(b.index)
         self.finish_in_flight()  # the previous buffer is freed before this one exists
-        buf = self.grad_buffers[b.index]  # None, or the no_sync() backwards' sum
+        buf = self.filling[b.index]  # None, or the no_sync() backwards' sum
         if buf is None:
             buf = self.new_bucket_buffer(b)
         for q in b.params:

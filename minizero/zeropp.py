@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.analysis.ledger import name_group
 from minizero.zero3 import ZeRO3
 
 # -- block-wise int8 quantisation: qwZ and qgZ (ZeRO++ §3.1, §3.3) -------------------------------
@@ -99,10 +98,12 @@ class SecondaryShards:
 
     def __init__(self, k: int, n_units: int) -> None:
         world = dist.get_world_size()
-        groups = [dist.new_group(list(range(s, s + k))) for s in range(0, world, k)]
+        # group_desc: what ledgers call the group (analysis/ledger.py's group_label)
+        blocks = [list(range(s, s + k)) for s in range(0, world, k)]
+        groups = [dist.new_group(ranks, group_desc="hpZ") for ranks in blocks]
         rank = dist.get_rank()
         self.k, self.index = k, rank % k  # this rank's chunk of the unit within its block
-        self.group = name_group(groups[rank // k], "hpZ")
+        self.group = groups[rank // k]
         self.shards: list[torch.Tensor | None] = [None] * n_units  # (padded / k,) per unit
 
     def keep(self, i: int, flat: torch.Tensor) -> None:

@@ -23,8 +23,10 @@ import minizero
 from minizero.analysis.ledger import CommLedger
 from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
+from minizero.habits import Habits
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.naive_ddp import NaiveDDP
+from minizero.rebuild import Rebuild
 
 LAUNCH_TIMEOUT = 180  # seconds per launch (a test needs < 30): a hang fails the test, with stacks
 
@@ -139,10 +141,10 @@ def wrap(
             model, stage, make, precision=precision, bucket_cap_mb=cap, mesh=mesh
         )
     model = model.to(rank_device())
-    if spec == "naive":
-        wrapped = NaiveDDP(model)
+    if spec == "naive":  # composed as parallelize composes a wrapper: the habits around it
+        wrapped = NaiveDDP(model, extension=Habits)
     elif spec == "ddp":
-        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb, extension=Habits, rebuild=Rebuild)
     elif spec in ("torch_ddp", "torch_zero"):
         wrapped = nn.parallel.DistributedDataParallel(model)
         if spec == "torch_zero":

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minizero
+from minizero.habits import Habits
 from minizero.models import synthetic_batch
 from minizero.optimizer import attach
 from minizero.units import select_units
@@ -113,7 +114,7 @@ def wrap(spec: str, model: nn.Module, **kw):
     if spec == "stage3" and not kw:
         return minizero.parallelize(model, 3, sgd, find_unused_parameters=find)
     if spec == "stage3":
-        wrapped = ZeRO3(model, find_unused_parameters=find, **kw)
+        wrapped = ZeRO3(model, find_unused_parameters=find, extension=Habits, **kw)  # parallelize's
         return wrapped, attach(sgd(wrapped.optimizer_params()), wrapped)
     if spec == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

@@ -216,10 +216,13 @@ def name_group(group: dist.ProcessGroup, name: str) -> dist.ProcessGroup:
 
 def group_label(group) -> str:
     """What records call ``group``: "world" for the default group (None), the name given by
-    :func:`name_group`, else "ranks [a, b, ..]" (its global ranks)."""
+    :func:`name_group`, else its ``group_desc`` (``new_group(ranks, group_desc="hpZ")``; a
+    DeviceMesh names its groups after their dims: "shard", "replicate"), else "ranks [a, b, ..]"."""
     if group is None or group == dist.group.WORLD:
         return "world"
     name = _group_names.get(group.group_name)
+    if name is None and group.group_desc not in ("undefined", "default_pg"):
+        name = group.group_desc.removeprefix("mesh_")  # torch's: a mesh dim's, or new_group's
     return name if name is not None else f"ranks {dist.get_process_group_ranks(group)}"
 
 

@@ -130,7 +130,7 @@ def wrapper_tensors(w: DataParallel) -> dict[str, list[torch.Tensor]]:
     comm: list[torch.Tensor] = []
     if hasattr(w, "grad_shards"):
         grads = [g for g in w.grad_shards if g is not None]
-        comm = [g for g in w.grad_buffers if g is not None]
+        comm = [g for g in w.filling if g is not None]
         comm += [w.in_flight[2]] if w.in_flight is not None else []
         comm += [f for f, g in zip(w.flat_params, w.gathered, strict=True) if g] if stage3 else []
     elif hasattr(w, "grad_buffers"):

@@ -49,7 +49,6 @@ from minizero import hsdp
 from minizero.checkpoint import files as F
 from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
-from minizero.habits.optimizer import adopt
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
            "checkpoint_bytes", "open_checkpoint", "CheckpointError"]  # fmt: skip
@@ -129,7 +128,7 @@ def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
         "params": {names[id(p)]: info(p) for p in module.parameters()},
         "scaler": model.scaler.state_dict() if model.scaler is not None else None,
         "extra": extra is not None,
-        "ready": model.habits.buckets.order(),  # what DDP's buckets were cut over, or None
+        "ready": model.rebuild.order() if model.rebuild else None,  # DDP's buckets' order
     }  # fmt: skip
 
 
@@ -150,7 +149,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     group, rank, world = model.group, model.rank, model.world
     ready = _everywhere(lambda: open_checkpoint(path)[1].get("ready"), group, "load_checkpoint")
     if ready is not None:  # cut DDP's buckets as the saved run had cut them
-        model.habits.buckets.rebuild_as(ready)
+        model.rebuild.rebuild_as(ready)
 
     def validate():
         where, record = open_checkpoint(path)
@@ -249,7 +248,7 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "_wrapper"):
-        adopt(optimizer, model)  # built after wrapping (FSDP2's order), not stepped yet
+        model.habits.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
     if getattr(optimizer, "_wrapper", None) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:

@@ -23,7 +23,7 @@ from minizero.analysis.ledger import CommLedger
 from minizero.analysis.memory import format_bytes, paper_model_state_bytes
 from minizero.course.plots import (
     MODELS,
-    STAGES,
+    STAGE_NAMES,
     bandwidth_axes,
     measured_where,
     memory_axes,
@@ -187,7 +187,7 @@ def stage_table(by_model: dict[str, list[dict]], info: dict) -> str:
             mark = "~" if size < LATENCY_BOUND else " "
             states = format_bytes(sum(p["states"].values()))
             out.append(
-                f"{p['stage']}: {STAGES[p['stage']]:<10}{states:>12}"
+                f"{p['stage']}: {STAGE_NAMES[p['stage']]:<10}{states:>12}"
                 f"{format_bytes(paper):>12}{format_bytes(p['peak']):>12}"
                 f"{p['volume'] / p['psi']:>8.3f}Ψ{len(p['records']):>6}{mark:>3}{bw:>9.4f}"
                 f"{format_bytes(size):>11}{statistics.median(p['step_s']) * 1e3:>9.1f}"

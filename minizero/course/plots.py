@@ -33,7 +33,7 @@ STYLE = {
     "stage 3 working set": ("stage 3: gathered units + a full gradient", "#8C8C8C", "..."),
 }
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-STAGES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
 GLOO_MEMORY_NOTE = "gloo: a reduce_scatter clones its input, one buffer more than NCCL (lesson 03)"
@@ -114,7 +114,7 @@ def _log_y(ax) -> None:
 
 
 def _stage_ticks(ax, stages: list[int], suffix: str = "") -> None:
-    ax.set_xticks(range(len(stages)), [f"{s}: {STAGES[s]}{suffix}" for s in stages])
+    ax.set_xticks(range(len(stages)), [f"{s}: {STAGE_NAMES[s]}{suffix}" for s in stages])
 
 
 def memory_axes(ax, profiles: list[dict], info: dict) -> None:
@@ -276,7 +276,7 @@ def table1_figure(rows: list[dict]):
         for s in sorted({r["stage"] for r in rows}):
             mine = [r for r in rows if r["model"] == model and r["stage"] == s]
             xy = [r["world"] for r in mine], [r["gb"] for r in mine]
-            ax.plot(*xy, "o-", color=f"C{s}", label=f"{s}: {STAGES[s]}", ms=4)
+            ax.plot(*xy, "o-", color=f"C{s}", label=f"{s}: {STAGE_NAMES[s]}", ms=4)
         paper = [
             (r["world"], r["paper_gb"])
             for r in rows
@@ -306,17 +306,17 @@ def state_bars(psi: float, world: int, precision: str = "bf16", stage: int | Non
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(8, 4))
-    parts = [paper_model_state_bytes(int(psi), world, s, precision) for s in STAGES]
+    parts = [paper_model_state_bytes(int(psi), world, s, precision) for s in STAGE_NAMES]
     unit = unit_of(max(sum(p.values()) for p in parts))
-    for s, p in zip(STAGES, parts):
+    for s, p in zip(STAGE_NAMES, parts):
         alpha = 1.0 if stage in (None, s) else 0.3
         labelled = s == (0 if stage is None else stage)  # a legend in full colour
         top = stack(ax, s, {c: p[c] / UNITS[unit] for c in CATS}, 0.6, labelled, alpha=alpha)
         text = format_bytes(sum(p.values()), unit)
         ax.text(s, top, text, ha="center", va="bottom", fontweight="bold" if s == stage else None)
-    ax.set_xticks(list(STAGES), [f"{s}: {STAGES[s]}" for s in STAGES])
+    ax.set_xticks(list(STAGE_NAMES), [f"{s}: {STAGE_NAMES[s]}" for s in STAGE_NAMES])
     if stage is not None:
-        ax.get_xticklabels()[list(STAGES).index(stage)].set_fontweight("bold")
+        ax.get_xticklabels()[list(STAGE_NAMES).index(stage)].set_fontweight("bold")
     ax.set_ylabel(f"model states per rank ({unit})")
     ax.set_ylim(0, max(sum(p.values()) for p in parts) / UNITS[unit] * 1.15)
     k = 8 if precision == "fp32" else 12

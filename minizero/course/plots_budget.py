@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from minizero.course.plots import STAGES, short_count, stack
+from minizero.course.plots import STAGE_NAMES, short_count, stack
 
 
 def budget_axes(ax, rows: list[tuple[str, dict[str, float]]], capacity_gb: float, title: str):
@@ -58,11 +58,11 @@ def budget_figure(
         fig, ax = plt.subplots(figsize=(10, 4.5))
     rows = []
     for ck in (False, True) if checkpointing is None else (checkpointing,):
-        for s in STAGES if stage is None else (stage,):
+        for s in STAGE_NAMES if stage is None else (stage,):
             parts = step_budget(cfg, world=world, stage=s, micro_batch=micro_batch,
                                 checkpointing=ck, flash=flash, dropout=dropout,
                                 logit_bytes=logit_bytes)  # fmt: skip
-            rows.append((f"{s}: {STAGES[s]}" + ("\nckpt" if ck else ""), parts))
+            rows.append((f"{s}: {STAGE_NAMES[s]}" + ("\nckpt" if ck else ""), parts))
     attn = "flash attention" if flash else "scores stored" + (", dropout" if dropout else "")
     title = (
         f"Ψ = {short_count(gpt_params(cfg))} (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

@@ -12,20 +12,23 @@ that names the habit and says what works instead.
     module.py        the wrapped model: one wrapper per model, fp32 only, frozen flags fixed,
                      its attributes and its state dict; every rank arriving at a collective
     optimizer.py     the optimizer: elementwise ones only at stages 1-3, no SparseAdam
-                     (parallelize asks it; the others are Habits' guards, below)
-    buckets.py       torch DDP's buckets from its second iteration on: cut again in the order
-                     the first backward made the gradients ready
+                     (parallelize asks it through Extension; adopted after wrapping)
 
-The core (data_parallel.py and the stages) imports none of this: it calls the extension points
-of :class:`~minizero.data_parallel.Extension`, one per moment. :class:`Habits` implements them,
-and importing this package (``import minizero`` does) makes it every wrapper's extension.
+The core (data_parallel.py, the stages, the optimizer, checkpoints) imports none of this: it calls
+the methods of :class:`~minizero.extension.Extension`, one per moment, on ``wrapper.habits``.
+:class:`Habits` implements them; ``parallelize`` composes it (``extension=Habits``), and a wrapper
+built directly gets it only when its constructor is told so. Importing this package changes
+nothing.
 """
 
 from __future__ import annotations
 
-from minizero.data_parallel import DataParallel, Extension
+import torch
+
+from minizero.data_parallel import DataParallel
+from minizero.extension import Extension
 from minizero.habits import autograd, module
-from minizero.habits.buckets import Rebuild
+from minizero.habits import optimizer as optimizer_habits
 from minizero.habits.guards import GradGuards
 from minizero.habits.sharded_grad import GradNorms
 from minizero.precision import full_dtype
@@ -43,19 +46,39 @@ class Habits(Extension):
         self.flags = module.FrozenFlags(model, names)
         self.arrival = module.ArrivalCheck(wrapper.group, wrapper.world)
         self.norms = GradNorms(wrapper)
-        self.grads = GradGuards(wrapper, self.norms)  # its hook first: it counts the used ones
-        autograd.install(trainable, self.grads.show)
-        self.buckets = Rebuild(wrapper)  # notes the ready order (stages 0-2)
+        self.grads = GradGuards(wrapper, self.norms)
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
         # own load_state_dict refreshes the masters, its state_dict is full fp32
         model.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
         module.full_module_load_state_dict(wrapper)  # and stage 3's shards, 16-bit masters
         model.register_state_dict_post_hook(module.full_module_state_dict(wrapper))
 
+    @classmethod
+    def refuse_optimizer(cls, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+        optimizer_habits.refuse_optimizer(optimizer, sharded)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer_habits.check_optimizer(optimizer, self.wrapper.module)
+
+    def attached(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer_habits.keep_scheduler_step(optimizer)  # a scheduler built before
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> bool:
+        return optimizer_habits.adopt(optimizer, self.wrapper)
+
+    def adopt_on_first_step(self) -> None:
+        optimizer_habits.adopt_on_first_step(self.wrapper)
+
     def before_forward(self) -> None:
-        self.buckets.before_forward()  # first: p.grad still says whether gradients are held
         self.flags.check()
         self.grads.show()
+
+    def before_accumulate(self) -> None:
+        self.grads.show()  # a second backward accumulates into what backward sees
+
+    def grad_accumulated(self, p) -> None:
+        self.grads.used.add(id(p))  # first: which parameters got a gradient
+        autograd.densify(p)
 
     def after_backward(self) -> None:
         self.grads.after_backward()
@@ -63,9 +86,14 @@ class Habits(Extension):
     def params_without_grad(self) -> set[int] | None:
         return self.grads.params_without_grad()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.norms.clip_grad_norm_(max_norm, norm_type)
+
     def zero_grad(self, set_to_none: bool) -> None:
         self.grads.zero_grad(set_to_none)
-        self.buckets.at_zero_grad()  # before the stage's reset_grads: on the new buffers
+
+    def zero_grad_of(self, ids: set[int], set_to_none: bool = True) -> None:
+        self.grads.zero_grad_of(ids, set_to_none)
 
     def state_dict(self, destination: dict | None, prefix: str) -> dict:
         return module.full_state_dict(self.wrapper, destination, prefix)
@@ -75,6 +103,3 @@ class Habits(Extension):
 
     def missing_attribute(self, name: str):
         return module.forward_attribute(self.wrapper, name)
-
-
-DataParallel.extension = Habits  # every wrapper built from now on composes the habits

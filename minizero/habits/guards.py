@@ -23,17 +23,14 @@ from minizero.habits.sharded_grad import GradNorms, ShardedGrad
 
 class GradGuards:
     """Which parameters got a gradient since ``zero_grad()``, and ``p.grad`` between backward and
-    the next forward, for ``wrapper``: counts from a post-accumulate-grad hook on every trainable
-    parameter, registered before any of the stage's (so it runs first)."""
+    the next forward, for ``wrapper``: ``used`` is filled by ``Habits.grad_accumulated``, which
+    the core calls before the stage's own hook (``DataParallel.register_hooks``)."""
 
     def __init__(self, wrapper, norms: GradNorms) -> None:
         self.wrapper, self.norms = wrapper, norms
         self.used: set[int] = set()  # id(p) of parameters that got a gradient since zero_grad
         self.grads_none = True  # zero_grad(set_to_none=True) (or none yet): every p.grad None
         self.hidden = False  # p.grad is a ShardedGrad until the next forward
-        for p in wrapper.module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p: self.used.add(id(p)))
 
     def after_backward(self) -> None:
         """A synchronised backward is over: every parameter got a gradient (unless

@@ -164,15 +164,15 @@ def keep_scheduler_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
 
 
 # -- an optimizer built after wrapping (FSDP2's order) ---------------------------------------------
-def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
-    """Make an optimizer built over ``stage.module``'s parameters *after* wrapping (FSDP2's
+def adopt(optimizer: torch.optim.Optimizer, wrapper) -> bool:
+    """Make an optimizer built over ``wrapper.module``'s parameters *after* wrapping (FSDP2's
     ``fully_shard(model); opt = AdamW(model.parameters())``) the one ``parallelize`` would have
     returned: the same checks, :func:`regroup` and :func:`attach`. False when it holds none of
     this wrapper's parameters; an optimizer over some of them and other tensors (another model's,
     another wrapper's) is refused."""
     if isinstance(optimizer, StageStep):
-        return getattr(optimizer, "_wrapper", None) is stage
-    mine = {id(p) for p in stage.module.parameters()}
+        return getattr(optimizer, "_wrapper", None) is wrapper
+    mine = {id(p) for p in wrapper.module.parameters()}
     held = [p for g in optimizer.param_groups for p in g["params"]]
     ours = sum(id(p) in mine for p in held)
     if ours == 0:
@@ -180,28 +180,28 @@ def adopt(optimizer: torch.optim.Optimizer, stage) -> bool:
     if ours != len(held):
         raise ValueError(
             f"this {type(optimizer).__name__} holds {ours} parameter(s) of a model wrapped by "
-            f"minizero.parallelize ({type(stage).__name__}) and {len(held) - ours} other "
+            f"minizero.parallelize ({type(wrapper).__name__}) and {len(held) - ours} other "
             "tensor(s) (another model's, or another wrapper's): each wrapper steps its own "
             "parameters (its shards, at stages 1-3). Build one optimizer per wrapped model, over "
             "its model.parameters() or param groups of them"
         )
-    refuse_optimizer(optimizer, sharded=stage.stage > 0 or stage.precision.master)
-    check_optimizer(optimizer, stage.module)
-    if any(f.is_master for f in stage.fragments):
-        regroup(optimizer, stage)
-    keep_scheduler_step(attach(optimizer, stage))
+    refuse_optimizer(optimizer, sharded=wrapper.stage > 0 or wrapper.precision.master)
+    check_optimizer(optimizer, wrapper.module)
+    if any(f.is_master for f in wrapper.fragments):
+        regroup(optimizer, wrapper)
+    keep_scheduler_step(attach(optimizer, wrapper))
     return True
 
 
-def adopt_on_first_step(stage) -> RemovableHandle:
-    """Adopt (:func:`adopt`) any torch optimizer over ``stage``'s parameters at its first
+def adopt_on_first_step(wrapper) -> RemovableHandle:
+    """Adopt (:func:`adopt`) any torch optimizer over ``wrapper``'s parameters at its first
     ``step()``, through torch's optimizer step pre-hook. One hook per wrapper, holding it weakly
     and removed with it; an optimizer already adopted, or over other parameters, costs one check.
 
     When the hook runs, the first ``step()`` is already inside the class's own step, so for that
     call the stage's part runs around it here: the closure and ``before_step`` now, ``after_step``
     and ``end_step`` in a one-off step post-hook; :class:`StageStep` does it from the next call."""
-    ref = weakref.ref(stage)
+    ref = weakref.ref(wrapper)
 
     def pre(optimizer, args, kwargs):
         s = ref()
@@ -210,11 +210,11 @@ def adopt_on_first_step(stage) -> RemovableHandle:
         return _first_step(optimizer, s, args, kwargs)
 
     handle = register_optimizer_step_pre_hook(pre)
-    weakref.finalize(stage, handle.remove)
+    weakref.finalize(wrapper, handle.remove)
     return handle
 
 
-def _first_step(optimizer, stage, args: tuple, kwargs: dict):
+def _first_step(optimizer, wrapper, args: tuple, kwargs: dict):
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is not None and getattr(optimizer, "_minizero_closure_through", False):
         return None  # fp32 DDP with a closure (LBFGS): as StageStep.step, the class's own step
@@ -222,12 +222,12 @@ def _first_step(optimizer, stage, args: tuple, kwargs: dict):
         with torch.enable_grad():
             loss = closure()
         args, kwargs = args[:1], {**kwargs, "closure": lambda: loss}
-    stage.before_step()  # False (fp16 overflow): no fragment got a gradient, nothing steps
+    wrapper.before_step()  # False (fp16 overflow): no fragment got a gradient, nothing steps
 
     def post(optimizer, args, kwargs) -> None:
         once.remove()
-        stage.after_step()
-        stage.end_step()
+        wrapper.after_step()
+        wrapper.end_step()
 
     once = optimizer.register_step_post_hook(post)
     return args, kwargs

@@ -311,14 +311,14 @@ def test_budget_figure_draws_every_stage_with_and_without_checkpointing():
     fig = plots_budget.budget_figure(cfg, 8, capacity_gb=80, where="a test")
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    assert labels == [f"{s}: {n}" for s, n in plots.STAGES.items()] + [
-        f"{s}: {n}\nckpt" for s, n in plots.STAGES.items()
+    assert labels == [f"{s}: {n}" for s, n in plots.STAGE_NAMES.items()] + [
+        f"{s}: {n}\nckpt" for s, n in plots.STAGE_NAMES.items()
     ]
     totals = [t.get_text() for t in ax.texts if t.get_text().replace(".", "").isdigit()]
     want = [
         sum(budget.step_budget(cfg, world=8, stage=s, checkpointing=ck, logit_bytes=6).values())
         for ck in (False, True)
-        for s in plots.STAGES
+        for s in plots.STAGE_NAMES
     ]
     assert totals == [f"{w / 1e9:.1f}" for w in want]
     assert "constants measured on a test" in ax.get_title()

@@ -303,9 +303,9 @@ class _KeepsGrad(ZeRO2):
     def on_grad_ready(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:
-            buf = self.grad_buffers[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
+            buf = self.filling[b.index] = torch.zeros(b.padded, dtype=p.grad.dtype)
         b.view(buf, p).copy_(p.grad)  # p.grad kept: the full gradient stays alive
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
@@ -316,9 +316,9 @@ class _Fp32Buffers(ZeRO2):
     def on_grad_ready(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:
-            buf = self.grad_buffers[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
+            buf = self.filling[b.index] = torch.zeros(b.padded)  # float32, whatever p.grad is
         b.view(buf, p).copy_(p.grad)
         p.grad = None
         self.pending[b.index] -= 1

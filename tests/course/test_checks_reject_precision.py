@@ -114,10 +114,10 @@ class _ZeRO2BufferInParamDtype(ZeRO2):
     def on_grad_ready(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
-        buf = self.grad_buffers[b.index]
+        buf = self.filling[b.index]
         if buf is None:
             buf = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
-            self.grad_buffers[b.index] = buf
+            self.filling[b.index] = buf
         b.view(buf, p).copy_(p.grad)
         p.grad = None
         self.pending[b.index] -= 1

@@ -208,7 +208,7 @@ class _PrefetchFirst(ZeRO3):
     def pre_backward(self, m):
         self.queue_backward_end()
         for i in self.neighbour(m, -self.prefetch):
-            if self.pending[i] != -1:
+            if not self.started[i]:
                 self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
@@ -237,7 +237,7 @@ class _WastedBackwardGathers(ZeRO3):
         for i in self.units_of[m]:
             self.gather(i)
         for i in self.neighbour(m, -self.prefetch):
-            self.gather(i, wait=False)  # self.pending[i] == -1 not asked
+            self.gather(i, wait=False)  # self.started[i] not asked
 
 
 def test_zero3_prefetch_rejects_wasted_backward_gathers():
@@ -246,7 +246,7 @@ def test_zero3_prefetch_rejects_wasted_backward_gathers():
         _WastedBackwardGathers,
         "a model whose first layer runs twice",
         "gathered after its backward was over",
-        "self.pending[i] == -1",
+        "self.started[i]",
     )
 
 

@@ -173,13 +173,14 @@ def test_torchs_grad_scaler_works_on_whole_gradients_and_is_refused_on_shards(st
 
 
 def typo_rank():
+    from minizero.habits import Habits
     from minizero.zero1 import ZeRO1
 
     class MyZeRO1(ZeRO1):  # a lesson's subclass, with a typo in its own attribute's name
         def reduce_gradients(self):
             return self.grad_buffer  # grad_buffers
 
-    model = MyZeRO1(build("mlp"))
+    model = MyZeRO1(build("mlp"), extension=Habits)  # as the lessons' checks compose it
     try:
         model.reduce_gradients()
     except AttributeError as e:

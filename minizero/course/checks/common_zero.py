@@ -40,9 +40,11 @@ from minizero.course.checks.common import (
     subgroup_failure,
 )
 from minizero.course.checks.compare_zero import compare
+from minizero.habits import Habits
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
 from minizero.precision import POLICIES, Precision
+from minizero.rebuild import Rebuild
 from minizero.zero3 import ZeRO3
 
 STEPS, LR = 3, 1e-2
@@ -94,12 +96,14 @@ def one_process(module: nn.Module):
 
 
 def minizero_build(cls, precision: str = "fp32", **kw):
-    """``cls(module, ...)`` with Adam on what it says to optimize, as ``minizero.parallelize``
-    (SGD under the 16-bit :data:`PRECISIONS`)."""
+    """``cls(module, ...)`` with Adam on what it says to optimize (SGD under the 16-bit
+    :data:`PRECISIONS`), composed as ``minizero.parallelize`` composes it: the habits around the
+    core, the buckets rebuilt."""
 
     def build(module: nn.Module):
         cap = {} if issubclass(cls, ZeRO3) else {"bucket_cap_mb": CAP_MB}  # stage 3: units
-        model = cls(module, precision=lib_precision(precision), **cap, **kw)
+        parts = {"extension": Habits, "rebuild": Rebuild}  # parallelize's composition
+        model = cls(module, precision=lib_precision(precision), **cap, **parts, **kw)
         optim = torch.optim.SGD if precision in PRECISIONS else torch.optim.Adam
         opt = attach(optim(model.optimizer_params(), lr=LR), model)
         if isinstance(model, ZeRO3):  # full parameters live only while gathered: ask the masters

@@ -74,13 +74,13 @@ def _observe(model, module: nn.Module) -> dict:
 
 def _count_live(model) -> None:
     """After each gradient hook of ``model``: how many full-size bucket buffers are alive, and
-    their bytes (the one filling, in ``grad_buffers``, and the one in flight, ``in_flight``)."""
+    their bytes (the one filling, in ``filling``, and the one in flight, ``in_flight``)."""
     model._live_max = model._live_bytes_max = 0
 
     def after(p, model=model):
         if p.grad is not None:  # the class's own hook ran: stage 2 has dropped p.grad by now
             model.__dict__.setdefault("_kept", set()).add(id(p))
-        live = [g for g in getattr(model, "grad_buffers", []) if g is not None]
+        live = [g for g in getattr(model, "filling", []) if g is not None]
         flight = getattr(model, "in_flight", None)
         if flight is not None:
             live.append(flight[2])
@@ -139,7 +139,7 @@ def _check_structure(mine: dict, ref: dict, rank: int, precision: str) -> None:
     if live > 2:
         raise CheckFailed(
             f"{precision}, rank {rank}: up to {live} full-size gradient buffers were alive at once "
-            "during backward: keep one being filled (self.grad_buffers[b.index]) and one in "
+            "during backward: keep one being filled (self.filling[b.index]) and one in "
             "flight, and free each as it completes."
         )
     got = max(obs["live_bytes"] for obs in mine["observed"])

@@ -92,7 +92,7 @@ def _probe(model) -> list[str]:
 
 class ReusedLayer(nn.Module):
     """A model whose first layer runs twice, the first time without gradient. Backward finishes
-    that layer's gradients (its unit is reduce-scattered and freed: ``pending[i] == -1``) while
+    that layer's gradients (its unit is reduce-scattered and freed: ``started[i]``) while
     the layer that ran before it in forward still has its backward to run, and that layer's
     backward hook is the one that would prefetch it: a prefetch that does not ask gathers Ψ_unit
     for nothing. (The MLP never reaches that case: each module runs once.)"""
@@ -342,7 +342,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
         "every unit gathered for its forward and its backward, and reduce-scattered once",
         at_most="all_gather",
         too_many="In backward, do not prefetch a unit whose gradients are already "
-        "reduce-scattered (self.pending[i] == -1): nothing needs it any more.",
+        "reduce-scattered (self.started[i]): nothing needs it any more.",
     )
     for step, (got, want) in enumerate(zip(res["reuse"], res["reuse_ref"], strict=True)):
         if got > want:
@@ -350,7 +350,7 @@ def check_zero3_prefetch(cls, nprocs: int | None = None) -> None:
                 f"step {step}, a model whose first layer runs twice (checks.lesson04.ReusedLayer):"
                 f" yours all-gathered {got} elements, minizero's ZeRO3 {want}: a unit was "
                 "gathered after its backward was over. In backward, do not prefetch a unit whose "
-                "gradients are already reduce-scattered (self.pending[i] == -1): nothing needs "
+                "gradients are already reduce-scattered (self.started[i]): nothing needs "
                 "it any more."
             )
     check_subgroup(res_all, world, name)  # last: the mistakes above name themselves

@@ -64,7 +64,7 @@ def show_states(profiles: list[dict]) -> None:
     for p in profiles:
         paper = paper_model_state_bytes(p["psi"], p["world"], p["stage"], "bf16")
         cells = [f"{format_bytes(p['states'][c])} [{format_bytes(paper[c])}]" for c in plots.CATS]
-        name = plots.STAGES[p["stage"]]
+        name = plots.STAGE_NAMES[p["stage"]]
         print(f"stage {p['stage']} {name:16}" + "".join(f"{s:>26}" for s in cells))
     print("measured [paper's formula]")
 
@@ -97,7 +97,7 @@ def show_simulated(got: dict[int, float], formula: dict[int, float], psi: int, w
     print(f"model states per rank, Ψ = {psi / 1e9:.2f}B, N = {world}, bf16 AdamW (K = 12), GB")
     print(f"{'stage':16}{'simulate (meta)':>18}{'formula':>10}")
     for s, b in got.items():
-        print(f"{s}: {plots.STAGES[s]:13}{b / GB:18.2f}{formula[s] / GB:10.2f}")
+        print(f"{s}: {plots.STAGE_NAMES[s]:13}{b / GB:18.2f}{formula[s] / GB:10.2f}")
 
 
 def show_table1(rows: list[dict], profiles: list[dict], world: int) -> None:
@@ -111,7 +111,7 @@ def show_table1(rows: list[dict], profiles: list[dict], world: int) -> None:
         s = p["stage"]
         paper = sum(paper_model_state_bytes(1, world, s, "bf16").values())
         real = sum(p["states"].values()) / p["psi"]
-        print(f"{s}: {plots.STAGES[s]:13}{real:22.3f}{meta[s] / 7.5e9:20.3f}{paper:10.3f}")
+        print(f"{s}: {plots.STAGE_NAMES[s]:13}{real:22.3f}{meta[s] / 7.5e9:20.3f}{paper:10.3f}")
     plots.table1_figure(rows)
     plt.show()
 
@@ -193,12 +193,12 @@ def show_volumes(profiles: dict) -> None:
         f"{'':22}"
         + "".join(f"{plots.MODELS[m]} (Ψ = {profiles[m][0]['psi']:,})".rjust(30) for m in models)
     )
-    for i, s in enumerate(plots.STAGES):
+    for i, s in enumerate(plots.STAGE_NAMES):
         cells = [
             f"{p['volume'] / p['psi']:.4f}Ψ in {len(p['records'])} calls"
             for p in (profiles[m][i] for m in models)
         ]
-        print(f"stage {s} {plots.STAGES[s]:14}" + "".join(f"{c:>30}" for c in cells))
+        print(f"stage {s} {plots.STAGE_NAMES[s]:14}" + "".join(f"{c:>30}" for c in cells))
     for m in models:  # stage 3: how often was each unit (a module's parameters) moved?
         records = profiles[m][3]["records"]
         counts = {

@@ -243,7 +243,7 @@ def plot_step_ledgers(got: dict) -> None:
     for r in range(len(got["ledgers"][stages[0]])):
         ys = [got["ledgers"][s][r].volume_elements / psi for s in stages]
         ax.plot(stages, ys, "k.", ms=9, label="each rank" if r == 0 else None)
-    ax.set_xticks(stages, [f"{s}: {plots.STAGES[s]}" for s in stages])
+    ax.set_xticks(stages, [f"{s}: {plots.STAGE_NAMES[s]}" for s in stages])
     ax.set_ylabel("elements moved per step / Ψ")
     ax.set_ylim(0, 1.2 * max(L.volume_elements for Ls in got["ledgers"].values() for L in Ls) / psi)
     ax.set_title(f"every rank moves the same: MLP, one step, {describe(got['info'])}", fontsize=10)
@@ -257,7 +257,7 @@ def show_volumes_by_op(got: dict) -> None:
     for stage, ledgers in got["ledgers"].items():
         by_op = {op: v / got["psi"] for op, v in ledgers[0].by_op().items()}
         total = ledgers[0].volume_elements / got["psi"]
-        print(f"stage {stage} {plots.STAGES[stage]:9}: {total:.3f}Ψ = {by_op}")
+        print(f"stage {stage} {plots.STAGE_NAMES[stage]:9}: {total:.3f}Ψ = {by_op}")
 
 
 class ConvNet(nn.Module):

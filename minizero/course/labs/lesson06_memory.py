@@ -63,7 +63,7 @@ def show_activations_by_stage(acts: dict) -> None:
         fwd = m["fwd"]  # CPU: the split; CUDA: total - model states (the allocator gives no split)
         alive = fwd["activations"] if fwd["at_peak"] is not None else fwd["total"] - m["states"]
         print(
-            f"{stage}: {plots.STAGES[stage]:9}{format_bytes(m['states']):>14}"
+            f"{stage}: {plots.STAGE_NAMES[stage]:9}{format_bytes(m['states']):>14}"
             f"{format_bytes(alive):>30}{format_bytes(m['peak'] - m['states']):>16}"
         )
 
@@ -114,7 +114,7 @@ def show_stage2_vs_stage3(sweep: dict) -> None:
             xs,
             [r["peak"] / r["psi"] for r in mine],
             "o-",
-            label=f"stage {stage}: {plots.STAGES[stage]}",
+            label=f"stage {stage}: {plots.STAGE_NAMES[stage]}",
         )
     ax.set_xlabel("the embedding's share of Ψ (V × h, in the root's unit)")
     ax.set_ylabel("peak bytes per rank / Ψ")
