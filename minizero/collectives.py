@@ -15,6 +15,7 @@ is open each call goes through its ``recorder``; otherwise nothing but torch.dis
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -48,8 +49,8 @@ def _run(
     op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str, src: int = 0,
     tensors: tuple[torch.Tensor, ...] = (),
 ):  # fmt: skip
-    if tensors and dist.get_backend(group) == "gloo":
-        fn = released(fn, tensors)
+    if tensors and dist.get_backend(group) == "gloo":  # a clean exit (below)
+        fn = partial(released, fn, tensors)
     if recorder is None:
         return fn(async_op)
     return recorder.issue(op, fn, payload, numel, group, async_op, tag, src)
@@ -70,12 +71,10 @@ SETTLE_S = 0.2  # at most this long per collective (measured: microseconds; a vi
 
 
 def settle(tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
-    """Wait until each tensor is held by no more C++ references than ``before`` it was issued
-    (the work's references gone, the worker's included)."""
+    """Return once each tensor is held by no more C++ references than ``before`` it was issued
+    (the work's, the worker's included), or after SETTLE_S (a reference not ours to wait for)."""
     deadline = time.monotonic() + SETTLE_S
-    while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):
-        if time.monotonic() > deadline:  # something else took a reference: not ours to wait
-            return
+    while any(t._use_count() > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
         time.sleep(0)  # let the worker thread run
 
 
@@ -86,9 +85,7 @@ class ReleasedWork:
         self.work, self.tensors, self.before = work, tensors, before
 
     def wait(self, *args, **kwargs):
-        if self.work is None:
-            return True
-        out = self.work.wait(*args, **kwargs)
+        out = True if self.work is None else self.work.wait(*args, **kwargs)
         self.work = None  # this Python handle's references first, then the worker's
         settle(self.tensors, self.before)
         return out
@@ -100,19 +97,15 @@ class ReleasedWork:
         return getattr(self.__dict__["work"], name)
 
 
-def released(fn, tensors: tuple[torch.Tensor, ...]):
-    """``fn(async_op)`` (a torch.distributed call) that returns, or whose work's ``wait()``
-    returns, only once no gloo thread holds ``tensors``."""
-
-    def run(async_op: bool):
-        before = [t._use_count() for t in tensors]
-        work = fn(async_op)
-        if not async_op:
-            settle(tensors, before)
-            return work
+def released(fn, tensors: tuple[torch.Tensor, ...], async_op: bool):
+    """``fn(async_op)``, returning (or its work's ``wait()`` returning) once no gloo thread holds
+    ``tensors``."""
+    before = [t._use_count() for t in tensors]
+    work = fn(async_op)
+    if async_op:
         return ReleasedWork(work, tensors, before)
-
-    return run
+    settle(tensors, before)
+    return work
 
 
 def all_reduce(

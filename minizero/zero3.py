@@ -311,7 +311,7 @@ class ZeRO3(ZeRO2):
         from the first gradient on; here it is allocated only now, when the unit's activations
         are gone, which keeps the peak at the start of a unit's backward as low as FSDP2's."""
         if not self.require_sync:  # no_sync(): nothing to reduce; the parameters are freed
-            self.pending[b.index] = self.STARTED  # (not prefetched again in this backward)
+            self.started[b.index] = True  # (not prefetched again in this backward)
             return self.release(b.index)
         self.finish_in_flight()  # the previous buffer is freed before this one exists
         buf = self.filling[b.index]  # None, or the no_sync() backwards' sum
@@ -328,6 +328,7 @@ class ZeRO3(ZeRO2):
         super().backward_end()
         if not self.require_sync:  # no_sync(): DDP's backward_end reduced nothing; count again
             self.pending = [len(b.params) for b in self.buckets]
+            self.started = [False] * len(self.buckets)
         for i in range(len(self.buckets)):
             if self.gathered[i]:
                 self.release(i)

@@ -36,11 +36,7 @@ import minizero.launcher as _L  # the package (minizero.launch is the function)
 from minizero.tools.cli import Parser, positive_int
 
 TESTED_TORCH = "2.13.0"  # requirements.txt
-# pyproject.toml's floor: the oldest torch whose FSDP2, which the checks and tests compare with,
-# trains right over gloo on the CPU. 2.6.0's fails ('Stream' object has no attribute
-# 'record_event'); 2.7 and 2.8's stage 3 differs from one process, and 2.7's HSDP asks gloo for
-# ReduceOp.AVG. How to test it: docs/setup.md, "The oldest torch".
-MIN_TORCH = (2, 9)
+MIN_TORCH = (2, 9)  # pyproject's floor: an older FSDP2 trains wrong over gloo (docs/setup.md)
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -88,10 +84,7 @@ def torch_findings() -> list[Finding]:
     )
     out.append(Finding("torch", v + tested))
     if _release(v) < MIN_TORCH:
-        out[-1].problem = (
-            "minizero needs torch >= 2.9 (an older FSDP2, which the checks compare with, does "
-            "not train right over gloo on the CPU)"
-        )
+        out[-1].problem = "minizero needs torch >= 2.9 (an older FSDP2 trains wrong over gloo)"
         out[-1].fix = f"pip install torch=={TESTED_TORCH} (or -r requirements.txt)"
     cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
     out.append(Finding("build", f"CUDA {cuda}" if cuda else f"ROCm {hip}" if hip else "CPU only"))
