@@ -204,6 +204,10 @@ lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world
 #   its own input, in place, as NCCL documents: the plain loop needs no extra buffer. minizero's
 #   own ZeRO1 spends Ψ/N on a separate output, so that `step()` twice, or more backwards without
 #   `zero_grad()`, reduce this rank's intact local sums again: habits torch users have.)
+#   Where to divide by N: after the sum, except in fp16, where the loss scale (section 7) makes
+#   gradients large and a sum of N of them can overflow: there divide each rank's buffer before
+#   the sum. `minizero.precision.divides_before_sum(flat)` says which; the check also trains your
+#   class in bf16 and fp16, and compares it with minizero's `ZeRO1` bit for bit.
 # * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every
 #   rank hold every rank's updated chunk, moving Ψ. In mixed precision the optimizer stepped a
 #   separate fp32 master (`self.masters[i]`), not the bf16 parameters: what must happen first?
@@ -228,13 +232,20 @@ class MyZeRO1(ZeRO1):
         # HINT: Its input is the bucket's whole (padded,) gradient buffer (self.grad_buffers),
         #       its output this rank's (shard,) chunk of it, already in chunks: a view of the
         #       same buffer, which NCCL allows. Pass group=self.group. The collective sums:
-        #       divide by self.world.
+        #       divide by self.world, once: before the sum where divides_before_sum(flat) (fp16,
+        #       which could overflow), after it otherwise.
         # HINT: for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks):
+        #           if divides_before_sum(flat):
+        #               flat.div_(self.world)
         #           reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-        #           ...  # sum -> average
+        #           ...  # sum -> average, where not divided before
         for b, flat, chunk in zip(self.buckets, self.grad_buffers, chunks, strict=True):
+            before = divides_before_sum(flat)  # fp16: N scaled gradients could overflow the sum
+            if before:
+                flat.div_(self.world)
             reduce_scatter(chunk, flat, group=self.group, tag=f"grads {b.index}")
-            chunk.div_(self.world)  # sum over ranks -> average
+            if not before:
+                chunk.div_(self.world)  # sum over ranks -> average
         # END SOLUTION
         return chunks
 
@@ -262,8 +273,9 @@ class MyZeRO1(ZeRO1):
 # %% check="MyZeRO1"
 # 3 Adam steps of the MLP (3 buckets, padded) on max(NPROCS, 3) ranks, step by step: the gradient
 # chunks your optimizer steps with against minizero's ZeRO1, the parameters against one process on
-# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1, then again in bf16 against ZeRO1 in
-# bf16; one reduce-scatter + one all-gather per bucket (2Ψ).
+# the whole batch, torch's ZeroRedundancyOptimizer and ZeRO1; then one SGD step in bf16 and in
+# fp16 against ZeRO1 in the same precision, gradient chunks and parameters equal bit for bit; one
+# reduce-scatter + one all-gather per bucket (2Ψ).
 lesson02.check_zero1(MyZeRO1, NPROCS)
 
 # %% [markdown]

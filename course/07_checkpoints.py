@@ -4,9 +4,9 @@
 # A training run that cannot be saved is lost when one machine dies. With DDP saving is easy:
 # every rank holds everything, so rank 0 calls `torch.save`. With ZeRO it is not: at stages 1-3
 # each rank's optimizer holds the states of *its* elements only, and at stage 3 its parameters
-# too. `optimizer.state_dict()` is a different, partial thing on every rank, and nothing in it
-# says which rank or which world size it came from. The habit "save on rank 0, load everywhere"
-# then resumes with the wrong optimizer states on every rank but 0, silently.
+# too. torch's `optimizer.state_dict()` is a different, partial thing on every rank, and nothing
+# in it says which rank or which world size it came from. The habit "save on rank 0, load
+# everywhere" then resumes with the wrong optimizer states on every rank but 0, silently.
 #
 # The real systems took years here. DeepSpeed's stages 1 and 2 could reload their optimizer
 # states at another data-parallel degree only when saved with `"elastic_checkpoint": true` in
@@ -46,11 +46,14 @@ NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI, "checkpoints in": CKPT})
 lab.show_state_sizes(lab.state_sizes(NPROCS, stage=2))
 
 # %% [markdown]
-# Each rank holds 1/N of the states, and its `state_dict()` numbers them 0, 1, 2, ... in the
+# Each rank holds 1/N of the states, and torch's `state_dict()` numbers them 0, 1, 2, ... in the
 # order of its own fragments: entry 3 on rank 0 and entry 3 on rank 1 are parts of different
 # parameters, of different sizes. Rank 0's file loaded on every rank would hand rank 1 the
 # states of rank 0's elements. A checkpoint must say *what* each saved number is: which
-# parameter, which elements.
+# parameter, which elements. (minizero's `optimizer.state_dict()` says it, warns that it holds
+# one rank's shard, and refuses to load elsewhere; a whole state on rank 0 needs every rank:
+# `minizero.consolidate_state_dict(model, opt)`. This lesson builds the checkpoint that needs
+# neither.)
 #
 # ## Exercise 1 — what each rank owns, by name and range
 #

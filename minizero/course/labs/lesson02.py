@@ -32,11 +32,12 @@ from minizero.course.labs.common import show_after_step as show_after_step
 from minizero.course.labs.common import show_model_states as show_model_states
 from minizero.course.labs.common import states_over_world as states_over_world  # section 5
 from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
+from minizero.precision import divides_before_sum
 from minizero.zero1 import ZeRO1
 
 lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "MLP", "PSI", "ZeRO1", "all_gather"]
-__all__ += ["all_reduce", "dist", "lesson02", "reduce_scatter"]
+__all__ += ["all_reduce", "dist", "divides_before_sum", "lesson02", "reduce_scatter"]
 
 
 def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
