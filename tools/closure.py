@@ -15,6 +15,7 @@ imports, lazy ones too), whole files, itself included.
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def call_closure(stage: int) -> tuple[int, dict[str, int]]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the minizero modules it imports, wherever the import sits (lazy ones too)."""
+    """module -> the minizero modules it imports, wherever the import sits (lazy ones too:
+    inside functions, ``import_module("minizero.x")``, and the command line's table)."""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
@@ -139,10 +141,14 @@ def import_graph() -> dict[str, set[str]]:
                     out.add(full if full in modules else node.module)
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
                 arg = node.args[0]
-                if isinstance(arg, ast.Constant) and str(arg.value).startswith("minizero"):
+                if isinstance(arg, ast.Constant):
                     out.add(arg.value)
+                else:  # only the command line builds the name: from its table of commands
+                    assert name == "minizero.__main__", f"{name}: import_module({ast.unparse(arg)})"
+                    table = importlib.import_module(name).PASS_THROUGH
+                    out |= {"minizero." + v[0].split(":")[0] for v in table.values()}
         out.discard(name)
-        graph[name] = out
+        graph[name] = {m for m in out if m.startswith("minizero")}
     return graph
 
 

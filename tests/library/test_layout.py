@@ -127,30 +127,7 @@ def arrows_back_up(graph: dict[str, set[str]]) -> list[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the minizero modules it imports, wherever the import sits (lazy ones too:
-    inside functions, ``import_module("minizero.x")``, and the command line's table)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        out = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                out |= {a.name for a in node.names if a.name.split(".")[0] == "minizero"}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minizero"):
-                for a in node.names:
-                    full = f"{node.module}.{a.name}"
-                    out.add(full if full in modules else node.module)
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
-                arg = node.args[0]
-                if isinstance(arg, ast.Constant):
-                    out.add(arg.value)
-                else:  # only the command line builds the name: from its table of commands
-                    assert name == "minizero.__main__", f"{name}: import_module({ast.unparse(arg)})"
-                    table = importlib.import_module(name).PASS_THROUGH
-                    out |= {"minizero." + v[0].split(":")[0] for v in table.values()}
-        out.discard(name)
-        graph[name] = {m for m in out if m.startswith("minizero")}
-    return graph
+    return CLOSURE.import_graph()  # tools/closure.py's, lazy imports and the command table too
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
