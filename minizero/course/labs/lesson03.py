@@ -118,7 +118,7 @@ def plot_bucket_peaks(peaks: dict, kept: float, stage1: float, psi: int = PSI) -
     ax.legend(fontsize=8, loc="upper left")
     where = describe(peaks["info"])
     gloo = peaks["info"]["backend"] == "gloo"
-    note = f"\nthe stage's buffers only, not the backend's ({GLOO_EMULATION})" if gloo else ""
+    note = f"\nthe stage's buffers only, not the backend's\n({GLOO_EMULATION})" if gloo else ""
     ax.set_title(f"TinyGPT, ZeRO stage 2, one backward: {where}{note}", fontsize=9)
     plt.show()
     for r in rows:
@@ -231,7 +231,7 @@ def accumulation_volume(nprocs: int, runs: list[tuple[int, bool]], micro: int = 
 def show_accumulation_volume(a: dict, formula: dict[tuple[int, bool], float], psi=PSI) -> None:
     """``formula``: the volume / Ψ of each run."""
     for (stage, no_sync), v in a["volumes"].items():
-        how = ", the first in no_sync()" if no_sync else ""
+        how = f", the first {a['micro'] - 1} in no_sync()" if no_sync else ""
         print(
             f"stage {stage}, {a['micro']} backwards{how} + 1 step: {v / psi:.3f}Ψ moved "
             f"(formula {formula[stage, no_sync]:g}Ψ)"
