@@ -66,8 +66,24 @@ def test_on_nodes_the_ledger_is_the_formula_and_the_model(run, capsys):
 
 
 def test_step_parts_are_the_prediction_and_the_measured_parts(run, capsys):
-    links = lab.fit_links(run)
-    assert isinstance(links, cost.Links) and links.nics == 1
+    assert {row["op"] for row in run["ranks"][0]["inter"]} == {"all_reduce", "all_gather"}
+    truth = {"intra": cost.Link(300e-6, 1e9), "inter": cost.Link(800e-6, 3e9)}  # fit them back
+    fitted = dict(run, ranks=[dict(r) for r in run["ranks"]])
+    for key, n in (("intra", NODE), ("inter", WORLD)):
+        fitted["ranks"][0][key] = [
+            dict(
+                op=op,
+                nbytes=s,
+                seconds=cost.collective_time(op, s, n, truth[key], emulated_rs=True),
+            )
+            for op in ("all_reduce", "all_gather")
+            for s in (2**12, 2**16, 2**20)
+        ]
+    links = lab.fit_links(fitted)  # gloo: a reduce-scatter costed as an all-reduce
+    for key in truth:
+        assert getattr(links, key).alpha == pytest.approx(truth[key].alpha, rel=1e-6)
+        assert getattr(links, key).beta == pytest.approx(truth[key].beta, rel=1e-6)
+    assert links.nics == 1
     p = lab.step_parts(run, links)
     compute = max(r["compute_s"] for r in run["ranks"])
     assert p["compute_s"] == compute
