@@ -89,14 +89,11 @@ def library_options(options: dict, mesh, node: int) -> dict:
 
 
 def _one_step(model, opt, stage: int, x, y, micro: int) -> None:
-    """One optimizer step of ``micro`` micro-batches; stages 0-1 accumulate without
-    communicating."""
+    """One optimizer step of ``micro`` micro-batches: stages 0-1 keep all but the last one's
+    gradients without communicating (``no_sync``); stages 2-3 reduce after every backward."""
     for m in range(micro):
-        if m < micro - 1 and stage < 2:
-            with model.no_sync():
-                model(x, y).backward()
-        else:
-            model(x, y).backward()
+        model.set_requires_gradient_sync(stage >= 2 or m == micro - 1)
+        model(x, y).backward()
     opt.step()
     opt.zero_grad()
 
