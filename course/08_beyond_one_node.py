@@ -26,7 +26,7 @@
 # so every link measured below is the same loopback. The lesson says so wherever it matters.
 
 # %%
-from minizero.course.labs.lesson08 import *  # torch, dist, minizero, C, cost, hint, lab, lesson08
+from minizero.course.labs.lesson08 import *  # torch, dist, C, cost, scenario, hint, lab, lesson08
 
 WORLD, NODE, MICRO = 4, 2, 2  # 2 "nodes" of 2 ranks (0, 1 | 2, 3); micro-batches per step
 INFO = setup(WORLD, NODE)
