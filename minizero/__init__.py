@@ -51,6 +51,7 @@ step_budget             minizero/analysis/budget.py     05_all_stages
 simulate                minizero/analysis/simulate.py   05_all_stages
 fit, sweep (α-β)        minizero/analysis/link.py       00_collectives, 01_ddp
 Links, predict          minizero/analysis/cost.py       08_beyond_one_node
+Scenario                minizero/analysis/scenario.py   08_beyond_one_node (at scale)
 parallelize             minizero/parallelize.py         every lesson
 MLP, TinyGPT, data      minizero/models.py              every lesson
 save/load_checkpoint    minizero/checkpoint/            07_checkpoints

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +136,9 @@ def _binds(source: str) -> dict[str, ast.AST]:
 
     def visit(stmts: list[ast.stmt]) -> None:
         for s in stmts:
-            if isinstance(s, ast.Import | ast.ImportFrom):
+            if isinstance(s, ast.ImportFrom) and [a.name for a in s.names] == ["*"]:
+                out.update(dict.fromkeys(_star_names(s.module or ""), s))  # a lesson's lab
+            elif isinstance(s, ast.Import | ast.ImportFrom):
                 for a in s.names:
                     out[a.asname or a.name.split(".")[0]] = s
             elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -151,6 +154,21 @@ def _binds(source: str) -> dict[str, ast.AST]:
 
     visit(tree.body)
     return out
+
+
+def _star_names(module: str) -> list[str]:
+    """The names ``from module import *`` binds, for a minizero module (a lesson's lab): its
+    ``__all__``, read from its source (``__all__ = [...]`` and ``__all__ += [...]``), nothing
+    imported; other modules: none known."""
+    spec = importlib.util.find_spec(module) if module.startswith("minizero.") else None
+    if spec is None or not spec.origin:
+        return []
+    names: list[str] = []
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            names += ast.literal_eval(node.value)
+    return names
 
 
 def _reads(source: str) -> set[str]:

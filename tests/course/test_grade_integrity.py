@@ -45,6 +45,17 @@ def test_a_moved_check_runs_in_its_place_and_an_edited_given_cell_runs_the_kits_
                      "all_reduce_via_rs_ag"]  # fmt: skip
 
 
+def test_a_check_module_from_a_lessons_star_import_is_the_graders_own():
+    """Every lesson opens with ``from minizero.course.labs.lessonNN import *``: the names its
+    ``__all__`` lists (``lesson08``, the check module) are imports the grader makes itself."""
+    for stem in (L00, L08):
+        lesson = kit.lesson(stem)
+        assert lesson.imports == f"from minizero.course.labs.lesson{stem[:2]} import *"
+        assert {n for e in lesson.exercises for n in e.imports} == {f"lesson{stem[:2]}"}
+    assert kit._star_names("minizero.course.labs.lesson08")[:3] == ["hint", "lab", "minizero"]
+    assert kit._star_names("os") == []  # only minizero's modules are read
+
+
 def test_the_solutions_restore_nothing():
     for stem in kit.stems():
         nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
