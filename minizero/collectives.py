@@ -77,13 +77,15 @@ class ReleasedWork:
     """A gloo collective's work, whose ``wait()`` returns once gloo's worker has let go of it."""
 
     def __init__(self, fn, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.tensors, self.before = tensors, [t._use_count() for t in tensors]  # before the work
+        self.counts = [(t, t._use_count()) for t in tensors]  # C++ references before the work's
         self.work = fn(True)
 
     def wait(self, *args, **kwargs):
         out = True if self.work is None else self.work.wait(*args, **kwargs)
         self.work = None  # this Python handle's references first, then the worker's
-        settle(self.tensors, self.before)
+        deadline = time.monotonic() + SETTLE_S  # settle: no tensor held by more than before
+        while any(t._use_count() > n for t, n in self.counts) and time.monotonic() < deadline:
+            time.sleep(0)  # let the worker thread run
         return out
 
     def is_completed(self) -> bool:
@@ -91,14 +93,6 @@ class ReleasedWork:
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["work"], name)
-
-
-def settle(tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
-    """Return once each tensor is held by no more C++ references than ``before`` it was issued
-    (the work's, the worker's included), or after SETTLE_S (a reference not ours to wait for)."""
-    deadline = time.monotonic() + SETTLE_S
-    while any(t._use_count() > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
-        time.sleep(0)  # let the worker thread run
 
 
 def all_reduce(

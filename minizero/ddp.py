@@ -38,7 +38,7 @@ class DDP(DataParallel):
     Model states per rank: (2 + 2 + K)Ψ mixed precision, (4 + 4 + K)Ψ in fp32 (nothing partitioned).
     Communication per step: one all-reduce of every bucket, 2Ψ elements (ZeRO §7.1).
 
-    The layout every later stage keeps is :meth:`lay_out`'s (``grad_buffers``: ``init_grads``).
+    The layout every later stage keeps: :meth:`lay_out` (and :meth:`init_grads`) sets it.
     """
 
     rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
@@ -63,8 +63,7 @@ class DDP(DataParallel):
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
         self.buckets = self.cut_buckets(ready)
         self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
-        # this rank's fp32 range of each bucket (in KΨ's K), taken before the 16-bit cast; None:
-        self.masters = [self.take_master(b) for b in self.buckets]  # the optimizer steps params
+        self.masters = [self.take_master(b) for b in self.buckets]  # its fp32 range here, or None
         self.fragments, self.fragments_of = [], {}
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
@@ -121,9 +120,8 @@ class DDP(DataParallel):
             self.reduce_in_order(b)
 
     def reduce_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may complete
-        buckets in other orders: then start the complete ones in index order, as torch DDP, so
-        that every rank issues the same collectives in the same order."""
+        """Bucket ``b`` is complete: reduce it; with ``find_unused_parameters`` (ranks may complete
+        buckets in other orders) every complete one, in index order as torch DDP."""
         if not self.find_unused_parameters:
             return self.reduce_bucket(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:

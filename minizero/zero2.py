@@ -123,8 +123,7 @@ class ZeRO2(ZeRO1):
     backward_end = DDP.backward_end
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        """Nothing left to reduce: each bucket was reduce-scattered during backward. The step's
-        moment keeps its name (what the step gets here is reduced, wherever it was)."""
+        """Nothing left to reduce (backward reduce-scattered each bucket): the step's moment."""
         return self.grad_shards  # (shard,) per bucket; None: no backward since zero_grad()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
