@@ -24,60 +24,22 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
+from minizero.course.labs.lesson03 import *  # torch, minizero, hint, lab, lesson03, ZeRO2, ...
 
-import minizero
-from minizero import collectives as C
-from minizero.analysis.memory import MemoryMeter, model_state_bytes, print_states_per_rank
-from minizero.collectives import all_reduce
-from minizero.course import checks, hint
-from minizero.course.checks import lesson03
-from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
-from minizero.precision import divides_before_sum
-from minizero.zero2 import ZeRO2
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-GPT = GPTConfig.tiny()
-PSI = count_params(TinyGPT(GPT))  # Ψ of the model the measurements use
-print(checks.describe(INFO), f"| TinyGPT Ψ = {PSI:,}")
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def gpt_batch(step=0):
-    """This rank's slice of step ``step``'s global batch of 8 N rows of token ids."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return synthetic_batch("gpt", 8 * world, step, rank=rank, world=world,
-                           device=checks.rank_device())  # fmt: skip
-
+NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurements use
 
 # %% [markdown]
 # ## 1. What stage 1 holds and never reads
 #
-# One bf16 Adam step of TinyGPT under stage 1, measured on rank 0 after backward: the gradient
-# bytes it holds, and the bytes the optimizer then reads (the (shard,) chunks handed to it).
+# One bf16 backward of TinyGPT under stage 1, measured on rank 0: the gradient bytes it holds
+# (the formula: the whole gradient, 2Ψ), and the bytes the optimizer then reads (the (shard,)
+# chunks handed to it: 2Ψ/N). Each measurement of this lesson is one function of its lab,
+# `minizero/course/labs/lesson03.py`, and one beside it that shows the result: read them there.
 
 
 # %%
-def stage1_gradients():
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), 1, adam, precision="bf16")
-    model(*gpt_batch()).backward()
-    held = model_state_bytes(model, opt)["grads"]
-    read = sum(c.numel() * c.element_size() for c in model.reduce_gradients())  # (shard,) chunks
-    return held, read
-
-
-held, read = minizero.launch(stage1_gradients, NPROCS, verbose=False)[0]
-print(
-    f"stage 1, after backward: holds {held / PSI:.2f}Ψ bytes of gradients, the optimizer reads "
-    f"{read / PSI:.2f}Ψ of them ({checks.describe(INFO)})"
-)
+FORMULA = {"held": 2, "read": 2 / NPROCS}  # bf16 gradient bytes / Ψ: the whole, chunk r of it
+lab.show_stage1_gradients(lab.stage1_gradients(NPROCS), FORMULA)
 
 # %% [markdown]
 # ## 2. Stage 2: reduce-scatter during backward, keep the chunk
@@ -212,22 +174,9 @@ lesson03.check_zero2(MyZeRO2, NPROCS)
 
 
 # %%
-def states_per_rank():
-    rows = []
-    for precision in ("fp32", "bf16"):
-        for stage in (1, 2):
-            torch.manual_seed(0)
-            model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision)
-            model(*gpt_batch()).backward()
-            opt.step()  # measured before zero_grad(), which frees stage 2's gradient shards
-            rows.append((precision, stage, model_state_bytes(model, opt)))
-            opt.zero_grad()
-    return rows
-
-
-STATES = minizero.launch(states_per_rank, NPROCS, verbose=False)
-print(f"TinyGPT, Ψ = {PSI:,}, {checks.describe(INFO)}: bytes per rank / Ψ")
-print_states_per_rank(STATES, PSI, NPROCS)
+RUNS = [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)]  # (precision, stage), Adam
+print(f"TinyGPT, Ψ = {PSI:,}: bytes per rank / Ψ, beside paper_model_state_bytes")
+lab.show_model_states(lab.model_states(NPROCS, RUNS))
 
 # %% [markdown]
 # The gradients that persist between steps, `grad_shards`, are 2Ψ/N (bf16) or 4Ψ/N (fp32), as
@@ -239,40 +188,8 @@ print_states_per_rank(STATES, PSI, NPROCS)
 
 # %%
 CAPS = [0.01, 0.03, 0.1, 0.3, 25]  # MiB; 25 holds all of TinyGPT in one bucket
-
-
-def peak_buckets():
-    out = {}
-    for cap in CAPS:
-        torch.manual_seed(0)
-        model, opt = minizero.parallelize(TinyGPT(GPT), 2, adam, precision="bf16",
-                                          bucket_cap_mb=cap)  # fmt: skip
-        peak = [0]
-
-        def after_hook(p, model=model, peak=peak):  # runs after ZeRO2's own hook on p
-            peak[0] = max(peak[0], model_state_bytes(model, include_comm=True)["comm"])
-
-        for p in model.params:
-            p.register_post_accumulate_grad_hook(after_hook)
-        model(*gpt_batch()).backward()
-        out[cap] = (len(model.buckets), peak[0], model_state_bytes(model, opt)["grads"])
-    return {"info": checks.run_info(), "peaks": out}
-
-
-PEAKS = minizero.launch(peak_buckets, NPROCS, verbose=False)[0]
-fig, ax = plt.subplots(figsize=(7, 4))
-xs = range(len(CAPS))
-ax.bar(xs, [PEAKS["peaks"][c][1] / PSI for c in CAPS], color="tab:orange",
-       label="temporary, at most: buckets being filled or reduced")  # fmt: skip
-ax.bar(xs, [PEAKS["peaks"][c][2] / PSI for c in CAPS], bottom=[PEAKS["peaks"][c][1] / PSI
-       for c in CAPS], color="tab:blue", label="grad_shards (kept): 2Ψ/N")  # fmt: skip
-ax.axhline(2, color="k", ls="--", lw=1, label="stage 1: the whole gradient, 2Ψ")
-ax.set_xticks(list(xs), [f"{c} MiB\n{PEAKS['peaks'][c][0]} buckets" for c in CAPS], fontsize=8)
-ax.set_xlabel("bucket_cap_mb")
-ax.set_ylabel("gradient bytes on rank 0 / Ψ (bf16)")
-ax.legend(fontsize=8)
-ax.set_title(f"TinyGPT, ZeRO stage 2, one backward: {checks.describe(PEAKS['info'])}", fontsize=9)
-plt.show()
+PEAKS = lab.bucket_peaks(NPROCS, CAPS)  # stage 2, bf16, one backward, rank 0
+lab.plot_bucket_peaks(PEAKS, kept=2 / NPROCS, stage1=2)  # the formula: 2Ψ/N kept; stage 1: 2Ψ
 
 # %% [markdown]
 # With one bucket (25 MiB) the whole gradient is alive at the end of backward, as in stage 1,
@@ -291,28 +208,7 @@ plt.show()
 
 
 # %%
-def reduce_scatter_memory(mib=4):
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), checks.rank_device()
-    n = mib * 2**20 // 4 // world * world  # float32 elements, a multiple of N
-    with MemoryMeter(device=dev) as meter:  # on CPUs it sees the storages ops create or touch
-        buf = torch.ones(n, device=dev)  # (N * shard,) the bucket
-        out = buf[rank * (n // world) : (rank + 1) * (n // world)]  # (shard,) chunk r, in place
-        meter.mark("before")
-        work = C.reduce_scatter(out, buf, async_op=True)
-        work.wait()
-        del work
-        meter.mark("after wait")
-    return {"info": checks.run_info(), "marks": [(m["label"], m["total"], m["peak"])
-                                                 for m in meter.marks]}  # fmt: skip
-
-
-RS = minizero.launch(reduce_scatter_memory, NPROCS, verbose=False)[0]
-(_, before, _), (_, after, peak) = RS["marks"]
-print(
-    f"in-place reduce-scatter of {before / 2**20:.0f} MiB on {checks.describe(RS['info'])}: "
-    f"held {before / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB, {after / 2**20:.0f} MiB "
-    f"after wait(): the backend held {(peak - before) / before:.1f}x the buffer on top of it"
-)
+lab.show_reduce_scatter_memory(lab.reduce_scatter_memory(NPROCS, mib=4))  # fp32, rank 0
 
 # %% [markdown]
 # On **gloo** the extra is a whole copy of the input: gloo has no reduce-scatter of its own, and
@@ -327,50 +223,15 @@ print(
 # `MemoryMeter` over one bf16 step of stage 1 and stage 2 (small buckets, 0.03 MiB), on rank 0:
 
 # %%
-MARKS = ("start", "after forward", "after backward", "after step")
-CATS = ("params", "grads", "optimizer", "comm", "activations")
-
-
-def one_step_memory(stage):
-    torch.manual_seed(0)
-    cap = None if stage == 3 else 0.03  # stage 3 cuts by units, not buckets
-    model, opt = minizero.parallelize(
-        TinyGPT(GPT), stage, adam, precision="bf16", bucket_cap_mb=cap
-    )
-    x, y = gpt_batch()
-    with MemoryMeter(model, opt) as meter:
-        meter.mark("start")
-        loss = model(x, y)
-        meter.mark("after forward")
-        loss.backward()
-        meter.mark("after backward")
-        opt.step()
-        opt.zero_grad()
-        meter.mark("after step")
-    return meter.marks
-
-
-RUNS = {s: minizero.launch(one_step_memory, NPROCS, s, verbose=False)[0] for s in (1, 2)}
-fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
-for ax, (stage, marks) in zip(axes, RUNS.items(), strict=True):
-    bottom = [0.0] * len(marks)
-    for cat in CATS:
-        vals = [m[cat] / 2**10 for m in marks]
-        ax.bar(range(len(marks)), vals, bottom=bottom, label=cat)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_xticks(range(len(marks)), [m["label"] for m in marks], rotation=20, fontsize=8)
-    ax.set_title(f"stage {stage}", fontsize=9)
-axes[0].set_ylabel("KiB held by rank 0")
-axes[-1].legend(fontsize=7)
-fig.suptitle(f"TinyGPT, one bf16 Adam step: {checks.describe(INFO)}", fontsize=9)
-fig.tight_layout()
-plt.show()
-for stage, marks in RUNS.items():
-    print(f"stage {stage}: gradients held after backward {marks[2]['grads'] / PSI:.2f}Ψ")
+STEPS = lab.memory_per_step(NPROCS, stages=(1, 2), precision="bf16", bucket_cap_mb=0.03)
+lab.plot_memory_per_step(STEPS, "TinyGPT, one bf16 Adam step", cats=lab.MEMORY_CATS)
+lab.show_grads_after_backward(STEPS, formula={1: 2, 2: 2 / NPROCS})  # bf16 gradients / Ψ
 
 # %% [markdown]
 # Parameters, optimizer states and activations are the same under both stages; the gradient
 # bar shrinks from 2Ψ to 2Ψ/N. What every rank still holds in full is the 2Ψ of parameters.
+# The ticks are the peak so far, backend copies included (on gloo, section 3's copy of the
+# bucket in flight).
 #
 # ## 5. Communication: the same 2Ψ, started earlier
 #
@@ -380,24 +241,9 @@ for stage, marks in RUNS.items():
 
 
 # %%
-def comm(stage):
-    torch.manual_seed(0)
-    cap = None if stage == 3 else 0.03  # stage 3 cuts by units, not buckets
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, bucket_cap_mb=cap)
-    with minizero.CommLedger() as ledger:
-        model(*gpt_batch()).backward()
-        minizero.collectives.mark("step")
-        opt.step()
-    step_at = next(i for i, label in ledger.marks if label == "step")
-    rs = [r for r in ledger.records if r.op == "reduce_scatter"]
-    return ledger.by_op(), sum(r.index < step_at for r in rs), len(rs)
-
-
-for stage in (1, 2):
-    by_op, early, n = minizero.launch(comm, NPROCS, stage, verbose=False)[0]
-    parts = ", ".join(f"{op} {v / PSI:.3f}Ψ" for op, v in by_op.items())
-    print(f"stage {stage}: {parts}; {early} of {n} reduce-scatters issued during backward")
-print(checks.describe(INFO))
+PAPER = {1: 2, 2: 2}  # volume per step / Ψ: reduce-scatter Ψ + all-gather Ψ
+COMM = lab.reduce_scatters_in_backward(NPROCS, stages=(1, 2), bucket_cap_mb=0.03)
+lab.show_reduce_scatters_in_backward(COMM, PAPER)
 
 # %% [markdown]
 # Same volume, Ψ + Ψ. In stage 1 the reduce-scatters wait for `optimizer.step()`; in stage 2
@@ -414,38 +260,24 @@ print(checks.describe(INFO))
 # gradient's memory per rank (Ψ elements: 4Ψ bytes in fp32) for 1/k of the communication.
 # minizero's stage 2 offers both: each backward reduce-scatters, unless it runs inside
 # `no_sync()` (or with nanoGPT's `require_backward_grad_sync = False`), which accumulates the full
-# gradient locally, as FSDP2 does. Measured without `no_sync()`, 4 micro-batches per step:
+# gradient locally, as FSDP2 does. Measured over 4 micro-batches per step, stage 2 both ways:
 
 
 # %%
-def accumulate(stage, micro=4):
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam)
-    x, y = gpt_batch()
-    with minizero.CommLedger() as ledger:
-        for xi, yi in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            (model(xi, yi) / micro).backward()
-        opt.step()
-    try:
-        with model.no_sync():
-            pass
-        refused = ""
-    except RuntimeError as e:
-        refused = str(e)
-    return ledger.volume_elements, refused
-
-
-for stage in (1, 2):
-    vol, refused = minizero.launch(accumulate, NPROCS, stage, verbose=False)[0]
-    print(f"stage {stage}, 4 backwards + 1 step: {vol / PSI:.3f}Ψ moved")
-    if refused:
-        print(f"   and no_sync() says: {refused}")
+MICRO = 4  # micro-batches (backwards) per optimizer step
+FORMULA = {  # (stage, all but the last backward in no_sync()) -> volume per step / Ψ
+    (1, False): 2,  # one reduce-scatter + one all-gather
+    (2, False): MICRO + 1,  # a reduce-scatter per backward + one all-gather
+    (2, True): 2,  # only the last backward reduce-scatters
+}
+lab.show_accumulation_volume(lab.accumulation_volume(NPROCS, list(FORMULA), MICRO), FORMULA)
 
 # %% [markdown]
 # Stage 1: one reduce-scatter and one all-gather per step, 2Ψ, however many micro-batches.
 # Stage 2: one reduce-scatter per backward, (micro-batches + 1)Ψ. Stage 2 saves memory and pays
 # for it in communication when gradients are accumulated; with one backward per step the two
-# stages move the same 2Ψ.
+# stages move the same 2Ψ. Inside `no_sync()` stage 2 is back to 2Ψ, holding the full gradient
+# from the first backward to the last, the memory it was built to save.
 #
 # ## 7. Clipping: a norm no rank can compute alone
 #
@@ -456,22 +288,7 @@ for stage in (1, 2):
 
 
 # %%
-def shard_squares():
-    torch.manual_seed(0)
-    model, opt = minizero.parallelize(TinyGPT(GPT), 2, adam)  # fp32
-    model(*gpt_batch()).backward()
-    return sum(float(g.float().pow(2).sum()) for g in model.grad_shards)  # this rank's squares
-
-
-SQ = minizero.launch(shard_squares, NPROCS, verbose=False)  # one sum of squares per rank
-torch.manual_seed(0)
-one = TinyGPT(GPT)
-one(*synthetic_batch("gpt", 8 * NPROCS, 0)).backward()  # one process, the whole batch
-whole = torch.cat([p.grad.reshape(-1) for p in one.parameters()]).norm().item()
-for r, sq in enumerate(SQ):
-    print(f"rank {r}: norm of its own gradient chunks {sq**0.5:.6f}")
-print(f"sqrt(sum over ranks of their squares) {sum(SQ) ** 0.5:.6f}; one process: {whole:.6f} "
-      f"({checks.describe(INFO)})")  # fmt: skip
+lab.show_shard_norms(lab.shard_norms(NPROCS))  # fp32, stage 2, one backward
 
 # %% [markdown]
 # No rank's own norm is the norm; the squares add up across ranks. So each rank sums the squares
@@ -492,8 +309,9 @@ print(f"sqrt(sum over ranks of their squares) {sum(SQ) ** 0.5:.6f}; one process:
 
 
 # %%
-def clip_grad_norm_(shards: list[torch.Tensor], valid: list[int], max_norm: float,
-                    group=None) -> torch.Tensor:  # fmt: skip
+def clip_grad_norm_(
+    shards: list[torch.Tensor], valid: list[int], max_norm: float, group=None
+) -> torch.Tensor:
     """Scale this rank's gradient shards so the global L2 norm is at most ``max_norm``."""
     # BEGIN SOLUTION
     # TODO: shards scaled in place to a global norm of at most max_norm; returns that global norm

@@ -23,29 +23,11 @@
 # --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
-from dataclasses import replace
+from minizero.course.labs.lesson09 import *  # torch, dist, all_reduce, hint, lab, lesson09, ...
 
-import matplotlib.pyplot as plt
-import torch
-import torch.distributed as dist
-
-import minizero
-from minizero.analysis.memory import format_bytes, paper_model_state_bytes
-from minizero.collectives import all_reduce
-from minizero.course import checks, hint
-from minizero.course.checks import lesson09
-from minizero.models import TinyGPT, count_params
-from minizero.tools import shakespeare
-from minizero.tools.train import TrainConfig, single_process
-from minizero.tools.train_cli import STAGE_NAMES, curve, train
-
-NPROCS = checks.default_nprocs()
-INFO = minizero.launch(checks.run_info, NPROCS)[0]  # where this lesson's measurements are made
-DATA = shakespeare.load()
-print(checks.describe(INFO))
-print(f"Tiny Shakespeare: {len(DATA.train):,} training and {len(DATA.val):,} validation "
-      f"characters, a vocabulary of {DATA.vocab_size}: {DATA.chars!r}")  # fmt: skip
-print(DATA.decode(DATA.train[:120]))
+NPROCS, INFO = setup()
+DATA = shakespeare.load()  # the characters, their vocabulary, the train and val splits
+lab.show_data(DATA)
 
 # %% [markdown]
 # ## 1. What changes in nanoGPT's loop
@@ -117,44 +99,19 @@ lesson09.check_estimate_loss(estimate_loss, NPROCS)
 # shortened to 5 (so the loss moves), an evaluation every 10 iterations on one fixed batch per
 # split. First one process in plain PyTorch (no minizero, no process group, one thread as each
 # rank has), then each stage on `NPROCS` ranks; the runs use minizero's own `estimate_loss`, the
-# function you just wrote.
+# function you just wrote. (The loss over the whole validation split, which the full run of
+# section 5 prints at its end, is left out here: `val_full=False`.)
 
 # %%
-SHORT = TrainConfig(max_iters=40, warmup_iters=5, eval_interval=10, eval_iters=1,
-                    sample_tokens=150, out_dir=None)  # fmt: skip
-PSI = count_params(TinyGPT(SHORT.gpt(DATA.vocab_size)))
-ONE = single_process(SHORT)
-RUNS = {}
-for stage in STAGE_NAMES:
-    RUNS[stage] = train(replace(SHORT, stage=stage), NPROCS, timeout=600)
-print(f"nanoGPT's CPU Shakespeare model: Ψ = {PSI:,} parameters; {SHORT.max_iters} iterations "
-      f"on {checks.describe(INFO)}")  # fmt: skip
+SHORT = TrainConfig(  # nanoGPT's CPU model and schedule, for 40 iterations
+    max_iters=40, warmup_iters=5, eval_interval=10, eval_iters=1, sample_tokens=150, val_full=False
+)
+RUNS = lab.train_every_stage(SHORT, NPROCS, stages=(0, 1, 2, 3))  # and one process first
 
 # %%
 TOLERANCE = 0.02  # the largest relative difference from one process's curve this lesson allows
-fig, (ax, dx) = plt.subplots(1, 2, figsize=(11, 3.8))
-ax.plot(ONE["loss"], color="k", lw=3, alpha=0.3, label="one process")
-diffs = {}
-for stage, results in RUNS.items():
-    mine = curve(results)  # each iteration's global batch: the mean of the ranks' means
-    rel = [abs(a - b) / b for a, b in zip(mine, ONE["loss"], strict=True)]
-    diffs[stage] = max(rel)
-    ax.plot(mine, lw=1, label=f"stage {stage}: {STAGE_NAMES[stage]}")
-    dx.semilogy([max(r, 1e-12) for r in rel], lw=1, label=f"stage {stage}")
-ax.set(xlabel="iteration", ylabel="training loss (nats per character)",
-       title=f"nanoGPT's CPU model on Tiny Shakespeare, {checks.describe(INFO)}")  # fmt: skip
-dx.set(xlabel="iteration", ylabel="|stage - one process| / one process",
-       title="relative difference from one process")  # fmt: skip
-ax.legend(fontsize=8)
-dx.legend(fontsize=8)
-fig.tight_layout()
-plt.show()
-for stage, d in diffs.items():
-    evals = RUNS[stage][0]["evals"][-1]
-    print(f"stage {stage}: largest relative difference from one process {d:.1e} (tolerance "
-          f"{TOLERANCE:.0%}); val loss at iteration {evals[0]}: {evals[2]:.4f} "
-          f"(one process: {ONE['evals'][-1][2]:.4f})")  # fmt: skip
-assert max(diffs.values()) <= TOLERANCE, diffs
+lab.plot_curves(RUNS, TOLERANCE)  # each stage's curve on one process's; val loss beside its own
+assert max(lab.differences(RUNS).values()) <= TOLERANCE, lab.differences(RUNS)
 
 # %% [markdown]
 # The four curves lie on one process's: a stage changes where the model states live and which
@@ -173,22 +130,15 @@ assert max(diffs.values()) <= TOLERANCE, diffs
 # slowest rank's does, so the step time is the median over iterations of the slowest rank's.
 
 # %%
-print(f"nanoGPT's CPU Shakespeare model, Ψ = {PSI:,}, fp32 AdamW, {checks.describe(INFO)}")
-print(f"{'stage':<22}{'states per rank':>16}{'paper':>12}{'/ DDP':>8}{'step (median)':>15}")
-ddp_bytes = None
-for stage, results in RUNS.items():
-    got = max(sum(r["states"].values()) for r in results)
-    paper = sum(paper_model_state_bytes(PSI, len(results), stage, "fp32").values())
-    ddp_bytes = ddp_bytes or got
-    steps = [max(r["step_s"][i] for r in results) for i in range(1, len(results[0]["step_s"]))]
-    step_ms = 1e3 * sorted(steps)[len(steps) // 2]
-    print(f"{STAGE_NAMES[stage]:<22}{format_bytes(got):>16}{format_bytes(paper):>12}"
-          f"{got / ddp_bytes:>8.2f}{step_ms:>12.1f} ms")  # fmt: skip
-if INFO["backend"] == "gloo":
-    print(
-        "(gloo emulates reduce-scatter with an all-reduce that clones its input: the stages' "
-        "communication buffers, not counted here, are larger on gloo than on NCCL)"
-    )
+PSI, N = RUNS.psi, NPROCS
+PAPER = {  # fp32 AdamW, per rank: 4Ψ of parameters, 4Ψ of gradients, 8Ψ of Adam's two moments
+    0: (4 + 4 + 8) * PSI,  # DDP: everything on every rank
+    1: (4 + 4) * PSI + 8 * PSI / N,  # P_os
+    2: 4 * PSI + (4 + 8) * PSI / N,  # P_os+g
+    3: (4 + 4 + 8) * PSI / N,  # P_os+g+p
+}
+lab.show_states(RUNS, PAPER)  # the largest rank's, beside PAPER; / DDP; the median step time
+lab.plot_states(RUNS, PAPER)
 
 # %% [markdown]
 # The states shrink as the paper says: stage 1 divides the optimizer's 8Ψ by the ranks, stage 2
@@ -204,10 +154,7 @@ if INFO["backend"] == "gloo":
 # weights, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a newline).
 
 # %%
-texts = {stage: results[0]["sample"] for stage, results in RUNS.items()}
-print(f"after {SHORT.max_iters} iterations, stage 3:\n{texts[3]}")
-same = [s for s in texts if texts[s] == texts[3]]
-print(f"\nthe same text from stages {same} (one seed, the same weights up to rounding)")
+lab.show_samples(RUNS)
 
 # %% [markdown]
 # After 40 iterations the model has the texture of the text, characters in words of a few

@@ -36,7 +36,8 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
-GLOO_MEMORY_NOTE = "gloo: a reduce_scatter clones its input, one buffer more than NCCL (lesson 03)"
+GLOO_EMULATION = "gloo emulates reduce_scatter as an all-reduce that clones its input"
+GLOO_MEMORY_NOTE = f"{GLOO_EMULATION}: one buffer more than NCCL (lesson 03)"
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
 
 

@@ -63,6 +63,7 @@ class TrainConfig:
     out_dir: str | None = None  # checkpoint ``out_dir/ckpt`` at each evaluation (not with mesh)
     resume: str | None = None  # a checkpoint to continue from (any stage, any world size)
     sample_tokens: int = 500  # characters generated at the end (0: none)
+    val_full: bool = True  # after the last step, the loss over the whole validation split
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -165,8 +166,9 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
     step, else one step on this rank's rows of global batch ``it``. ``history`` (from a
     checkpoint: its evaluations, and its curve as "prior") is continued. Returns the history:
     the loss of this rank's rows at each iteration of this run, the evaluations, the loss over the
-    whole validation split after the last step ("val_full", ``tools/full_split.py``), this rank's
-    step times, the model-state bytes at the end of a backward."""
+    whole validation split after the last step ("val_full", ``tools/full_split.py``; not with
+    ``cfg.val_full`` False), this rank's step times, the model-state bytes at the end of a
+    backward."""
     from minizero.analysis.memory import model_state_bytes
     from minizero.tools.full_split import eval_full
 
@@ -182,8 +184,9 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
             if on_eval is not None:
                 on_eval(it, h)
         if it == cfg.max_iters:  # and the whole validation split, beside the estimate
-            h["val_full"] = eval_full(model, data.val, cfg.block_size, rank=rank, world=world,
-                                      group=group, device=device)  # fmt: skip
+            if cfg.val_full:
+                h["val_full"] = eval_full(model, data.val, cfg.block_size, rank=rank, world=world,
+                                          group=group, device=device)  # fmt: skip
             break
         lr = get_lr(it, cfg)
         for g in opt.param_groups:

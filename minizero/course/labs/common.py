@@ -17,6 +17,7 @@ import minizero
 from minizero.analysis.memory import MemoryMeter, model_state_bytes, print_states_per_rank
 from minizero.collectives import mark
 from minizero.course.checks.common import describe, run_info
+from minizero.course.plots import GLOO_MEMORY_NOTE
 from minizero.launcher import rank_device
 from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
@@ -137,7 +138,8 @@ def plot_memory_per_step(
     axes[0][0].set_ylabel("KiB held by rank 0")
     axes[0][-1].legend(fontsize=7)
     info = next(iter(runs.values()))["info"]
-    fig.suptitle(f"{title}: {describe(info)}", fontsize=9)
+    gloo = info["backend"] == "gloo" and any(stage > 0 for stage in runs)  # a reduce-scatter ran
+    fig.suptitle(f"{title}: {describe(info)}" + f"\n{GLOO_MEMORY_NOTE}" * gloo, fontsize=9)
     fig.tight_layout()
     plt.show()
 
