@@ -27,9 +27,8 @@ class Bucket:
     def __init__(self, params: list[nn.Parameter], index: int, world: int = 1):
         self.params = params
         self.index = index
-        sizes = [p.numel() for p in params]
-        self.offsets = list(accumulate(sizes, initial=0))  # params[i]: [offsets[i], offsets[i+1])
-        self.numel = n = self.offsets.pop()
+        self.offsets = list(accumulate((p.numel() for p in params), initial=0))
+        self.numel = n = self.offsets.pop()  # params[i] at [offsets[i], offsets[i + 1]) of numel
         self.world = world
         self.shard = math.ceil(n / world)  # chunk size; rank r owns [r * shard, (r + 1) * shard)
         self.padded = self.shard * world  # numel rounded up to a multiple of world
@@ -92,11 +91,10 @@ def make_buckets(
     params: list[nn.Parameter], bucket_cap_mb: float | None = None, world: int = 1
 ) -> list[Bucket]:
     """``params`` in registration order, cut by :func:`assign_by_size` (MiB) *reversed*: the
-    ready order predicted as torch DDP predicts it for its first buckets, so bucket 0 holds the
-    last parameters. Wrong where backward makes a module's parameters ready in registration order
-    (``nn.LayerNorm``) or forward calls modules out of order (minizero's MLP): the stages then cut
-    again over the recorded order (``DDP.cut_buckets(ready)``: :func:`buckets_in_order`, no
-    reversal; minizero/rebuild.py)."""
+    ready order torch DDP predicts for its first buckets, so bucket 0 holds the last parameters.
+    Wrong where backward makes a module's parameters ready in registration order
+    (``nn.LayerNorm``) or forward calls modules out of order (minizero's MLP): hence the second
+    cut (above)."""
     return buckets_in_order(list(reversed(params)), bucket_cap_mb, world)
 
 

@@ -45,49 +45,47 @@ def mark(label: str) -> None:
         recorder.mark(label)
 
 
-def _run(
-    op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool, tag: str, src: int = 0,
-    tensors: tuple[torch.Tensor, ...] = (),
-):  # fmt: skip
-    if tensors and dist.get_backend(group) == "gloo":  # a clean exit (below)
-        fn = partial(released, fn, tensors)
+def _run(op: str, fn, io: tuple[torch.Tensor, ...], group, async_op: bool, tag: str, src=0):
+    """``fn(async_op)``; ``io``: the call's tensors, ``io[0]`` the one a ledger records."""
+    if dist.get_backend(group) == "gloo":  # a clean exit (below)
+        fn = partial(released, fn, io)
     if recorder is None:
         return fn(async_op)
-    return recorder.issue(op, fn, payload, numel, group, async_op, tag, src)
+    return recorder.issue(op, fn, io[0], io[0].numel(), group, async_op, tag, src)
 
 
-# -- a clean exit: no gloo thread holds a collective's tensors once wait() has returned (issue 32)
-# gloo runs a collective on a worker thread, which keeps its work (and so the work's tensors) a
-# moment after wait() has returned. If the caller has dropped a tensor by then (a temporary: a
-# chunk view, a shard), the worker's release is the last: it frees the tensor's Python object on
-# that thread, taking the GIL. At the end of a script the group outlives destroy_process_group()
-# (torch's own modules keep references to it, so its threads are never joined), and when that
-# release falls into the interpreter's finalisation the thread cannot take the GIL: the process
-# aborts ("terminate called without an active exception", SIGABRT) after training finished.
-# So every minizero collective on gloo returns (or its wait() returns) only once the worker has
-# let go of its tensors; whatever frees them then does it on the main thread.
+# -- a clean exit (issue 32): gloo runs a collective on a worker thread, which lets go of its work
+# (and so of the work's tensors) a moment after wait() has returned. A tensor the caller dropped by
+# then (a temporary: a chunk view, a shard) is freed on that thread, which takes the GIL; at the
+# end of a script the group outlives destroy_process_group() (torch's own modules hold it), and a
+# free during the interpreter's finalisation aborts the process after training finished
+# ("terminate called without an active exception", SIGABRT). So on gloo every collective returns,
+# or its wait() returns, only once the worker holds none of its tensors.
 SETTLE_S = 0.2  # at most this long per collective (measured: microseconds; a view made of
 # a tensor while its collective runs holds a reference of its own, which ends the wait here)
 
 
-def settle(tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
-    """Return once each tensor is held by no more C++ references than ``before`` it was issued
-    (the work's, the worker's included), or after SETTLE_S (a reference not ours to wait for)."""
-    deadline = time.monotonic() + SETTLE_S
-    while any(t._use_count() > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
-        time.sleep(0)  # let the worker thread run
+def released(fn, tensors: tuple[torch.Tensor, ...], async_op: bool):
+    """``fn`` issued async: its :class:`ReleasedWork`, or (synchronous) None once waited for."""
+    work = ReleasedWork(fn, tensors)
+    if async_op:
+        return work
+    work.wait()
 
 
 class ReleasedWork:
-    """An async collective's work whose ``wait()`` returns once gloo's worker has let go of it."""
+    """A gloo collective's work, whose ``wait()`` returns once gloo's worker has let go of it."""
 
-    def __init__(self, work, tensors: tuple[torch.Tensor, ...], before: list[int]) -> None:
-        self.work, self.tensors, self.before = work, tensors, before
+    def __init__(self, fn, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.counts = [(t, t._use_count()) for t in tensors]  # C++ references before the work's
+        self.work = fn(True)
 
     def wait(self, *args, **kwargs):
         out = True if self.work is None else self.work.wait(*args, **kwargs)
         self.work = None  # this Python handle's references first, then the worker's
-        settle(self.tensors, self.before)
+        deadline = time.monotonic() + SETTLE_S  # settle: no tensor held by more than before
+        while any(t._use_count() > n for t, n in self.counts) and time.monotonic() < deadline:
+            time.sleep(0)  # let the worker thread run
         return out
 
     def is_completed(self) -> bool:
@@ -97,23 +95,12 @@ class ReleasedWork:
         return getattr(self.__dict__["work"], name)
 
 
-def released(fn, tensors: tuple[torch.Tensor, ...], async_op: bool):
-    """``fn(async_op)``, returning (or its work's ``wait()`` returning) once no gloo thread holds
-    ``tensors``."""
-    before = [t._use_count() for t in tensors]
-    work = fn(async_op)
-    if async_op:
-        return ReleasedWork(work, tensors, before)
-    settle(tensors, before)
-    return work
-
-
 def all_reduce(
     tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""
 ):
     """In-place all-reduce of ``tensor``. S = tensor.numel(); paper volume 2S."""
     fn = lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)
-    return _run("all_reduce", fn, tensor, tensor.numel(), group, async_op, tag, tensors=(tensor,))
+    return _run("all_reduce", fn, (tensor,), group, async_op, tag)
 
 
 def reduce_scatter(
@@ -127,8 +114,7 @@ def reduce_scatter(
     """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
     S = input.numel(). gloo runs it as an all-reduce of the whole input (its wall time too)."""
     fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
-    io = (output, input)
-    return _run("reduce_scatter", fn, input, input.numel(), group, async_op, tag, tensors=io)
+    return _run("reduce_scatter", fn, (input, output), group, async_op, tag)
 
 
 def all_gather(
@@ -139,8 +125,7 @@ def all_gather(
     S = output.numel(), the full size.
     """
     fn = lambda a: _all_gather(output, input, group=group, async_op=a)
-    io = (output, input)
-    return _run("all_gather", fn, output, output.numel(), group, async_op, tag, tensors=io)
+    return _run("all_gather", fn, (output, input), group, async_op, tag)
 
 
 def all_to_all(
@@ -150,8 +135,7 @@ def all_to_all(
     rank: rank j's row r lands in rank r's row j. S = input.numel(); each rank keeps 1/N of it
     and sends the rest straight to its owners (qgZ's reduce-scatter, ZeRO++ §3.3)."""
     fn = lambda a: dist.all_to_all_single(output, input, group=group, async_op=a)
-    io = (output, input)
-    return _run("all_to_all", fn, input, input.numel(), group, async_op, tag, tensors=io)
+    return _run("all_to_all", fn, (input, output), group, async_op, tag)
 
 
 def broadcast(
@@ -160,5 +144,4 @@ def broadcast(
     """Copy ``tensor`` from group rank ``src`` to every rank. S = tensor.numel()."""
     global_src = src if group is None else dist.get_global_rank(group, src)
     fn = lambda a: dist.broadcast(tensor, src=global_src, group=group, async_op=a)
-    io = (tensor,)
-    return _run("broadcast", fn, tensor, tensor.numel(), group, async_op, tag, src, tensors=io)
+    return _run("broadcast", fn, (tensor,), group, async_op, tag, src)

@@ -17,7 +17,7 @@ buckets four times, strategy objects would hide the chain; so it stays (docs/: t
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +102,8 @@ class DataParallel(nn.Module):
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
         self.optimizers: list = []  # weak references to the optimizers attach()ed to it
         self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
-        with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
-            for t in list(module.parameters()) + list(module.buffers()):
-                self.broadcast_from_rank0(t.data, "initial state")
+        for t in list(module.parameters()) + list(module.buffers()):  # rank 0's, on every rank
+            self.broadcast_from_rank0(t.data, "initial state")
 
     def __getattr__(self, name: str):
         try:
@@ -133,8 +132,7 @@ class DataParallel(nn.Module):
             for p, o in zip(b.params, b.offsets, strict=True):
                 s, e = max(o, lo), min(o + p.numel(), hi)
                 if s < e:
-                    # (numel,) view of this rank's fp32 master range; fp32 DDP: the parameter
-                    t = p if m is None else m[s - lo : e - lo]
+                    t = p if m is None else m[s - lo : e - lo]  # (numel,) master view, or p
                     f = Fragment(self.param_names[id(p)], p, b.index, s - o, e - o, s - lo, t)
                     self.fragments.append(f)
                     self.fragments_of.setdefault(id(p), []).append(f)
@@ -173,9 +171,7 @@ class DataParallel(nn.Module):
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         """FSDP2's name (and nanoGPT's ``require_backward_grad_sync``, torch DDP's): ``no_sync()``
-        until set back, refused where ``no_sync()`` is (a stage that overrides it)."""
-        with nullcontext() if requires else self.no_sync():
-            pass
+        until set back."""
         self.require_sync = requires
 
     require_backward_grad_sync = property(lambda s: s.require_sync, set_requires_gradient_sync)
@@ -240,8 +236,7 @@ class DataParallel(nn.Module):
         return self.averaged
 
     def before_step(self) -> bool:
-        """Hand each fragment its range of the averaged gradient; False: skip the update (fp16
-        overflow). Parameters the habits name as without a gradient get none (not stepped)."""
+        """Hand each fragment its range of the averaged gradient; False: skip the update (fp16)."""
         skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
         if skip is None:  # no backward since zero_grad(): no fragment gets a gradient, and
             self.end_step()  # torch's optimizers skip a parameter without one
@@ -253,9 +248,8 @@ class DataParallel(nn.Module):
             g = grads[f.bucket]
             if id(f.param) in skip or g is None:
                 f.tensor.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
-            elif f.is_master:  # a master view: its gradient is the same range, in fp32
+            elif f.is_master:  # its range, in fp32 (fp32 DDP's parameter holds its own already)
                 f.tensor.grad = g[f.offset : f.offset + f.numel]
-            # (fp32 DDP: the parameter itself, which holds its own averaged gradient)
         return True
 
     def after_step(self) -> None:

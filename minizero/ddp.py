@@ -1,9 +1,7 @@
 """DDP from scratch, bucketed and overlapped with backward (naive_ddp.py: the naive one). Lesson 01.
 
-The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory): every rank holds all
-model states, (2 + 2 + K)Ψ bytes in mixed precision, and each step all-reduces Ψ gradient
-elements, which moves 2Ψ (§7.1). ``DDP`` is the first link of the chain: ZeRO1 (zero1.py)
-extends it, ZeRO2 extends ZeRO1, ZeRO3 extends ZeRO2.
+The data-parallel baseline of the ZeRO paper (§1-2; §3 analyses its memory), and the first link
+of the chain (data_parallel.py): ZeRO1 (zero1.py) extends it.
 
 The moments it overrides (data_parallel.py lists them all), and the bucket moments it adds:
 
@@ -26,27 +24,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
 from minizero.bucket import Bucket, buckets_in_order, trainable_parameters
 from minizero.data_parallel import DataParallel
-from minizero.precision import Precision
 
 
 class DDP(DataParallel):
-    """DDP with gradient buckets whose all-reduce starts while backward is still running.
+    """DDP with gradients in flat buckets (``p.grad`` a view into its bucket, as with torch DDP's
+    ``gradient_as_bucket_view=True``), each all-reduced while backward is still running.
 
     Model states per rank: (2 + 2 + K)Ψ mixed precision, (4 + 4 + K)Ψ in fp32 (nothing partitioned).
     Communication per step: one all-reduce of every bucket, 2Ψ elements (ZeRO §7.1).
 
-    Gradients live in flat buckets (``p.grad`` is a view into its bucket, as with torch DDP's
-    ``gradient_as_bucket_view=True``), each all-reduced as soon as it is complete (the table).
-
-    The layout every later stage keeps: ``buckets`` (bucket.py), ``grad_buffers`` (one flat
-    gradient buffer per bucket, persistent), ``masters`` (this rank's fp32 range of each bucket,
-    or None), ``fragments``; per bucket ``pending`` (gradients still to come) and ``started``.
+    The layout every later stage keeps: :meth:`lay_out` (and :meth:`init_grads`) sets it.
     """
 
     rebuilds_buckets = True  # cut again in ready order, as torch DDP (rebuild.py)
@@ -56,12 +48,10 @@ class DDP(DataParallel):
         module: nn.Module,
         *,
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
-        precision: str | Precision = "fp32",
-        process_group: dist.ProcessGroup | None = None,
         rebuild: Callable[[DDP], Any] | None = None,  # cuts again in ready order: rebuild.py
-        **options,  # broadcast_buffers, find_unused_parameters, extension: see DataParallel
+        **options,  # precision, process_group, broadcast_buffers, ...: see DataParallel
     ):
-        super().__init__(module, precision=precision, process_group=process_group, **options)
+        super().__init__(module, **options)
         self.params = trainable_parameters(module)
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
@@ -73,8 +63,7 @@ class DDP(DataParallel):
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
         self.buckets = self.cut_buckets(ready)
         self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
-        # this rank's fp32 range of each bucket (in KΨ's K), taken before the 16-bit cast; None:
-        self.masters = [self.take_master(b) for b in self.buckets]  # the optimizer steps params
+        self.masters = [self.take_master(b) for b in self.buckets]  # its fp32 range here, or None
         self.fragments, self.fragments_of = [], {}
         self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
         self.init_grads()
@@ -131,9 +120,8 @@ class DDP(DataParallel):
             self.reduce_in_order(b)
 
     def reduce_in_order(self, b: Bucket) -> None:
-        """Bucket ``b`` is complete: reduce it. With ``find_unused_parameters`` ranks may complete
-        buckets in other orders: then start the complete ones in index order, as torch DDP, so
-        that every rank issues the same collectives in the same order."""
+        """Bucket ``b`` is complete: reduce it; with ``find_unused_parameters`` (ranks may complete
+        buckets in other orders) every complete one, in index order as torch DDP."""
         if not self.find_unused_parameters:
             return self.reduce_bucket(b)
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
@@ -143,9 +131,8 @@ class DDP(DataParallel):
     def reduce_bucket(self, b: Bucket) -> None:
         buf = self.grad_buffers[b.index]  # (numel,) flat, this rank's local gradient
         buf.div_(self.world)  # the sum of averages: fp16 cannot overflow
-        self.works.append(
-            C.all_reduce(buf, group=self.group, async_op=True, tag=f"ddp bucket {b.index}")
-        )
+        tag = f"ddp bucket {b.index}"
+        self.works.append(C.all_reduce(buf, group=self.group, async_op=True, tag=tag))
         self.started[b.index] = True
 
     def finish_in_flight(self) -> None:

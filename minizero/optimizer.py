@@ -67,19 +67,23 @@ class StageStep:
         return False
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None and getattr(self, "_minizero_closure_through", False):
-            # fp32 DDP: the optimizer holds the parameters themselves; a closure (LBFGS calls it
-            # many times) runs forward and backward, whose hooks all-reduce, as with torch DDP
-            return super().step(closure)
-        if closure is not None:  # elementwise optimizers call the closure once, first
-            with torch.enable_grad():
-                loss = closure()
+        if closure is not None:
+            return self._minizero_step_with_closure(closure)
         self._minizero_full = None  # a consolidated state dict is of the states before
         if self._wrapper.before_step():
             super().step()
         self._wrapper.after_step()
         self._wrapper.end_step()
+
+    def _minizero_step_with_closure(self, closure):
+        """fp32 DDP: the optimizer holds the parameters themselves, so a closure (LBFGS calls it
+        many times) runs forward and backward, whose hooks all-reduce, as with torch DDP. Else
+        (elementwise optimizers call it once, first): the closure, then the stage's step."""
+        if getattr(self, "_minizero_closure_through", False):
+            return super().step(closure)
+        with torch.enable_grad():
+            loss = closure()
+        StageStep.step(self)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -74,8 +74,7 @@ POLICIES = {
 
 
 def full_dtype(precision: Precision) -> torch.dtype:
-    """The dtype of the parameters a model hands in and of the optimizer's masters: fp32, or
-    fp64 under the "fp64" policy (a 16-bit working copy always has fp32 masters)."""
+    """The dtype of the masters (and of the parameters a model hands in): fp64 under "fp64"."""
     return torch.float64 if precision.param_dtype == torch.float64 else torch.float32
 
 

@@ -180,10 +180,11 @@ def check_same_module(code: int, names: list[str], group, device: torch.device) 
     a ``RuntimeError`` naming what each rank ran when the codes differ."""
     mine = torch.tensor([code], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    before = [t._use_count() for t in (mine, *every)]
-    dist.all_gather(every, mine, group=group)  # not model states: not in the ledger
+    gather = lambda a: dist.all_gather(every, mine, group=group, async_op=a)  # not in the ledger
     if dist.get_backend(group) == "gloo":  # temporaries: freed here, not on gloo's thread
-        C.settle((mine, *every), before)
+        C.released(gather, (mine, *every), async_op=False)
+    else:
+        gather(False)
     codes = [int(t) for t in every]
     if len(set(codes)) > 1:
         what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(names[c // 2])

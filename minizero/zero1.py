@@ -36,12 +36,9 @@ class ZeRO1(DDP):
     Communication per step: reduce-scatter of the gradients (Ψ) + all-gather of the updated
     parameters (Ψ) = 2Ψ, the same volume as DDP's all-reduce (§7.2.1).
 
-    Layout: DDP's buckets, each one's parameters made views of one flat buffer (``flat_params``),
-    zero-padded to a multiple of the world size N and cut into N equal chunks. Rank r owns chunk
-    r of every bucket: its master weights and optimizer states cover exactly those chunks.
-    Gradients are views of a flat buffer of the same layout (``grad_buffers``, as DDP's): backward
-    accumulates full local gradients (no communication: accumulation and ``no_sync()`` need
-    nothing special), and the step reduce-scatters them (the table above).
+    Layout: each bucket's parameters are views of one flat buffer (``flat_params``), cut into N
+    chunks (above); gradients, views of a flat buffer of the same layout (``grad_buffers``, as
+    DDP's), accumulate with no communication (``no_sync()`` needs nothing special) until the step.
 
     What lesson 02 asks you to write: ``reduce_gradients()``. Called once a step, by the first
     of ``clip_grad_norm_`` and ``step()`` (``step_grads()`` keeps its result for both); may
@@ -135,11 +132,8 @@ class ZeRO1(DDP):
                 own = b.chunk(flat, self.rank)  # (shard,) view, this rank's updated chunk
                 if self.precision.master:
                     own.copy_(m)
-                works.append(
-                    C.all_gather(
-                        flat, own, group=self.group, async_op=True, tag=f"params {b.index}"
-                    )
-                )
+                tag = f"params {b.index}"
+                works.append(C.all_gather(flat, own, group=self.group, async_op=True, tag=tag))
         for w in works:
             w.wait()
 

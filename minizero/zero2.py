@@ -38,8 +38,6 @@ class ZeRO2(ZeRO1):
     filled and the one whose reduce-scatter is in flight (double buffering, as DeepSpeed's
     ``overlap_comm``). After backward the gradient is in ``grad_shards``; until the next forward
     ``p.grad`` is a ShardedGrad (habits/sharded_grad.py), which ``clip_grad_norm_`` works on.
-    Inside ``no_sync()`` every bucket's buffer stays, accumulating, until the next synchronised
-    backward reduce-scatters the sum (below).
 
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
     does: between steps a rank keeps no gradient; the next backward allocates each again.
@@ -59,12 +57,9 @@ class ZeRO2(ZeRO1):
         self.filling: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
 
-    # no_sync() (and require_backward_grad_sync = False, FSDP2's set_requires_gradient_sync)
-    # is DataParallel's: inside it on_grad_ready adds each gradient into its bucket's full
-    # (padded,) buffer and starts no reduce-scatter; the buffers stay until the next synchronised
-    # backward adds into them and reduce-scatters the sum, as FSDP2 keeps its unsharded
-    # gradients. The cost, while micro-batches accumulate: the full gradient, Ψ elements in the
-    # reduce dtype (4Ψ bytes in fp32), the memory stage 2 otherwise saves.
+    # no_sync() is DataParallel's (the table): the bucket buffers stay, accumulating, until the
+    # next synchronised backward reduce-scatters their sum, as FSDP2 keeps its unsharded gradients;
+    # the cost: the full gradient, Ψ elements in the reduce dtype, the memory stage 2 saves.
 
     def holds_unsynced_grads(self) -> bool:
         """True while no_sync() backwards have left full gradients in the bucket buffers."""
@@ -128,8 +123,7 @@ class ZeRO2(ZeRO1):
     backward_end = DDP.backward_end
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        """Nothing left to reduce: each bucket was reduce-scattered during backward. The step's
-        moment keeps its name (what the step gets here is reduced, wherever it was)."""
+        """Nothing left to reduce (backward reduce-scattered each bucket): the step's moment."""
         return self.grad_shards  # (shard,) per bucket; None: no backward since zero_grad()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:

@@ -308,25 +308,21 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
         assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
     lines, closure = CLOSURE.import_closure_lines("minizero.zero2")
     assert set(closure) == import_closure("minizero.zero2", graph) | {"minizero.zero2"}
-    # issue 33's target is 1,300 (met at 1,282 before issue 32); collectives' gloo settle and
-    # stage 2's no_sync() brought it to 1,349: a ratchet, not the target (the closing note)
-    assert lines <= 1349, f"zero2.py's import closure is {lines} lines: {closure}"
+    assert lines <= 1300, f"zero2.py's import closure is {lines} lines: {closure}"
     assert import_closure(
         "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
     ) == {"minizero.b", "minizero.c"}
 
 
-def test_one_step_calls_at_most_531_lines_at_ddp_and_734_at_stage_2():
+def test_one_step_calls_at_most_500_lines_at_ddp_and_700_at_stage_2():
     """The call closure of ``parallelize(MLP, stage, AdamW)`` and two steps, on rank 0 of 2 gloo
     ranks (tools/closure.py: every minizero function that ran, whole, and its class's header; the
     habits, the models and the launcher left out): what a reader follows through one step."""
-    # issue 33's targets are 500 and 700 (met at 500 and 696 before issue 32's gloo settle and
-    # no_sync()); these are ratchets at today's counts, not the targets (the closing note)
     ddp, by_file = CLOSURE.call_closure(0)
-    assert ddp <= 531, f"DDP's call closure is {ddp} lines: {by_file}"
+    assert ddp <= 500, f"DDP's call closure is {ddp} lines: {by_file}"
     assert "minizero/rebuild.py" in by_file and "minizero/ddp.py" in by_file  # it traced them
     stage2, by_file = CLOSURE.call_closure(2)
-    assert stage2 <= 734, f"stage 2's call closure is {stage2} lines: {by_file}"
+    assert stage2 <= 700, f"stage 2's call closure is {stage2} lines: {by_file}"
     assert "minizero/zero2.py" in by_file and not any("habits" in f for f in by_file)
 
 

@@ -3,7 +3,8 @@ process group itself (nanoGPT's train.py, PyTorch's tutorials) or leaves it to t
 exit exits 0 at every stage, 10 runs of 10, and trains what one process trains
 (tests/tools/exit_script.py). What aborted before: a gloo worker thread releasing a
 collective's temporaries during the interpreter's finalisation (minizero/collectives.py's
-``settle``), the group outliving destroy_process_group() because torch's own modules hold it."""
+``ReleasedWork``), the group outliving destroy_process_group() because torch's own modules
+hold it."""
 
 import os
 import subprocess
