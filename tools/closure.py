@@ -32,17 +32,23 @@ def spans(path: Path) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, 
         if isinstance(node, ast.ClassDef):
             body = [n for n in node.body if not (isinstance(n, ast.Expr) and n is node.body[0])]
             first = node.body[0]
-            end = (body[0].lineno - 1) if body else node.end_lineno
+            end = first_line(body[0]) - 1 if body else node.end_lineno
             head = (min([node.lineno] + [d.lineno for d in node.decorator_list]), end)
             if isinstance(first, ast.Expr):  # the docstring is part of the header
                 head = (head[0], max(head[1], first.end_lineno))
             for n in node.body:
                 if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
-                    header_of[n.lineno] = head
+                    header_of[n.lineno] = header_of[first_line(n)] = head
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            funcs[node.lineno] = (start, node.end_lineno)
+            start = first_line(node)
+            funcs[node.lineno] = funcs[start] = (start, node.end_lineno)  # (a decorated function's
+            # code object starts at its first decorator)
     return funcs, header_of
+
+
+def first_line(node: ast.AST) -> int:
+    """A statement's first line: its first decorator's, where it has one."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
 def counted(filename: str) -> Path | None:
