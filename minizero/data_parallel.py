@@ -229,10 +229,8 @@ class DataParallel(nn.Module):
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
             full = full_dtype(self.precision)
             self.averaged = [None if g is None else g.to(full) for g in self.reduce_gradients()]
-            dev = self.params[0].device  # fp16: unscale; every rank skips the step on an inf
-            self.grads_ok = self.scaler is None or self.scaler.unscale(
-                self.averaged, self.group, dev
-            )
+            scaler, dev = self.scaler, self.params[0].device  # fp16: unscale; all skip on an inf
+            self.grads_ok = scaler is None or scaler.unscale(self.averaged, self.group, dev)
         return self.averaged
 
     def before_step(self) -> bool:

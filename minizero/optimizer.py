@@ -184,8 +184,6 @@ class StageStep:
 
 def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` and ``zero_grad()`` run ``wrapper``'s part too; return it."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(optimizer)
     if not issubclass(cls, StageStep):
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})

@@ -9,6 +9,18 @@
         optimizer.zero_grad()
 
 stage 0 is DDP (ZeRO §3's baseline); 1, 2, 3 are ZeRO-DP's P_os, P_os+g, P_os+g+p (§5).
+
+parallelize's arguments:
+- ``optimizer``: a torch optimizer over ``model``'s parameters (any param groups; elementwise at
+  stages 1-3 and in mixed precision, where it steps this rank's fp32 shards), or a function
+  ``params -> optimizer``. Without one only the model is returned, and an optimizer built over its
+  parameters afterwards (FSDP2's order) is adopted at its first ``step()``.
+- ``precision``: "fp32", "bf16", "fp16" or a :class:`minizero.Precision`.
+- ``bucket_cap_mb``: torch DDP's, in MiB (stages 0-2); ``mesh``: HSDP (hsdp.py); ``process_group``,
+  ``broadcast_buffers``, ``find_unused_parameters``: as torch DDP's.
+- stage 3's options: :func:`stage3_class`.
+
+Under NCCL the model moves to this rank's GPU.
 """
 
 from __future__ import annotations
@@ -63,14 +75,8 @@ def parallelize(
     find_unused_parameters: bool = False,
     **stage_options,
 ) -> tuple[nn.Module, torch.optim.Optimizer] | nn.Module:
-    """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer.
-    ``optimizer``: a torch optimizer over ``model``'s parameters (any param groups; elementwise
-    at stages 1-3 and in mixed precision, where it steps this rank's fp32 shards), or a function
-    ``params -> optimizer``; without one only the model is returned, and an optimizer built over
-    its parameters afterwards (FSDP2's order) is adopted at its first ``step()``. ``precision``:
-    "fp32", "bf16", "fp16" or a :class:`minizero.Precision`; ``bucket_cap_mb``: torch DDP's, in MiB
-    (stages 0-2); ``mesh``: HSDP (hsdp.py); the rest as torch DDP's; stage 3's options:
-    :func:`stage3_class`. Under NCCL the model moves to this rank's GPU."""
+    """Wrap ``model`` for data-parallel training at ZeRO ``stage``; return it and its optimizer
+    (without ``optimizer``, only the model). Every argument: this module's docstring."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {stage!r}")
     if isinstance(model, DataParallel):
