@@ -10,16 +10,22 @@ repeat, so the ranks contend as they do in a step):
 * :func:`compute_seconds`: the plain model's forward + backward;
 * :func:`optimizer_seconds`: a plain optimizer's ``step()`` + ``zero_grad()`` on this rank's
   share of the parameters (all of them at stage 0, a flat shard of Ψ/N at stages 1-3);
-* :func:`local_step_seconds`: the wrapped step with every collective of minizero/collectives.py
-  replaced by a local stand-in (:class:`NoComm`): everything the step does but communicate.
+* :func:`step_variants`: the wrapped step three ways, interleaved: as it is; with every
+  collective of minizero/collectives.py replaced by a local stand-in (:class:`NoComm`):
+  everything the step does but communicate ("local"); and with every collective replaced by a
+  barrier on its group (:class:`SyncOnly`): the local step, synchronised where the real one is.
 
-``local_step_seconds - micro x compute_seconds - optimizer_seconds`` is then the wrappers' own
-work, measured; ``local_step_seconds + the model's communication`` is the prediction with
-nothing left out but the interaction between communication and compute.
+``local - micro x compute - optimizer`` is then the wrappers' own work, and ``synced - local -
+syncs x barrier_seconds`` the cost of synchronising the ranks (every rank waits, at each
+collective, for the slowest; on shared cores, for the ones the scheduler left waiting), less
+the barriers' own latency, which the cost model's α already prices. ``local + sync +`` the
+model's communication is the prediction with nothing left out but how the bytes and the compute
+slow each other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -58,10 +64,25 @@ class NoComm:
         pass
 
 
+class SyncOnly(NoComm):
+    """Every collective becomes a barrier on its group: the ranks wait for each other where the
+    step makes them, and no bytes move. ``calls`` counts the barriers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def issue(self, op: str, fn, payload: torch.Tensor, numel: int, group, async_op: bool,
+              tag: str, src: int = 0):  # fmt: skip
+        dist.barrier(group=group)
+        self.calls += 1
+        return super().issue(op, fn, payload, numel, group, async_op, tag, src)
+
+
 @contextmanager
-def no_communication():
-    """Inside, minizero's collectives move nothing (:class:`NoComm`); outside, as before."""
-    before, C.recorder = C.recorder, NoComm()
+def no_communication(recorder: NoComm | None = None):
+    """Inside, minizero's collectives move nothing (:class:`NoComm`, or ``recorder``); outside,
+    as before."""
+    before, C.recorder = C.recorder, recorder or NoComm()
     try:
         yield
     finally:
@@ -115,9 +136,25 @@ def flat_shard(numel: int, world: int) -> list[torch.Tensor]:
     return [torch.zeros(-(-numel // world))]
 
 
-def local_step_seconds(step: Callable[[], None], repeats: int = REPEATS) -> float:
-    """``step()`` with its collectives replaced (:func:`no_communication`), every rank at once.
-    The step's numbers are then wrong (nothing is reduced): time it after the real steps."""
-    with no_communication():
-        step()  # warm-up: buffers sized, no first-call costs in the timing
-        return fastest_seconds(step, repeats)
+def step_variants(step: Callable[[], None], repeats: int = REPEATS, group=None) -> dict:
+    """``step()`` as it is, local (:class:`NoComm`) and synced (:class:`SyncOnly`), every rank
+    at once and interleaved (one of each per round, each after a barrier: drift in what else the
+    machine runs reaches all three alike); the fastest of ``repeats`` of each, seconds
+    (``step_s``, ``local_s``, ``synced_s``), and ``syncs``: the collectives of one step. The
+    step's numbers are wrong after it (nothing is reduced): time it after the real steps."""
+    synced = SyncOnly()
+    recorders = {"step_s": None, "local_s": NoComm(), "synced_s": synced}
+    best = dict.fromkeys(recorders, float("inf"))
+    for r in range(repeats + 1):  # round 0 warms each variant up, untimed
+        for key, recorder in recorders.items():
+            with no_communication(recorder) if recorder else contextlib.nullcontext():
+                seconds = fastest_seconds(step, 1, group)
+            if r:
+                best[key] = min(best[key], seconds)
+    return dict(best, syncs=synced.calls // (repeats + 1))
+
+
+def barrier_seconds(group=None, repeats: int = 4 * REPEATS) -> float:
+    """One barrier on ``group`` alone (no compute): the latency a synced step's barriers add."""
+    dist.barrier(group=group)
+    return fastest_seconds(lambda: dist.barrier(group=group), repeats, group)

@@ -96,12 +96,18 @@ def test_step_parts_are_the_prediction_and_the_measured_parts(run, capsys):
             emulated_rs=True,
         ).comm_total_s
         assert row["comm"] == comm and row["no_overlap"] == MICRO * compute + comm
-        assert row["local_comm"] == row["local"] + comm
         assert row["wrappers"] == pytest.approx(row["local"] - MICRO * compute - row["optimizer"])
-        assert row["measured"] == max(r["stages"][s]["step_s"] for r in run["ranks"]) > 0
+        stage = [r["stages"][s] for r in run["ranks"]]
+        for m in stage:  # a barrier in place of every collective the ledger saw, no more
+            assert m["syncs"] == m["collectives"] > 0
+        barrier = max(r["barrier_s"] for r in run["ranks"])
+        synced = max(m["synced_s"] for m in stage)
+        assert row["sync"] == synced - row["local"] - stage[0]["syncs"] * barrier
+        assert row["predicted"] == row["local"] + row["sync"] + comm
+        assert row["measured"] == max(m["step_s"] for m in stage) > 0
     lab.show_links(links, run)
     lab.show_step_parts(p)
-    assert "local+comm" in capsys.readouterr().out
+    assert "sync   comm predicted" in capsys.readouterr().out
     lab.plot_step_parts(p)
     assert drawn_inside(plt.gcf()) == 3 * 4
 

@@ -125,19 +125,19 @@ def _on_nodes(node: int, micro: int, more: dict, repeats: int, sizes, progress) 
             node_bytes=ledger.node_bytes()["total"],
             sizes=[b.padded for b in model.buckets],  # elements per bucket (stage 3: per unit)
             payload=_payload_by_group(ledger),
+            collectives=len(ledger.records),
         )
         if key in more:
             out["more"][key] = res
             continue
-        step_s = parts.fastest_seconds(step, repeats)  # the fastest, each after a barrier
-        # section 5: the same step with its collectives replaced by local stand-ins (last: the
-        # model's numbers are wrong after it)
-        local_s = parts.local_step_seconds(step, repeats)
-        out["stages"][key] = dict(res, step_s=step_s, local_s=local_s)
+        # the step, and for section 5 the same step with its collectives replaced by local
+        # stand-ins and by barriers, interleaved (last: the model's numbers are wrong after it)
+        out["stages"][key] = dict(res, **parts.step_variants(step, repeats))
         progress.tick()
     progress.tick()
     plain = TinyGPT(GPT)  # section 5: what the cost model is fed, timed on every rank at once
     out["compute_s"] = parts.compute_seconds(plain, x, y, repeats)
+    out["barrier_s"] = parts.barrier_seconds()  # one barrier alone, on the flat group
     out["optimizer_s"] = {
         "all": parts.optimizer_seconds(list(plain.parameters()), adamw, repeats),  # stage 0
         "shard": parts.optimizer_seconds(parts.flat_shard(PSI, world), adamw, repeats),
@@ -162,14 +162,15 @@ SWEEP = (2**12, 2**16, 2**20, 2**22)  # bytes: latency-bound to bandwidth-bound
 
 
 def on_nodes(
-    world: int, node: int, micro: int, more: dict[str, dict], repeats: int = 5, sweep=SWEEP
+    world: int, node: int, micro: int, more: dict[str, dict], repeats: int = 10, sweep=SWEEP
 ) -> dict:
     """Sections 1, 4 and 5, one launch of ``world`` gloo ranks in nodes of ``node``: each stage,
     flat, ``micro`` micro-batches per step of TinyGPT fp32 under ``CommLedger(node_size=node)``,
-    then timed (the fastest of ``repeats``) with and without its collectives; each of ``more``
-    (``cost.Config``'s options: stage, hsdp, hpz, qwz) the same, untimed; the plain model's
-    forward + backward and AdamW's step; collective sweeps (payloads of ``sweep`` bytes) over
-    each node's ring and over all ranks. ``{"ranks": [one dict per rank], "world", "node",
+    then timed (the fastest of ``repeats``) as it is, without its collectives and with a barrier
+    for each (analysis/step_parts.py), interleaved; each of ``more`` (``cost.Config``'s options:
+    stage, hsdp, hpz, qwz) the same, untimed; the plain model's forward + backward, AdamW's step
+    and one barrier; collective sweeps (payloads of ``sweep`` bytes) over each node's ring and
+    over all ranks. ``{"ranks": [one dict per rank], "world", "node",
     "micro", "more", "info"}``."""
     total = 4 + 1 + 2
     ranks = launch_with_progress(

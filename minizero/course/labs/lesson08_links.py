@@ -108,21 +108,24 @@ def show_links(links: cost.Links, run: dict) -> None:
 def step_parts(run: dict, links: cost.Links) -> dict:
     """Section 5: per stage, the slowest rank's measured step against exercise 3's prediction (no
     overlap: ``micro`` x compute, then the cost model's collectives on ``links``) and against the
-    measured local step (the step without its collectives) + the collectives; the optimizer step
-    and the wrappers' own work apart. Seconds."""
+    prediction from the measured parts (minizero/analysis/step_parts.py): the local step (the
+    step without its collectives: compute, optimizer, wrappers) + the ranks' synchronisation
+    (the step with a barrier for each collective, less the local step and the barriers' own
+    latency) + the model's collectives. Seconds."""
     ranks, micro = run["ranks"], run["micro"]
     compute_s = max(r["compute_s"] for r in ranks)
+    barrier_s = max(r["barrier_s"] for r in ranks)
     rows = {}
     for s in range(4):
         stage = [r["stages"][s] for r in ranks]  # every rank's measurements of stage s
         local = max(m["local_s"] for m in stage)
         optimizer = max(r["optimizer_s"]["all" if s == 0 else "shard"] for r in ranks)
-        sizes = stage[0]["sizes"]
+        sync = max(m["synced_s"] for m in stage) - local - stage[0]["syncs"] * barrier_s
         comm = cost.predict(
             config(run, stage=s),
             links,
             compute_s=0.0,
-            sizes=sizes,
+            sizes=stage[0]["sizes"],
             emulated_rs=run["info"]["backend"] == "gloo",
         ).comm_total_s
         rows[s] = dict(
@@ -131,8 +134,9 @@ def step_parts(run: dict, links: cost.Links) -> dict:
             optimizer=optimizer,
             wrappers=local - micro * compute_s - optimizer,
             local=local,
+            sync=sync,
             comm=comm,
-            local_comm=local + comm,
+            predicted=local + sync + comm,
         )
     return dict(
         rows=rows, compute_s=compute_s, micro=micro, load=ranks[0]["load"], info=run["info"]
@@ -142,15 +146,15 @@ def step_parts(run: dict, links: cost.Links) -> dict:
 def show_step_parts(p: dict) -> None:
     print(
         f"{'':8}{'measured':>9}{'no overlap':>11}{'error':>7}{'optimizer':>10}{'wrappers':>9}"
-        f"{'local':>8}{'comm':>7}{'local+comm':>11}{'error':>7}   ms"
+        f"{'sync':>6}{'comm':>7}{'predicted':>10}{'error':>7}   ms"
     )
     for s, r in p["rows"].items():
         ms = {k: v * 1e3 for k, v in r.items()}
         print(
             f"{NAMES[s]:8}{ms['measured']:>9.1f}{ms['no_overlap']:>11.1f}"
             f"{r['no_overlap'] / r['measured'] - 1:>+7.0%}{ms['optimizer']:>10.1f}"
-            f"{ms['wrappers']:>9.1f}{ms['local']:>8.1f}{ms['comm']:>7.1f}{ms['local_comm']:>11.1f}"
-            f"{r['local_comm'] / r['measured'] - 1:>+7.0%}"
+            f"{ms['wrappers']:>9.1f}{ms['sync']:>6.1f}{ms['comm']:>7.1f}{ms['predicted']:>10.1f}"
+            f"{r['predicted'] / r['measured'] - 1:>+7.0%}"
         )
     print(
         f"compute (forward + backward) {p['compute_s'] * 1e3:.1f} ms × {p['micro']} micro-batches; "
@@ -164,7 +168,7 @@ def plot_step_parts(p: dict) -> None:
     keys = {
         "measured": "measured",
         "no_overlap": "no overlap (exercise 3)",
-        "local_comm": "local step + comm",
+        "predicted": "local + sync + comm",
     }
     rows = p["rows"]
     for k, (key, label) in enumerate(keys.items()):
