@@ -474,19 +474,20 @@ lab.plot_step_parts(PARTS)
 # %% [markdown]
 # Read the columns as what exercise 3's model leaves out. The optimizer step, the wrappers' work
 # and the synchronisation are not in `compute_s`, and with a model this small they are not small
-# beside it: the "no overlap" line sits 15-60% below the measurement at every stage. With them,
-# measured, "predicted" lands within about ±25% of the measurement (on this 2-core machine, with
-# nothing else running, 16 of 16 stage runs were within ±20%). Without "sync" (local + comm) it
-# fell 13-43% short at stages 0-2: a model of a step on shared cores must price the waiting at
-# each collective, which here costs more than the bytes. ZeRO-3 comes out above its measurement
-# when it misses: it prefetches the next unit's all-gather under the current unit's compute, the
-# overlap this no-overlap model leaves out. Every figure here moves with what else the machine
-# runs: the line under the table gives the load average, and above the core count (other work on
-# the machine) rerun section 1's measuring cell before reading the errors. On a GPU the balance
-# differs: the optimizer and the copies are fast kernels, each rank has its own device (no waiting
-# for a core), and the overlap is real but partial: NCCL's collectives run on their own stream,
-# yet they are kernels on the same SMs and take SMs and memory bandwidth from the compute beside
-# them (lesson 01 measured it), so a real step sits between no overlap and full overlap.
+# beside it: the "no overlap" line sits far below the measurement (a third to a half, in most of
+# our runs). With them, measured, "predicted" lands within about ±25% of the measurement (on this
+# 2-core machine, with nothing else running, 16 of 16 stage runs were within ±20%). Without
+# "sync" (local + comm) it fell 13-43% short at stages 0-2: a model of a step on shared cores
+# must price the waiting at each collective, which here costs about as much as the bytes. ZeRO-3
+# comes out above its measurement when it misses: it prefetches the next unit's all-gather under
+# the current unit's compute, the overlap this no-overlap model leaves out. Every figure here
+# moves with what else the machine runs: the line under the table gives the load average, and
+# above the core count (other work on the machine) rerun section 1's measuring cell before
+# reading the errors. On a GPU the balance differs: the optimizer and the copies are fast
+# kernels, each rank has its own device (no waiting for a core), and the overlap is real but
+# partial: NCCL's collectives run on their own stream, yet they are kernels on the same SMs and
+# take SMs and memory bandwidth from the compute beside them (lesson 01 measured it), so a real
+# step sits between no overlap and full overlap.
 #
 # ## 6. At scale: lesson 05's 6.7B model on 64 nodes × 8 GPUs
 #
