@@ -89,7 +89,7 @@ def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
     print(f"\nnanoGPT's README's CPU run (4 layers, 4 heads, n_embd 128, block 64), "
           f"on Tiny Shakespeare, {a.max_iters} iterations, CPU ({cores} cores); threads: nanoGPT "
           f"{threads}, minizero 1 per rank")  # fmt: skip
-    head = (f"{'run':<38}{'seed':>5}{'val':>8}{'val all':>8}{'train':>8}{'diff':>9}"
+    head = (f"{'run':<38}{'seed':>5}{'val':>8}{'val all':>8}{'train':>8}{'diff':>13}"
             f"{'wall s':>8}{'/ nanoGPT':>10}{'iter ms':>8}{'peak RSS':>11}{'states':>11}"
             f"{'load':>5}")  # fmt: skip
     print(head)
@@ -100,7 +100,7 @@ def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else ""
         states = format_bytes(r["states"]) if r.get("states") else ""
         print(f"{r['name']:<38}{r['seed']:>5}{r['val']:>8.4f}{r['val_full']:>8.4f}"
-              f"{r['train']:>8.4f}{r['diff']:>9}{r['wall_s']:>8.1f}{ratio:>10}{ms:>8}"
+              f"{r['train']:>8.4f}{r['diff']:>13}{r['wall_s']:>8.1f}{ratio:>10}{ms:>8}"
               f"{format_bytes(r['peak']):>11}{states:>11}{r['load']:>5.1f}")  # fmt: skip
     print("val: the 20-batch estimate at the last iteration (nanoGPT's README: 1.88 at 2,000); "
           "val all: the final model over the whole validation split (111,539 characters, each "
