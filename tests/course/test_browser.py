@@ -51,6 +51,8 @@ if not CHROMIUM:
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 RUN_TIMEOUT = 540  # seconds for one notebook's Run All (about 70 s each on 2 busy cores)
+WAIT = 180  # seconds for a step of the UI (a menu enabled, a first cell started, a save): the
+# other xdist worker may be running a dozen ranks on the same cores
 
 # JupyterLab user settings: no news or update pop-ups (there is no network), every cell in the
 # page (no virtual scrolling, so the whole notebook can be read and photographed).
@@ -175,7 +177,7 @@ def open_notebook(browser: Browser, lab: Lab, rel: str) -> Page:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(lab.url(f"lab/tree/{rel}?token={lab.token}&reset"))
     page.wait_for_selector(
-        ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000
+        ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=WAIT * 1000
     )
     # the file browser closed, as a student reading a lesson would have it
     page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
@@ -187,7 +189,7 @@ def menu(page: Page, title: str, command: str) -> None:
     """Click ``title`` in the menu bar, then the item for ``command`` once it is enabled (it is
     not until the notebook is the active widget with its kernel connected)."""
     item = page.locator(f".lm-Menu-item[data-command='{command}']")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT
     while True:
         page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=title).first.click()
         item.wait_for(timeout=10_000)
@@ -196,28 +198,40 @@ def menu(page: Page, title: str, command: str) -> None:
             return
         page.keyboard.press("Escape")
         if time.monotonic() > deadline:
-            pytest.fail(f"{title} > {command} stayed disabled for 60 s")
+            pytest.fail(f"{title} > {command} stayed disabled for {WAIT} s")
         page.locator(".jp-NotebookPanel .jp-Cell").first.click()
         page.wait_for_timeout(1000)
 
 
 def run_all(page: Page) -> list[dict]:
     """Run > Run All Cells; wait until no cell is queued or running; the cells as the page shows
-    them (code cells' prompts, images, widgets, progress bars, output text)."""
-    menu(page, "Run", "runmenu:run-all")
-    try:
-        page.wait_for_function(_STARTED, timeout=60_000, polling=500)
-    except PlaywrightTimeout:
-        pytest.fail("Run > Run All Cells did not start any cell within 60 s")
-    page.wait_for_function(_DONE, timeout=RUN_TIMEOUT * 1000, polling=500)
-    page.wait_for_timeout(1000)  # outputs that follow the last reply, images decoding
-    return page.evaluate(_CELLS)
+    them (code cells' prompts, images, widgets, progress bars, output text).
+
+    Under load JupyterLab sometimes starts two kernels for a notebook it opens and drops the
+    first: the queue is lost with it, and the cells after the first stay unrun with no error.
+    Such a run is made once more (and said); a cell that fails or kills its kernel every time
+    fails the test as before."""
+    for attempt in (1, 2):
+        menu(page, "Run", "runmenu:run-all")
+        try:
+            page.wait_for_function(_STARTED, timeout=WAIT * 1000, polling=500)
+        except PlaywrightTimeout:
+            pytest.fail(f"Run > Run All Cells did not start any cell within {WAIT} s")
+        page.wait_for_function(_DONE, timeout=RUN_TIMEOUT * 1000, polling=500)
+        page.wait_for_timeout(1000)  # outputs that follow the last reply, images decoding
+        cells = page.evaluate(_CELLS)
+        code = [c for c in cells if c["code"]]
+        lost = [i for i, c in enumerate(code) if not re.fullmatch(r"\[\d+\]:", c["prompt"])]
+        if attempt == 2 or not lost or any("Traceback" in c["text"] for c in code):
+            return cells
+        print(f"code cells {lost} were not run and none failed: Run All once more")
+    raise AssertionError("unreachable")
 
 
 def save(page: Page, path: Path, ran: int) -> dict:
     """File > Save Notebook; the notebook as written to disk (``ran`` code cells run)."""
     menu(page, "File", "docmanager:save")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         try:
             nb = json.loads(path.read_text())
@@ -226,7 +240,7 @@ def save(page: Page, path: Path, ran: int) -> dict:
         if sum(c.get("execution_count") is not None for c in nb["cells"]) >= ran:
             return nb
         time.sleep(0.5)
-    pytest.fail(f"{path.name} was not saved with its outputs within 60 s")
+    pytest.fail(f"{path.name} was not saved with its outputs within {WAIT} s")
 
 
 def screenshot(page: Page, name: str) -> Path:

@@ -132,7 +132,7 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     lesson.cells.insert(0, spin[0])
     write(lesson, subs / "erin" / f"{LESSON}.ipynb")
     out = tmp_path / "g.csv"
-    argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "30"]
+    argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "20"]
     assert gradebook.main(argv) == 0
     with out.open(newline="") as f:
         rows = {r["lesson"]: r for r in csv.DictReader(f)}

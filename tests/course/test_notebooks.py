@@ -260,7 +260,7 @@ def test_solutions_pass_under_nbval():
     """Under CPU kernels other than this machine's best (no AVX, ATen's portable code), so that a
     check whose tolerance suits one machine's kernels fails here, not on a student's machine."""
     cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "solutions/",
-           "-q", "-p", "no:cacheprovider"]  # fmt: skip
+           "-q", "-p", "no:cacheprovider", "-n", "0"]  # fmt: skip
     env = dict(os.environ, MINIZERO_WIDGETS="0", **KERNELS["portable"])
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

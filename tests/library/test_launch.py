@@ -254,6 +254,8 @@ def test_keyboard_interrupt_leaves_no_rank_behind(tmp_path, mechanism):
             os.kill(os.getpid(), signal.SIGINT)
 
         if __name__ == "__main__":
+            # Ctrl-C as in a terminal: a job a shell started in the background ignores SIGINT
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             threading.Thread(target=interrupt, args=(sys.argv[1],), daemon=True).start()
             try:
                 minizero.launch(sleeper, 2, sys.argv[1], mechanism=sys.argv[2])
