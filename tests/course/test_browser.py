@@ -203,6 +203,21 @@ def menu(page: Page, title: str, command: str) -> None:
         page.wait_for_timeout(1000)
 
 
+def start_all(page: Page) -> None:
+    """Run > Run All Cells, until a cell is queued or has run. A click made while a long lesson is
+    still laying out its formulas can be lost (no cell queued, none running): it is made again."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        menu(page, "Run", "runmenu:run-all")
+        try:
+            page.wait_for_function(_STARTED, timeout=30_000, polling=500)
+            return
+        except PlaywrightTimeout:
+            if time.monotonic() > deadline:
+                pytest.fail(f"Run > Run All Cells did not start any cell within {WAIT} s")
+            print("Run > Run All Cells queued no cell within 30 s: clicked again")
+
+
 def run_all(page: Page) -> list[dict]:
     """Run > Run All Cells; wait until no cell is queued or running; the cells as the page shows
     them (code cells' prompts, images, widgets, progress bars, output text).
@@ -212,11 +227,7 @@ def run_all(page: Page) -> list[dict]:
     Such a run is made once more (and said); a cell that fails or kills its kernel every time
     fails the test as before."""
     for attempt in (1, 2):
-        menu(page, "Run", "runmenu:run-all")
-        try:
-            page.wait_for_function(_STARTED, timeout=WAIT * 1000, polling=500)
-        except PlaywrightTimeout:
-            pytest.fail(f"Run > Run All Cells did not start any cell within {WAIT} s")
+        start_all(page)
         page.wait_for_function(_DONE, timeout=RUN_TIMEOUT * 1000, polling=500)
         page.wait_for_timeout(1000)  # outputs that follow the last reply, images decoding
         cells = page.evaluate(_CELLS)
