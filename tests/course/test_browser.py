@@ -203,6 +203,12 @@ def menu(page: Page, title: str, command: str) -> None:
         page.wait_for_timeout(1000)
 
 
+def unrun(cells: list[dict]) -> list[int]:
+    """The code cells (numbered among code cells) whose prompt shows no execution count."""
+    code = [c for c in cells if c["code"]]
+    return [i for i, c in enumerate(code) if not re.fullmatch(r"\[\d+\]:", c["prompt"])]
+
+
 def start_all(page: Page) -> None:
     """Run > Run All Cells, until a cell is queued or has run. A click made while a long lesson is
     still laying out its formulas can be lost (no cell queued, none running): it is made again."""
@@ -231,9 +237,8 @@ def run_all(page: Page) -> list[dict]:
         page.wait_for_function(_DONE, timeout=RUN_TIMEOUT * 1000, polling=500)
         page.wait_for_timeout(1000)  # outputs that follow the last reply, images decoding
         cells = page.evaluate(_CELLS)
-        code = [c for c in cells if c["code"]]
-        lost = [i for i, c in enumerate(code) if not re.fullmatch(r"\[\d+\]:", c["prompt"])]
-        if attempt == 2 or not lost or any("Traceback" in c["text"] for c in code):
+        lost = unrun(cells)
+        if attempt == 2 or not lost or any("Traceback" in c["text"] for c in cells if c["code"]):
             return cells
         print(f"code cells {lost} were not run and none failed: Run All once more")
     raise AssertionError("unreachable")
@@ -316,7 +321,7 @@ def test_solution_runs_in_jupyterlab(lab: Lab, browser: Browser, stem: str):
     try:
         cells = run_all(page)
         code = [c for c in cells if c["code"]]
-        unfinished = [i for i, c in enumerate(code) if not re.fullmatch(r"\[\d+\]:", c["prompt"])]
+        unfinished = unrun(cells)
         assert not unfinished, f"code cells that did not finish: {unfinished}"
         nb = save(page, lab.root / "solutions" / f"{stem}.ipynb", len(code))
         saved = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -374,7 +379,7 @@ def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, br
             f"{stem}: check cell {name!r} shows:\n{check[-2000:]}"
         )
         before = [c for c in cells[:k] if c["code"]]
-        assert all(re.fullmatch(r"\[\d+\]:", c["prompt"]) for c in before), "cells before it ran"
+        assert not unrun(cells[:k]), "cells before it ran"
         assert all("Traceback" not in c["text"] for c in before), "an error before the check cell"
         page.locator(".jp-NotebookPanel .jp-Cell").nth(k).scroll_into_view_if_needed()
         screenshot(page, f"{stem}-unsolved")
