@@ -1,10 +1,20 @@
-"""Shared test helpers. ``@pytest.mark.gpu`` tests (``@pytest.mark.gpu(n)``: n GPUs, default 2)
+"""Shared test helpers: the tiers, the GPU tests' skip and lock, the heaviest files first, and
+each test's CPU-seconds (docs/testing.md).
+
+Two tiers, in pytest's own way (its documented ``--runslow`` recipe): the fast tier is the
+README's ``python -m pytest``; ``@pytest.mark.soak`` tests (repeats of a property the fast tier
+asserts once, and runs that measure a rate) are skipped unless ``--soak`` is given.
+``python -m pytest --soak`` runs everything; ``python -m pytest --soak -m soak`` the soak tier
+alone (what ``.ci/run`` adds).
+
+``@pytest.mark.gpu`` tests (``@pytest.mark.gpu(n)``: n GPUs, default 2)
 are skipped unless that many GPUs and NCCL are here. GPUs are counted through NVML, without
 initialising CUDA, so that forked ranks can still use CUDA afterwards. The tests run on several
 xdist workers (pyproject.toml); the ``gpu`` tests among them take turns, since they share the
 GPUs."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -19,7 +29,46 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(cores or 1, 4))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        default=False,
+        help="also run the soak tier: the repeats and rates (@pytest.mark.soak), docs/testing.md",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--soak"):
+        return "minizero tier: fast + soak (--soak: the repeats and rates run too)"
+    return "minizero tier: fast (the soak tier's repeats are skipped: add --soak to run them)"
+
+
+# The test files in the order the xdist workers get them, heaviest first (their CPU-seconds in the
+# last full run, tools/test_times.py --write), so that no worker is handed a long file at the end
+# while the other idles. A file not listed goes after them, in collection order.
+HEAVY = Path(__file__).with_name("heavy_files.txt")
+
+
+def _weights() -> dict[str, int]:
+    if not HEAVY.exists():
+        return {}
+    names = [ln.split()[-1] for ln in HEAVY.read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    return {name: k for k, name in enumerate(names)}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak = config.getoption("--soak")
+    skip_soak = pytest.mark.skip(reason="soak tier: run with --soak (docs/testing.md)")
+    for item in items:
+        if not soak and item.get_closest_marker("soak") is not None:
+            item.add_marker(skip_soak)
+    order = _weights()
+    if order:  # a stable sort: every worker collects the same order, as xdist requires
+        root = Path(config.rootpath)
+        rank = {item: order.get(Path(item.path).relative_to(root).as_posix(), len(order))
+                for item in items}  # fmt: skip
+        items.sort(key=rank.__getitem__)
     gpus = None
     for item in items:
         mark = item.get_closest_marker("gpu")
@@ -58,3 +107,62 @@ def _margins_per_test(request, monkeypatch):
     if folder:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.nodeid)
         monkeypatch.setenv("MINIZERO_MARGINS", os.path.join(folder, f"{name}.jsonl"))
+
+
+# -- where the time goes: each test's CPU-seconds -------------------------------------------------
+def _cpu_seconds() -> float:
+    """This process's and its waited-for children's user + system time (the ranks, the kernels,
+    the torchrun launches a test starts are children of its xdist worker)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Each test's CPU-seconds (setup, call and teardown, its children included) ride on its
+    report as the user property ``cpu_s``, so that they reach the xdist controller."""
+    start = _cpu_seconds()
+    item.user_properties.append(("cpu_s", 0.0))  # filled in before the teardown report is sent
+    item._minizero_cpu_start = start
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "_minizero_cpu_start"):
+        report = outcome.get_result()
+        cpu = round(_cpu_seconds() - item._minizero_cpu_start, 2)
+        props = report.user_properties
+        report.user_properties = [(k, cpu if k == "cpu_s" else v) for k, v in props]
+
+
+_CPU: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                _CPU[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    """Writes every test's CPU-seconds to ``runs/test-cpu.json`` (``python tools/test_times.py``
+    reads it) and prints the total and the heaviest ten."""
+    if not _CPU or hasattr(config, "workerinput"):
+        return
+    import json
+
+    out = Path(config.rootpath) / "runs" / "test-cpu.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(dict(sorted(_CPU.items(), key=lambda kv: -kv[1])), indent=1))
+    top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:10]
+    tr = terminalreporter
+    tr.section("CPU-seconds per test (its process and children)")
+    tr.write_line(f"{sum(_CPU.values()):.0f} CPU-s in {len(_CPU)} tests; all in {out}")
+    for nodeid, cpu in top:
+        tr.write_line(f"{cpu:8.1f}  {nodeid}")

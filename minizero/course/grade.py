@@ -126,6 +126,7 @@ class Run:
     lesson: str | None  # the kit's lesson it was graded as; None: not one, its cells ran as written
     notes: dict[str, list[str]] = field(default_factory=dict)  # exercise -> what was put back
     fails: dict[str, list[str]] = field(default_factory=dict)  # exercise -> why it fails anyway
+    notebook: object = None  # the cells as they ran, with their outputs (nbformat); never saved
 
 
 def execute(path: Path, timeout: float = 600, root: Path = ROOT) -> list[CellRun]:
@@ -133,11 +134,15 @@ def execute(path: Path, timeout: float = 600, root: Path = ROOT) -> list[CellRun
     return run(path, timeout, root).runs
 
 
-def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
+def run(
+    path: Path, timeout: float = 600, root: Path = ROOT, env: dict[str, str] | None = None
+) -> Run:
     """Run ``path`` in a fresh kernel (cwd: its folder), errors allowed. A notebook of one of the
     kit's lessons runs with the kit's check cells and the given cells they rely on put back
     (:mod:`minizero.course.restore`); its checks' verdicts come from the grader's own file. Any
-    other notebook runs as written. Raises :class:`Unreadable` for a file that is not a notebook."""
+    other notebook runs as written. ``env``: more environment for the kernel (the tests run the
+    solutions under other CPU kernels this way). Raises :class:`Unreadable` for a file that is
+    not a notebook."""
     import nbformat
 
     from minizero.course import kit, restore
@@ -154,7 +159,7 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
         ran = nbformat.v4.new_notebook(cells=[s.cell for s in plan.steps], metadata=nb.metadata)
         crash = None
         try:
-            _execute(ran, path, timeout)
+            _execute(ran, path, timeout, env)
         except Exception as e:  # a cell past --timeout, a kernel that died
             if stem is None:
                 raise
@@ -167,7 +172,7 @@ def run(path: Path, timeout: float = 600, root: Path = ROOT) -> Run:
             verdict[name] = dict(
                 verdict[name], fails=["the notebook wrote to the grader's verdicts"]
             )
-    result = Run([], stem, plan.notes)
+    result = Run([], stem, plan.notes, notebook=ran)
     for step, cell in zip(plan.steps, ran.cells):
         if cell.cell_type != "code":
             continue
@@ -209,7 +214,7 @@ class _Client:
         return Client(*args, **kwargs)
 
 
-def _execute(nb, path: Path, timeout: float) -> None:
+def _execute(nb, path: Path, timeout: float, env: dict[str, str] | None = None) -> None:
     client = _Client(
         nb,
         timeout=int(-(-timeout // 1)),
@@ -220,8 +225,9 @@ def _execute(nb, path: Path, timeout: float) -> None:
     # The kernel's own log goes; cell output is kept. MINIZERO_WIDGETS=0: the lessons' widget
     # cells build no widget (see minizero.course.plots.widgets_available: with one, nbclient can
     # miss a cell's reply and wait out the whole --timeout, jupyter/nbclient#312).
-    env = dict(os.environ, MINIZERO_WIDGETS="0")
-    client.execute(stderr=subprocess.DEVNULL, env=env)
+    client.execute(
+        stderr=subprocess.DEVNULL, env={**os.environ, **(env or {}), "MINIZERO_WIDGETS": "0"}
+    )
 
 
 def _seconds(cell) -> float:

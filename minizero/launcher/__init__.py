@@ -36,6 +36,7 @@ from __future__ import annotations
 import multiprocessing
 import numbers
 import os
+import re
 import sys
 import tempfile
 import time
@@ -270,28 +271,69 @@ def _unjoined(tmp: Path, n: int) -> str:
     return text + (f" (ranks {dead} had not started)" if dead else "")
 
 
+# What a rank raises when a peer failed or left first: its connection to that peer broke. Such an
+# error is a consequence; a rank's own error, when there is one, is the cause to report.
+_BROKEN = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|connectFullMesh failed|Connection refused|"
+    r"remote process exited|NCCL communicator was aborted|Socket Timeout"
+)
+_CAUSE_WAIT = 3.0  # seconds to wait for a rank's own error once only broken connections are seen
+
+
+def broken_connection(traceback_text: str) -> bool:
+    """Whether a rank's traceback ends in a broken connection to a peer (see :data:`_BROKEN`)."""
+    last = traceback_text.strip().splitlines()[-1:] or [""]
+    return bool(_BROKEN.search(last[0]))
+
+
 def _blame(ranks: Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> LaunchError:
     """Stop everything and name the rank that failed first. A rank that died without raising is
-    the cause (its peers then fail with "Connection reset by peer"); else the earliest traceback."""
+    the cause (its peers then fail with "Connection reset by peer"); else the earliest traceback
+    that is a rank's own error, not a broken connection to a peer (waiting a moment for one when
+    only broken connections have come in); the ranks that failed after it are named as its
+    consequences."""
     ranks.settle()
     errs = [r for r in range(n) if (tmp / f"{r}.err").exists()]
     crashed = ranks.crashed(done=set(results) | set(errs))
+    end = time.monotonic() + _CAUSE_WAIT
+    while not crashed and time.monotonic() < end and all(_broken(tmp, r) for r in errs):
+        if len(errs) + len(results) == n:
+            break  # every rank has answered: no cause is still to come
+        ranks.wait(POLL)
+        errs = [r for r in range(n) if (tmp / f"{r}.err").exists()]
+        crashed = ranks.crashed(done=set(results) | set(errs))
     ranks.stop()
     relay.pump(final=True)
     errs = sorted(
         (r for r in range(n) if (tmp / f"{r}.err").exists()),
-        key=lambda r: ((tmp / f"{r}.err").stat().st_mtime_ns, r),
+        key=lambda r: (_broken(tmp, r), (tmp / f"{r}.err").stat().st_mtime_ns, r),
     )
     crashed = {r: why for r, why in crashed.items() if r not in errs}
     if not crashed and not errs:  # e.g. torchrun itself was stopped from outside
         crashed = {min(set(range(n)) - set(results)): "ended"}
     r = min(crashed) if crashed else errs[0]
     others = [q for q in range(n) if q != r and q not in results]
-    stopped = f"; the other unfinished ranks {others} were stopped" if others else ""
+    after = [q for q in errs if q != r and _broken(tmp, q)]
+    stopped = [q for q in others if q not in after]
+    said = f"; the other unfinished ranks {stopped} were stopped" if stopped else ""
+    if after:
+        lasts = "; ".join(f"rank {q}: {_last_line(tmp, q)[:200]}" for q in after)
+        said += (
+            f"; ranks {after} then failed as a consequence, their connection to a failed rank "
+            f"broken ({lasts})"
+        )
     if r in crashed:
-        return LaunchError(f"rank {r} {crashed[r]} without returning a result{stopped}", r)
+        return LaunchError(f"rank {r} {crashed[r]} without returning a result{said}", r)
     tb = (tmp / f"{r}.err").read_text()
-    return LaunchError(f"rank {r} failed{stopped}. Its traceback:\n{tb}", r, tb)
+    return LaunchError(f"rank {r} failed{said}. Its traceback:\n{tb}", r, tb)
+
+
+def _broken(tmp: Path, rank: int) -> bool:
+    return broken_connection((tmp / f"{rank}.err").read_text(errors="replace"))
+
+
+def _last_line(tmp: Path, rank: int) -> str:
+    return ((tmp / f"{rank}.err").read_text(errors="replace").strip().splitlines() or [""])[-1]
 
 
 class _Relay:

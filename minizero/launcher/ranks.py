@@ -303,6 +303,7 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
                 "return plain data (numbers, tensors, lists, dicts) from fn"
             ) from e
         _put(tmp / f"{rank}.ok", data)
+        _wait_for_peers(tmp, world)
         return True
     except BaseException as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
@@ -312,6 +313,15 @@ def _rank_main(tmp: Path, init: tuple, job: tuple | Path) -> bool:
         sys.stdout.flush(), sys.stderr.flush()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wait_for_peers(tmp: Path, world: int) -> None:
+    """Keep this rank's connections up until every rank has returned or raised. A rank that left
+    early would break a peer still in a collective with it (a subgroup being connected, say):
+    the peer's "Connection closed by peer" would then hide what really went wrong. A peer that
+    never finishes is the parent's to stop (its timeout)."""
+    while not all((tmp / f"{r}.ok").exists() or (tmp / f"{r}.err").exists() for r in range(world)):
+        time.sleep(POLL)
 
 
 def _put(path: Path, data: bytes) -> None:

@@ -126,7 +126,8 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     check.metadata = {"minizero": {"check": "collective"}}
     cells = [nbformat.v4.new_code_cell(HANG), check]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
-    spin = [nbformat.v4.new_code_cell("while True:\n    pass")]
+    # a cell that never returns; asleep, so that the 20 s it waits costs no core
+    spin = [nbformat.v4.new_code_cell("import time\n\ntime.sleep(10**6)")]
     nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
     lesson = cut(LESSON, "solutions")  # a lesson of the kit: every exercise still gets its row
     lesson.cells.insert(0, spin[0])

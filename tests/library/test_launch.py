@@ -196,6 +196,42 @@ def test_rank_failure_names_rank_carries_traceback_and_stops_the_others(tmp_path
     assert len(pids(tmp_path)) == 2 and all(gone(p) for p in pids(tmp_path))
 
 
+def leaves_then_fails_on_0(tmp: Path) -> None:
+    """Rank 0 closes its connections and raises its own error a second later; rank 1's all-reduce
+    meanwhile fails on the broken connection, so the consequence's traceback comes in first."""
+    if dist.get_rank() == 0:
+        dist.destroy_process_group()
+        (tmp / "left").touch()
+        time.sleep(1.0)
+        raise ValueError("rank 0's own mistake")
+    while not (tmp / "left").exists():
+        time.sleep(0.01)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_peers_broken_connection_never_hides_the_rank_that_failed(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(leaves_then_fails_on_0, 2, tmp_path, verbose=False, timeout=60)
+    e, said = info.value, str(info.value)
+    assert e.rank == 0 and "ValueError: rank 0's own mistake" in e.traceback, said
+    assert said.startswith("rank 0 failed; ranks [1] then failed as a consequence, their "
+                           "connection to a failed rank broken (rank 1: "), said  # fmt: skip
+    assert "Connection closed by peer" not in e.traceback
+
+
+def test_broken_connections_are_told_from_a_ranks_own_error():
+    from minizero.launcher import broken_connection
+
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:538] Connection closed by peer [::1]:5"
+    mesh = "RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:144]"
+    assert broken_connection(gloo) and broken_connection(mesh)
+    own = (
+        'Traceback ...\n  File "x.py", line 3\nValueError: Connection closed by peer is in the text'
+    )
+    assert not broken_connection(own.replace("Connection closed by peer", "bad shape"))
+    assert not broken_connection("RuntimeError: size mismatch\n")
+
+
 def test_setup_failure_is_retried_once(tmp_path, monkeypatch, capsys):
     real = dist.init_process_group
 

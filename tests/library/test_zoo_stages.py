@@ -1,8 +1,11 @@
 """Every stage on models no one here wrote (tests/zoo.py): torch's nn.TransformerEncoderLayer LM
 with a tied head, torchvision's resnet18 (BatchNorm) and Hugging Face's GPT2LMHeadModel, trained
 with nanoGPT's param groups and torch.nn.utils.clip_grad_norm_ in the user's own loop. Each stage
-is compared, in the same launch, with torch DDP (same optimizer, same groups) and with one
-process; bf16 with FSDP2 under the same mixed-precision policy."""
+is compared, in the same launch (one per model and world, for the four stages), with torch DDP
+(same optimizer, same groups) and with one process; bf16 with FSDP2 under the same
+mixed-precision policy."""
+
+import functools
 
 import pytest
 import torch
@@ -23,27 +26,37 @@ def minizero_wrapper(stage, precision="fp32"):
     return wrap
 
 
-def zoo_rank(model, stage, opt, clip):
-    return {
-        "minizero": train_rank(model, minizero_wrapper(stage), opt, clip=clip),
-        "torch_ddp": train_rank(model, "torch_ddp", opt, clip=clip),
-    }
+def zoo_rank(model, opt, clip):
+    """Torch DDP once, then minizero at every stage, in one launch: the same batches for all."""
+    got = {"torch_ddp": train_rank(model, "torch_ddp", opt, clip=clip)}
+    for stage in STAGES:
+        got[stage] = train_rank(model, minizero_wrapper(stage), opt, clip=clip)
+    return got
 
 
 CASES = [  # (model, world): every model at 2 ranks, the transformer at 3 too
     ("encoder_lm", 2), ("encoder_lm", 3), ("encoder_lm_prenorm", 2), ("resnet18", 2), ("gpt2", 2),
 ]  # fmt: skip
+STAGES = (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("model,world", CASES)
-def test_zoo_stage_matches_torch_ddp_and_one_process(model, world, stage):
+@functools.cache
+def trained(model: str, world: int) -> tuple[list, list]:
+    """The one-process reference and one launch of :func:`zoo_rank` per (model, world), for the
+    four stages' tests of this module (a file's tests share a worker: ``--dist loadscope``)."""
     opt = "adamw_groups_lr" if model != "resnet18" else "sgd"
     want = train_reference(model, opt, clip=CLIP, world=world)
-    for r, got in enumerate(run(zoo_rank, world, model, stage, opt, CLIP, timeout=300)):
-        d, where = difference(got["minizero"], got["torch_ddp"])
+    return want, run(zoo_rank, world, model, opt, CLIP, timeout=500)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model,world", CASES)
+def test_zoo_stage_matches_torch_ddp_and_one_process(model, world, stage):
+    want, ranks = trained(model, world)
+    for r, got in enumerate(ranks):
+        d, where = difference(got[stage], got["torch_ddp"])
         assert d <= 1e-5, f"stage {stage} rank {r} vs torch DDP: {d:.2e} at {where}"
-        d, where = difference(got["minizero"], want[r])
+        d, where = difference(got[stage], want[r])
         assert d <= 1e-5, f"stage {stage} rank {r} vs one process: {d:.2e} at {where}"
 
 

@@ -16,19 +16,19 @@ from harness import ATOL, assert_same_run, reference
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "library" / "multinode_script.py"
-RUNS = 5
+RUNS = 5  # the soak tier's; the fast tier runs it once
 
 
-def test_stage_1_and_2_scripts_exit_0_every_time_under_minizero_run(tmp_path):
+def exits_0_and_trains(tmp_path: Path, runs: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     want = reference("mlp", "adam")
-    for i in range(RUNS):
+    for i in range(runs):
         out = tmp_path / str(i)
         out.mkdir()
         cmd = [sys.executable, "-m", "minizero", "run", "--nproc-per-node", "2", str(SCRIPT),
                str(out), "train", "12", "exit"]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"run {i} of {RUNS}: exit {done.returncode}\n{done.stderr}"
+        assert done.returncode == 0, f"run {i} of {runs}: exit {done.returncode}\n{done.stderr}"
         assert "terminate called" not in done.stderr, done.stderr
         for rank in range(2):
             # parallelize's atexit handler destroyed the group the script left to the exit
@@ -36,3 +36,12 @@ def test_stage_1_and_2_scripts_exit_0_every_time_under_minizero_run(tmp_path):
             got = torch.load(out / f"{rank}.pt", weights_only=False)
             for spec in ("stage1", "stage2"):
                 assert_same_run(got[spec], want, ATOL["mlp", "adam"], f"run {i} {spec} {rank}")
+
+
+def test_stage_1_and_2_scripts_exit_0_under_minizero_run(tmp_path):
+    exits_0_and_trains(tmp_path, 1)
+
+
+@pytest.mark.soak
+def test_stage_1_and_2_scripts_exit_0_every_time_under_minizero_run(tmp_path):
+    exits_0_and_trains(tmp_path, RUNS)

@@ -1,0 +1,107 @@
+"""Every lesson executed: each solution once per pytest run (tests/lessons.py), shared by the three
+tests of it, which assert what nbval asserted (no cell raises), what grading says (every exercise
+PASS) and what a student sees (every figure cell shows an image); each unsolved lesson fails
+exactly at its check cells.
+
+A class per lesson: xdist (``--dist loadscope``) hands a lesson's tests to one worker, and
+different lessons to different workers. The unsolved run of a lesson whose given cells use no
+exercise name is in the soak tier: those cells are the solution's own (test_notebooks.py) and
+never meet an exercise's stub, so they run as the solution's run did; the check cells' failure
+on a stub is asserted by the lessons whose given cells do meet one (``UNSOLVED_FAST``), by the
+browser test on lesson 00, and by test_checks_reject.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lessons import STEMS, UNSOLVED_FAST, executed, lesson_cells, needs_exercises
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+# A cell that draws: a lab plot_ call, a figure a show_ call draws ("# and its figure"), plt.show()
+FIGURE = re.compile(r"^(\w+\.)?plot_\w+\(|# and its figure|^plt\.show\(\)", re.M)
+
+
+class LessonRuns:
+    """The tests of one lesson; a subclass per lesson names it (``stem``)."""
+
+    stem: str
+
+    def test_solution_runs_without_an_error(self, tmp_path_factory):
+        run = executed(tmp_path_factory, "solutions", self.stem)
+        errors = {r.index: r.error for r in run.runs if r.error and not r.check}
+        assert errors == {}, f"{self.stem}: cells that raised: {errors}"
+        assert any(r.check for r in run.runs), f"{self.stem}: no check cell ran"
+
+    def test_solution_passes_every_exercise(self, tmp_path_factory):
+        run = executed(tmp_path_factory, "solutions", self.stem)
+        checks = {r.check: r.error for r in run.runs if r.check}
+        want = {c["metadata"]["minizero"]["check"] for c in lesson_cells(self.stem, "solutions")
+                if c["metadata"].get("minizero", {}).get("check")}  # fmt: skip
+        assert set(checks) == want, f"{self.stem}: checks graded {sorted(checks)}, not {want}"
+        assert {k: v for k, v in checks.items() if v} == {}, f"{self.stem}: FAIL"
+        assert all(not v for v in run.fails.values()) and not any(run.notes.values()), run
+
+    def test_solution_shows_every_figure_as_an_image(self, tmp_path_factory):
+        run = executed(tmp_path_factory, "solutions", self.stem)
+        cells = [c for c in run.notebook.cells if c.cell_type == "code"]
+        drawn = 0
+        for i, cell in enumerate(cells):
+            text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                           for o in cell.outputs)  # fmt: skip
+            where = f"{self.stem}, code cell {i}:\n{cell.source[:300]}"
+            assert not re.search(r"<Figure size \d+x\d+", text), f"{where}\na figure as text"
+            pngs = sum("image/png" in o.get("data", {}) for o in cell.outputs)
+            if FIGURE.search(cell.source):
+                assert pngs, f"{where}\ndrew no image: {text[:300]!r}"
+            drawn += pngs
+        assert drawn, f"{self.stem}: no figure at all"
+
+    def test_unsolved_fails_exactly_at_the_check_cells(self, tmp_path_factory):
+        runs = executed(tmp_path_factory, "lessons", self.stem).runs
+        failed = {r.index: r.error for r in runs if r.error}
+        check_cells = {r.index for r in runs if r.check}
+        assert set(failed) == check_cells, failed
+        for i in check_cells:  # the TODO named, and nothing else (no guess at what went wrong)
+            assert "CheckFailed" in failed[i] and "NotImplementedError: TODO: write" in failed[i]
+            said = failed[i].split("NotImplementedError: TODO: write", 1)[1].splitlines()[0]
+            assert re.fullmatch(r" [\w.]+(\(\))?( \(at line \d+: .*\))?\.?", said), failed[i]
+            assert "ranks" not in said and "assumed 2" not in failed[i], failed[i]
+
+
+def _in_soak(test):
+    """``test`` in the soak tier for one lesson's class (a function of its own: marks are per
+    function, and the other lessons keep theirs)."""
+
+    def soaked(self, tmp_path_factory):
+        return test(self, tmp_path_factory)
+
+    soaked.__name__ = soaked.__qualname__ = test.__name__
+    return pytest.mark.soak(soaked)
+
+
+for _stem in STEMS:
+    _attrs = {"stem": _stem, "__module__": __name__}
+    if _stem not in UNSOLVED_FAST:  # its unsolved run is in the soak tier (the docstring says why)
+        _attrs["test_unsolved_fails_exactly_at_the_check_cells"] = _in_soak(
+            LessonRuns.test_unsolved_fails_exactly_at_the_check_cells
+        )
+    globals()[f"TestLesson{_stem[:2]}"] = type(f"TestLesson{_stem[:2]}", (LessonRuns,), _attrs)
+
+
+def test_the_fast_tier_runs_every_unsolved_lesson_that_meets_a_stub():
+    """The condition that puts the other unsolved runs in the soak tier, checked on every run:
+    the fast set is exactly the lessons with a given cell that uses an exercise's name, and the
+    analysis finds such a use (lesson 05's budget calls predict_peak)."""
+    uses = {stem: needs_exercises(lesson_cells(stem)) for stem in STEMS}
+    assert UNSOLVED_FAST == [s for s in STEMS if uses[s]]
+    assert any("predict_peak" in names for names in uses["05_all_stages"].values()), uses
+    probe = [
+        {"cell_type": "code", "metadata": {"tags": ["exercise"]}, "source": "def f():\n    pass"},
+        {"cell_type": "code", "metadata": {}, "source": "x = [f() for _ in range(2)]"},
+        {"cell_type": "code", "metadata": {"tags": ["check"]}, "source": "check(f)"},
+        {"cell_type": "code", "metadata": {}, "source": "g = 1"},
+    ]
+    assert needs_exercises(probe) == {1: ["f"]}
