@@ -1,12 +1,17 @@
-"""Every lesson in JupyterLab, in a real browser, as a student meets it.
+"""The lessons in JupyterLab, in a real browser, as a student meets them.
 
 A real JupyterLab server (free loopback port, token) serves copies of the notebooks; Playwright
-drives the system's chromium. For each solution notebook: Run All through the Run menu, then every
-code cell has run, no cell has an error output, every figure is an image in the page, every
-progress bar is drawn and full, and every widget that holds a slider or a dropdown and a figure
-redraws the figure when the control moves (lesson 05's calculator: one is required there). For the
-first unsolved lesson: its first check cell shows the exercise's failure message. A screenshot of
-each whole notebook is saved to ``runs/browser/``.
+drives the system's chromium, one page for the module: each notebook is opened in that page and
+closed after. For a solution notebook: Run All through the Run menu, then every code cell has run,
+no cell has an error output, every figure is an image in the page, every progress bar is drawn and
+full, and every widget that holds a slider or a dropdown and a figure redraws the figure when the
+control moves. For the first unsolved lesson: its first check cell shows the exercise's failure
+message.
+
+The fast tier runs the lessons that draw widgets (``WIDGETS``: what only a browser can show) and
+the unsolved lesson; the soak tier the other solutions, each asserted to draw no widget (so that
+``WIDGETS``, read from the sources, misses none). A screenshot of the whole notebook goes to
+``runs/browser/`` when a test fails, and for every notebook under ``--soak``.
 
 Needs chromium (``apt-get install chromium``; another binary: ``MINIZERO_CHROMIUM=/path``) and
 ``pip install playwright`` (its own browser download is not used); skipped without them.
@@ -50,6 +55,12 @@ if not CHROMIUM:
     pytest.skip(f"no chromium found; {HOW}", allow_module_level=True)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# The lessons whose solutions draw widgets: a lab widget call in the source (calculator(),
+# timeline_widget()); the soak tier checks that the others draw none.
+WIDGETS = [
+    s for s in STEMS
+    if re.search(r"\blab\.(calculator|\w*widget)\(", (ROOT / "course" / f"{s}.py").read_text())
+]  # fmt: skip
 RUN_TIMEOUT = 540  # seconds for one notebook's Run All (about 70 s each on 2 busy cores)
 WAIT = 180  # seconds for a step of the UI (a menu enabled, a first cell started, a save): the
 # other xdist worker may be running a dozen ranks on the same cores
@@ -90,7 +101,8 @@ class Lab:
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-             "--ServerApp.allow_root=True", "--LabApp.news_url=None"],
+             "--ServerApp.allow_root=True", "--LabApp.news_url=None",
+             "--LabApp.expose_app_in_browser=True"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.logpath = tmp / "server.log"
@@ -151,6 +163,21 @@ def browser():
         b.close()
 
 
+@pytest.fixture(scope="module")
+def page(browser: Browser, lab: Lab):
+    """One JupyterLab page for the module (the app loads once), the file browser closed, as a
+    student reading a lesson would have it; each test opens its notebook in it."""
+    page = browser.new_page(viewport=VIEW)
+    page.goto(lab.url(f"lab?token={lab.token}&reset"))
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.started", timeout=WAIT * 1000
+    )
+    page.evaluate("() => window.jupyterapp.restored")
+    page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
+    yield page
+    page.close()
+
+
 # -- driving JupyterLab -----------------------------------------------------------------------
 _CELLS = """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')]
 .map(c => {
@@ -173,16 +200,34 @@ _DONE = f"""() => {{ const p = {_PROMPTS};
   return p.length > 0 && !p.includes('[*]:') && p.some(t => /^\\[\\d+\\]:$/.test(t)); }}"""
 
 
-def open_notebook(browser: Browser, lab: Lab, rel: str) -> Page:
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(lab.url(f"lab/tree/{rel}?token={lab.token}&reset"))
-    page.wait_for_selector(
-        ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=WAIT * 1000
-    )
-    # the file browser closed, as a student reading a lesson would have it
-    page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
-    page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # the notebook is the active widget
-    return page
+VIEW = {"width": 1400, "height": 1000}
+
+
+@contextlib.contextmanager
+def opened(page: Page, lab: Lab, rel: str, shot: str):
+    """``rel`` open in ``page`` for the ``with`` block, its kernel idle; then closed unsaved and
+    its kernel shut down. A screenshot named ``shot`` when the block fails (and under --soak,
+    which the block takes itself)."""
+    page.evaluate("p => window.jupyterapp.commands.execute('docmanager:open', {path: p})", rel)
+    try:
+        page.wait_for_selector(
+            ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+            timeout=WAIT * 1000,
+        )
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # the notebook is active
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # what the page showed, for the report
+            screenshot(page, f"{shot}-FAILED")
+        raise
+    finally:
+        page.evaluate(_CLOSE)  # no "save changes?" dialog: the copy's edits are thrown away
+        page.set_viewport_size(VIEW)
+        lab.shutdown_kernels()
+
+
+_CLOSE = """() => { for (const w of [...window.jupyterapp.shell.widgets('main')]) {
+  if (w.context) { w.context.model.dirty = false; } w.dispose(); } }"""
 
 
 def menu(page: Page, title: str, command: str) -> None:
@@ -314,11 +359,14 @@ def interact(page: Page) -> tuple[int, list[str]]:
 
 
 # -- the tests ----------------------------------------------------------------------------------
+def soak_unless_widgets(stem: str):
+    return pytest.param(stem, marks=[] if stem in WIDGETS else [pytest.mark.soak])
+
+
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
-@pytest.mark.parametrize("stem", STEMS)
-def test_solution_runs_in_jupyterlab(lab: Lab, browser: Browser, stem: str):
-    page = open_notebook(browser, lab, f"solutions/{stem}.ipynb")
-    try:
+@pytest.mark.parametrize("stem", [soak_unless_widgets(s) for s in STEMS])
+def test_solution_runs_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
+    with opened(page, lab, f"solutions/{stem}.ipynb", stem):
         cells = run_all(page)
         code = [c for c in cells if c["code"]]
         unfinished = unrun(cells)
@@ -326,6 +374,7 @@ def test_solution_runs_in_jupyterlab(lab: Lab, browser: Browser, stem: str):
         nb = save(page, lab.root / "solutions" / f"{stem}.ipynb", len(code))
         saved = [c for c in nb["cells"] if c["cell_type"] == "code"]
         assert len(saved) == len(code)
+        widgets = 0
         for i, (shown, cell) in enumerate(zip(code, saved)):
             where = f"{stem}, code cell {i}:\n{''.join(cell['source'])[:300]}"
             errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
@@ -345,24 +394,21 @@ def test_solution_runs_in_jupyterlab(lab: Lab, browser: Browser, stem: str):
             assert "Error displaying widget" not in shown["text"], where
             for bar in shown["bars"]:
                 assert "progress-bar-success" in bar, f"{where}\nprogress bar not full: {bar}"
+            widgets += views
         if "launch_with_progress(" in "".join("".join(c["source"]) for c in saved):
             assert any(c["bars"] for c in code), f"{stem}: no progress bar drawn"
         boxes, stuck = interact(page)
         assert not stuck, f"{stem}: these widgets did not redraw their figure: {stuck}"
-        if stem.startswith("05_"):
-            assert boxes >= 1, f"{stem}: the calculator (sliders and a figure) is not drawn"
-        screenshot(page, stem)
-    except BaseException:
-        with contextlib.suppress(Exception):  # what the page showed, for the report
-            screenshot(page, f"{stem}-FAILED")
-        raise
-    finally:
-        page.close()
-        lab.shutdown_kernels()
+        if stem in WIDGETS:  # a lab widget call in its source: it draws one, with a figure
+            assert widgets and boxes >= 1, f"{stem}: no widget with a figure drawn ({widgets})"
+        else:  # WIDGETS (read from the sources) misses no lesson that draws one
+            assert widgets == 0, f"{stem} drew {widgets} widgets: add its call to WIDGETS' pattern"
+        if request.config.getoption("--soak"):
+            screenshot(page, stem)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
-def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, browser):
+def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, page, request):
     stem = STEMS[0]
     nb = json.loads((ROOT / "lessons" / f"{stem}.ipynb").read_text())
     k = next(i for i, c in enumerate(nb["cells"]) if c["metadata"].get("minizero", {}).get("check"))
@@ -371,8 +417,7 @@ def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, br
         r'raise NotImplementedError\("(TODO: write [^"]+)"\)',
         "".join("".join(c["source"]) for c in nb["cells"][:k]),
     )[1]
-    page = open_notebook(browser, lab, f"lessons/{stem}.ipynb")
-    try:
+    with opened(page, lab, f"lessons/{stem}.ipynb", f"{stem}-unsolved"):
         cells = run_all(page)
         check = cells[k]["text"]
         assert f"CheckFailed: {name} raised" in check and f"NotImplementedError: {stub}" in check, (
@@ -381,12 +426,11 @@ def test_an_unsolved_lesson_shows_the_exercise_failure_at_its_check_cell(lab, br
         before = [c for c in cells[:k] if c["code"]]
         assert not unrun(cells[:k]), "cells before it ran"
         assert all("Traceback" not in c["text"] for c in before), "an error before the check cell"
-        page.locator(".jp-NotebookPanel .jp-Cell").nth(k).scroll_into_view_if_needed()
-        screenshot(page, f"{stem}-unsolved")
-    except BaseException:
-        with contextlib.suppress(Exception):
-            screenshot(page, f"{stem}-unsolved-FAILED")
-        raise
-    finally:
-        page.close()
-        lab.shutdown_kernels()
+        if request.config.getoption("--soak"):
+            page.locator(".jp-NotebookPanel .jp-Cell").nth(k).scroll_into_view_if_needed()
+            screenshot(page, f"{stem}-unsolved")
+
+
+def test_the_widget_lessons_are_read_from_the_sources():
+    """The fast tier's set: lessons 01 (the bucket timeline's dropdown), 05 and 08 (calculators)."""
+    assert WIDGETS == ["01_ddp", "05_all_stages", "08_beyond_one_node"]

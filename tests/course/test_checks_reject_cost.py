@@ -30,6 +30,7 @@ def _step(cfg, links, compute_s, psi, *, times=True, per_micro=True, nics=None, 
     return total
 
 
+@pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
 def test_the_right_prediction_passes(capsys):
     lesson08.check_predict_step_time(lambda *a: _step(*a))
     assert "PASS" in capsys.readouterr().out
@@ -73,6 +74,7 @@ def _strictly_less(rows, memory):  # an exact fit refused
     return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"] if fits else None
 
 
+@pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
 def test_the_right_choice_passes(capsys):
     def choose(rows, memory):
         fits = [r for r in rows if r["memory"] <= memory]

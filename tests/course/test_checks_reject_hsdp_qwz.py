@@ -54,6 +54,7 @@ def hsdp_world_reduce_scatter(grad, shard_group, replicate_group):  # shard over
     return out / dist.get_world_size()
 
 
+@pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
 def test_hsdp_reduce_passes_the_solution(capsys):
     lesson08.check_hsdp_reduce(hsdp_right)
     assert "PASS" in capsys.readouterr().out
@@ -116,6 +117,7 @@ def quant_float(x, block):  # rounded, but kept as float: no bytes saved
     return q.float(), s
 
 
+@pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
 def test_quantize_passes_the_solution(capsys):
     lesson08.check_quantize(quant_right)
     assert "PASS" in capsys.readouterr().out
