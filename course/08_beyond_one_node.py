@@ -554,8 +554,8 @@ lab.plot_scale(SCALE, SCENARIO)
 # once, each with one NIC) and adds the node's two collectives, but its rings are short: 7 rounds
 # in the node twice and 2 × 63 across, 140 a bucket, 0.18 s. That latency is the term HSDP
 # removes, and it wins by about 1.1 s a step. ZeRO-2 reduce-scatters every micro-batch (3.3 s of
-# α), ZeRO-3 issues 3 collectives per unit and micro-batch (2.0 s); HSDP cuts each to about 0.2
-# s. hpZ moves backward's gather inside the node; qwZ halves the forward's bytes (int8 plus a
+# α), ZeRO-3 issues 3 collectives per unit and micro-batch (2.0 s); HSDP cuts them to 0.70 s and
+# 0.19 s. hpZ moves backward's gather inside the node; qwZ halves the forward's bytes (int8 plus a
 # scale per 256 elements) but sends the scales as collectives of their own, which doubles the
 # forward's α; in minizero backward's hpZ gather stays in bf16. The old model (the last line), a
 # flat ring crossing at one NIC's speed, favoured HSDP too (1.9 s against 0.31), for the wrong
