@@ -200,8 +200,9 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 # The cell below runs each collective at sizes from 4 KiB up, a few times each, on every rank,
 # and keeps rank 0's median time. It shows a progress bar while it runs.
 #
-# **gloo emulates reduce-scatter.** gloo (the CPU backend) has no reduce-scatter of its own:
-# PyTorch's `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of the whole
+# **PyTorch's gloo emulates reduce-scatter.** The gloo library (the CPU backend) has a
+# reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch does not call it:
+# `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of a clone of the whole
 # input** and copies out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce
 # costs, and its busbw (computed with the smaller factor (N−1)/N) comes out at about half of the
 # all-reduce's. It costs memory too: the all-reduce runs on a copy of the input, which lives
@@ -237,10 +238,12 @@ lab.show_ratios(rows)
 # %% [markdown]
 # ## 5. A cost model: latency + bytes / bandwidth
 #
-# The two regimes of the curves above fit one formula, the **α-β model** (Hockney's; the one
-# nccl-tests' busbw is built on). A ring collective on N ranks is a number of *rounds*; in each
-# round every rank sends one chunk to its neighbour. A round costs a fixed latency **α** (seconds),
-# and the bytes cost 1/**β** each (β: bytes per second of one link):
+# The two regimes of the curves above fit one formula, the **α-β model** (Hockney's). nccl-tests'
+# busbw has no α in it: it is algbw (S / t) times the ring's correction, 2(N−1)/N for an
+# all-reduce and (N−1)/N for a reduce-scatter or an all-gather, the wire term below. A ring
+# collective on N ranks is a number of *rounds*; in each round every rank sends one chunk to its
+# neighbour. A round costs a fixed latency **α** (seconds), and the bytes cost 1/**β** each (β:
+# bytes per second of one link):
 #
 # $$t = \alpha \cdot \text{rounds}(\text{op}, N) + \text{wire}(\text{op}, S, N)\,/\,\beta$$
 #

@@ -211,8 +211,8 @@ lab.plot_bucket_peaks(PEAKS, kept=2 / NPROCS, stage1=2)  # the formula: 2Ψ/N ke
 lab.show_reduce_scatter_memory(lab.reduce_scatter_memory(NPROCS, mib=4))  # fp32, rank 0
 
 # %% [markdown]
-# On **gloo** the extra is a whole copy of the input: gloo has no reduce-scatter of its own, and
-# PyTorch's emulation all-reduces a copy of the input (lesson 00) and keeps it until the
+# On **gloo** the extra is a whole copy of the input: PyTorch's gloo backend does not call gloo's
+# own reduce-scatter but all-reduces a clone of the input (lesson 00) and keeps it until the
 # collective completes. So on gloo stage 2 holds **three** full bucket buffers at its worst: the
 # one filling, the one in flight, and the backend's copy of it. **NCCL** reduce-scatters in place
 # in its own kernels; run this notebook on GPUs and the same cell measures the caching
@@ -236,8 +236,8 @@ lab.show_grads_after_backward(STEPS, formula={1: 2, 2: 2 / NPROCS})  # bf16 grad
 # ## 5. Communication: the same 2Ψ, started earlier
 #
 # A `CommLedger` over one step of each stage: the volume per op, and how many reduce-scatters
-# were issued before `optimizer.step()` was called, i.e. during backward (a `mark("step")` on
-# the ledger's timeline separates the two).
+# were issued before `optimizer.step()` was called, i.e. during backward (a mark on the ledger's
+# timeline, `minizero.collectives.mark("step")`, separates the two).
 
 
 # %%

@@ -408,9 +408,9 @@ lab.show_volumes(PROFILES)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 # median bus bandwidth of each kind of collective, and the step time. Read the bandwidth with
 # care:
 #
-# * **gloo has no reduce-scatter**: PyTorch's gloo backend runs an all-reduce of the whole input
-#   and keeps this rank's chunk, so on gloo a reduce-scatter costs what an all-reduce costs. NCCL
-#   has a native one (lesson 00 measured both).
+# * **PyTorch's gloo emulates reduce-scatter**: its gloo backend runs an all-reduce of a clone of
+#   the whole input and keeps this rank's chunk, so on gloo a reduce-scatter costs what an
+#   all-reduce costs. NCCL has a native one (lesson 00 measured both).
 # * The messages here are KiBs: latency-bound, far below what the link can carry (lesson 00).
 # * A collective's time starts when *this* rank calls it, so it includes waiting for the others.
 # * Asynchronous collectives (DDP's and stage 2's buckets, stage 3's gathers) are timed from issue

@@ -121,7 +121,7 @@ lesson07.check_owned_ranges(owned_ranges, NPROCS)
 # `torch.distributed.checkpoint` (DCP), whose metadata describes every saved piece as a *chunk*
 # (offsets, sizes) of a named tensor, the same description it uses for FSDP2's shards. A range of
 # a flattened parameter is a chunk of a 1-D tensor; two small DCP planners in
-# `minizero/checkpoint_layout.py` say so. Rank 0 adds what every rank has (frozen parameters,
+# `minizero/checkpoint/layout.py` say so. Rank 0 adds what every rank has (frozen parameters,
 # buffers, the param groups' settings, `extra`); every rank adds its RNG states.
 #
 # The save goes into `path.incomplete/`; each rank leaves a marker when its file is on disk;
@@ -287,7 +287,7 @@ print(f"(2 + 12)Ψ/N = {(2 + 12) * PSI / NPROCS:,.0f} B; the full working copy 2
 
 # %% [markdown]
 # Save and load times depend on the file system more than on anything else here, so the lesson
-# does not show them; `python -m minizero.tools.bench_ckpt` measures them for the benchmark model,
+# does not show them; `python -m minizero bench checkpoints` measures them for the benchmark model,
 # stage by stage, and prints the file system it wrote to. Under NCCL each rank first copies its
 # shards from its GPU; the collectives of a save (DCP's plan, the commit) carry a few kilobytes
 # under either backend.

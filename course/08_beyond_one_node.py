@@ -28,8 +28,8 @@
 # %%
 from minizero.course.labs.lesson08 import *  # torch, dist, C, cost, scenario, hint, lab, lesson08
 
-WORLD, NODE, MICRO = 4, 2, 2  # 2 "nodes" of 2 ranks (0, 1 | 2, 3); micro-batches per step
-INFO = setup(WORLD, NODE)
+NODE, MICRO = 2, 2  # ranks per "node"; micro-batches per step
+NPROCS, INFO = setup(4, node=NODE)  # 4 gloo ranks as 2 "nodes" of 2 (0, 1 | 2, 3)
 
 # %% [markdown]
 # ## 1. What crosses a node boundary
@@ -56,7 +56,7 @@ MORE = {  # untimed; cost.Config's options
     "ZeRO-3 hpZ": dict(stage=3, hpz=True),
     "ZeRO-3 hpZ+qwZ": dict(stage=3, hpz=True, qwz=True),
 }
-RUN = lab.on_nodes(WORLD, NODE, MICRO, MORE)  # sections 1, 4 and 5's measurements
+RUN = lab.on_nodes(NPROCS, NODE, MICRO, MORE)  # sections 1, 4 and 5's measurements
 lab.show_node_bytes(RUN)
 
 # %% [markdown]
@@ -77,7 +77,7 @@ lab.plot_node_bytes(RUN)
 # micro-batches).
 
 # %%
-RING = (WORLD - 1) / WORLD  # what each rank of a ring sends, per pass over a payload
+RING = (NPROCS - 1) / NPROCS  # what each rank of a ring sends, per pass over a payload
 SENT = {0: 2 * RING, 1: 2 * RING, 2: (MICRO + 1) * RING, 3: 3 * MICRO * RING}  # × Ψ elements
 lab.show_against_model(RUN, SENT)
 
@@ -112,7 +112,11 @@ lab.show_against_model(RUN, SENT)
 # the accumulation boundary (minizero too, if the switch stays False: the step averages what is
 # held). The cost model prices either (`cost.Config(..., replicate_every_microbatch=False)`), and
 # tests/library/test_cost_ledger.py measures both against the ledger. HSDP at stages 1 and 2 is
-# minizero's extension: FSDP2 and MiCS always shard the parameters too (stage 3).
+# not new: Megatron-LM's distributed optimizer with `--num-distributed-optimizer-instances`
+# shards the optimizer states within a group and replicates them across groups (stage 1;
+# NVIDIA/Megatron-LM, `megatron/training/arguments.py`), and FSDP1 had
+# `ShardingStrategy._HYBRID_SHARD_ZERO2` (stage 2; pytorch/pytorch,
+# `torch/distributed/fsdp/api.py`). FSDP2 and MiCS shard the parameters too.
 #
 # **Exercise 1.** Write that reduction. `grad` is this rank's local gradient, flat, (numel,) with
 # numel divisible by N_s; return this rank's (numel / N_s,) shard of the gradient averaged over
@@ -228,7 +232,7 @@ lesson08.check_quantize(quantize)
 
 # %%
 STEPS = 4
-MESH = (WORLD // NODE, NODE)  # (replicate, shard): a node shards, the nodes replicate
+MESH = (NPROCS // NODE, NODE)  # (replicate, shard): a node shards, the nodes replicate
 LAYOUTS = {  # name: parallelize's options; stage "fully_shard": torch's FSDP2
     "ZeRO-3 flat": dict(stage=3),
     "ZeRO-1 HSDP": dict(stage=1, mesh=MESH),
@@ -240,7 +244,7 @@ LAYOUTS = {  # name: parallelize's options; stage "fully_shard": torch's FSDP2
     "ZeRO-3 qwZ": dict(stage=3, quantize_weights=True),
     "ZeRO-3 hpZ+qwZ": dict(stage=3, reshard_after_forward=NODE, quantize_weights=True),
 }
-LAY = lab.layouts(GPT, LAYOUTS, world=WORLD, node=NODE, steps=STEPS)
+LAY = lab.layouts(GPT, LAYOUTS, world=NPROCS, node=NODE, steps=STEPS)
 
 # %%
 B = 4 * PSI  # Ψ in fp32 bytes
@@ -496,9 +500,13 @@ lab.plot_step_parts(PARTS)
 # section 4's 370 GB/s per GPU, 8 NICs of 47 GB/s, an assumed α of 10 µs per ring round on both
 # links (measure yours with `python -m minizero bench collectives`). Each GPU runs 4 sequences of
 # 4096 tokens per micro-batch, 4 micro-batches per step, bf16 weights and gradients, Adam in
-# mixed precision. α counts once per collective of the whole Ψ (one bucket, one unit): real
-# buckets and units pay it once each, and at 512 ranks NCCL would then run its all-reduces as
-# trees, which this ring model does not price.
+# mixed precision. α is paid on every round of every ring: stages 0-2 reduce in torch DDP's 25
+# MiB buckets (130 here: each of a block's four weight matrices is over 25 MiB and closes a bucket
+# of its own), stage 3 gathers and reduce-scatters per unit (33: a block each and the root's),
+# every micro-batch. A ring of 512 ranks takes 511 rounds for a reduce-scatter or an all-gather and
+# 1,022 for an all-reduce: 5-10 ms of latency per call before its bytes. At this scale NCCL would
+# run its all-reduces as trees, whose rounds grow with log n, which this ring model does not
+# price.
 #
 # Memory per rank is lesson 05's budget: model states (`simulate`: the real stage code on meta
 # tensors, plus hpZ's secondary shard), activations (lesson 05 measured about 17 GB per sequence
@@ -535,19 +543,24 @@ lab.plot_scale(SCALE, SCENARIO)
 
 # %% [markdown]
 # What the table says. Compute is about 10.2 s a step without checkpointing and 13.5 s with it
-# (6Ψ per token alone would give 8.74 s: attention adds 16% at s = h = 4096); the
-# collectives take under 0.7 s in every row, because a ring over 512 GPUs still crosses at 8 × 47
-# GB/s a node. Memory decides first: 4 sequences of activations (about 69 GB) leave room only for
-# ZeRO-3's few GB of model states, and even flat ZeRO-3 needs about 76 GB ("no ckpt"), over the 75
-# GB budget, so every configuration runs with checkpointing and pays its 33% more compute. DDP does
-# not fit even so (107 GB of model states). Among the rest the network decides: ZeRO-1 moves the
-# least (one reduce-scatter and one all-gather per step). HSDP does not help here: its replicate
-# all-reduces send as many bytes across as the flat ring (N_s groups at once, each with one NIC),
-# and it adds the reduce-scatter inside the node. With the old model (the last line), where a flat
-# ring crossed at one NIC's speed, flat ZeRO-1 cost about 0.6 s of network and ZeRO-1 HSDP looked
-# more than 4× cheaper: the choice rested on that error. ZeRO-3 pays 3 collectives per micro-batch;
-# hpZ moves one of them inside the node, qwZ halves the forward's bytes (int8 plus a scale per 256
-# elements), and, in minizero, backward's hpZ gather stays in bf16.
+# (6Ψ per token alone would give 8.74 s: attention adds 16% at s = h = 4096). Memory decides
+# first: 4 sequences of activations (about 69 GB) leave room only for ZeRO-3's few GB of model
+# states, and even flat ZeRO-3 needs about 76 GB ("no ckpt"), over the 75 GB budget, so every
+# configuration runs with checkpointing and pays its 33% more compute. DDP does not fit even so
+# (107 GB of model states). Among the rest the network decides, and at 512 ranks its cost is
+# latency ("of which α"). Flat ZeRO-1 moves the fewest bytes, about 0.07 s through a node's 8
+# NICs, but each of its 130 buckets pays a reduce-scatter and an all-gather of 511 rounds: 130 ×
+# 1,022 × 10 µs = 1.33 s. ZeRO-1 HSDP sends as many bytes across (N_s replicate all-reduces at
+# once, each with one NIC) and adds the node's two collectives, but its rings are short: 7 rounds
+# in the node twice and 2 × 63 across, 140 a bucket, 0.18 s. That latency is the term HSDP
+# removes, and it wins by about 1.1 s a step. ZeRO-2 reduce-scatters every micro-batch (3.3 s of
+# α), ZeRO-3 issues 3 collectives per unit and micro-batch (2.0 s); HSDP cuts them to 0.70 s and
+# 0.19 s. hpZ moves backward's gather inside the node; qwZ halves the forward's bytes (int8 plus a
+# scale per 256 elements) but sends the scales as collectives of their own, which doubles the
+# forward's α; in minizero backward's hpZ gather stays in bf16. The old model (the last line), a
+# flat ring crossing at one NIC's speed, favoured HSDP too (1.9 s against 0.31), for the wrong
+# reason: with all of a node's NICs the bytes favour the flat ring, which wins only below about
+# 0.5 µs a round.
 #
 # ## 7. A calculator
 #
@@ -603,15 +616,16 @@ if PICK is not None:  # each input halved and doubled: which one changes the ans
     lab.show_sensitivity(scenario.sensitivity(BIG, SCENARIO, CANDIDATES, choose))
 
 # %% [markdown]
-# The corrected model's answer is **ZeRO-1, flat, with activation checkpointing**: it fits (about
-# 38 GB per rank), every configuration needs checkpointing anyway, and ZeRO-1 moves the fewest
-# bytes. ("=" in the table: the same answer.) Doubled or halved, the network's figures (NVLink,
-# NIC, NICs, α), the nodes, the compute rate, the micro-batches and the sequences per GPU leave it
-# there. Memory moves it: half the GPU memory and ZeRO-1's 38 GB no longer fits, so ZeRO-2; half
-# the headroom (2.5 GB) and ZeRO-3 with hpZ and qwZ (about 77 GB) fits **without** checkpointing,
-# about 10.6 s a step against ZeRO-1's 13.6 (the calculator shows it). The choice sits on a knife
-# edge of memory, not of network: measure the headroom your runs really need (lesson 05) before
-# you trust a 77 GB plan on an 80 GB GPU, and remember that qwZ changes the weights forward sees.
+# The model's answer is **ZeRO-1 HSDP, with activation checkpointing**: it fits (about 48 GB per
+# rank), every configuration needs checkpointing anyway, and its short rings pay a seventh of flat
+# ZeRO-1's latency. ("=" in the table: the same answer.) Doubled or halved, the network's figures
+# (NVLink, NIC, NICs, α), the nodes, the compute rate, the micro-batches and the sequences per GPU
+# leave it there: at 5 µs a round flat ZeRO-1 still pays 0.66 s of α against HSDP's 0.09. Memory
+# moves it: half the GPU memory and ZeRO-1 HSDP's 48 GB no longer fits, so ZeRO-3 HSDP (26 GB);
+# half the headroom (2.5 GB) and ZeRO-3 with hpZ (about 77 GB) fits **without** checkpointing,
+# about 11.9 s a step against 13.8 (the calculator shows it). Latency picks the sharding, memory
+# the stage, and the stage sits on a knife edge: measure the headroom your runs really need
+# (lesson 05) before you trust a 77 GB plan on an 80 GB GPU.
 #
 # What does not change is the method: measure the links once, count the collectives of each
 # configuration as the library issues them, and let the memory decide what is allowed before the

@@ -54,8 +54,9 @@ def _run(op: str, fn, io: tuple[torch.Tensor, ...], group, async_op: bool, tag: 
     return recorder.issue(op, fn, io[0], io[0].numel(), group, async_op, tag, src)
 
 
-# -- a clean exit (issue 32): gloo runs a collective on a worker thread, which lets go of its work
-# (and so of the work's tensors) a moment after wait() has returned. A tensor the caller dropped by
+# -- a clean exit (a script that trained to the end must exit 0, not abort): gloo runs a
+# collective on a worker thread, which lets go of its work (and so of the work's tensors) a moment
+# after wait() has returned. A tensor the caller dropped by
 # then (a temporary: a chunk view, a shard) is freed on that thread, which takes the GIL; at the
 # end of a script the group outlives destroy_process_group() (torch's own modules hold it), and a
 # free during the interpreter's finalisation aborts the process after training finished

@@ -1,5 +1,6 @@
 """The optimizer's state dict where a rank holds only its shard (stages 1-3): what
-``optimizer.state_dict()`` writes, and the whole one, gathered (issue 32).
+``optimizer.state_dict()`` writes, and the whole one, gathered (so that a training script's own
+save and resume, nanoGPT's among them, work at every stage).
 
 At stages 1-3 (and in mixed precision) the optimizer steps this rank's fragments of the fp32
 masters (data_parallel.py's ``Fragment``), so its own state dict holds only those. Two forms:

@@ -164,8 +164,9 @@ class Accumulators:
             return False
 
 
-# The usual cause (issue 32): nanoGPT's train.py evaluates on rank 0 alone, while the others go
-# on to the next training step. The fix lesson 09 teaches: every rank evaluates, rank 0 prints.
+# The usual cause, as nanoGPT's own train.py meets it at stage 3: it evaluates on rank 0 alone,
+# while the others go on to the next training step. The fix lesson 09 teaches: every rank
+# evaluates, rank 0 prints.
 ONE_RANK_FORWARD = (
     " A forward run on some ranks only is the usual cause, e.g. an evaluation on rank 0 alone: "
     "`if master_process: losses = estimate_loss()` (nanoGPT's train.py). At stage 3 every rank "

@@ -13,9 +13,9 @@ model, and the bytes each rank sends, ``wire``):
 
 with S the full payload in bytes (nccl-tests' size), α the latency of one round (seconds) and β
 the bytes per second one rank sends. ``wire / time`` is nccl-tests' *busbw*, so β is the busbw
-the largest messages approach. gloo has no reduce-scatter of its own: PyTorch runs an all-reduce
-of the whole input (lesson 00 measures it), so ``emulated_rs=True`` costs a reduce-scatter as an
-all-reduce of S.
+the largest messages approach. PyTorch's gloo backend does not call gloo's own reduce-scatter
+(``ReduceScatterHalvingDoubling``): ``ProcessGroupGloo`` all-reduces a clone of the whole input
+(lesson 00 measures it), so ``emulated_rs=True`` costs a reduce-scatter as an all-reduce of S.
 
 :func:`fit` recovers α and β by least squares from (op, S, seconds) rows: the output of
 ``python -m minizero bench collectives`` (its JSON rows) or :func:`sweep` (lesson 00's).

@@ -14,9 +14,11 @@ takes:
   ``gpu_GB - headroom_GB``;
 * compute: PaLM's count of FLOPs per token (arXiv 2204.02311, appendix B), 6Ψ + 12·L·s·h
   (forward and backward; 8Ψ + 16·L·s·h with checkpointing, one more forward), at ``tflops``;
-* communication: ``cost.predict`` on the scenario's links, the whole Ψ as one bucket or unit (α
-  paid once per collective), with no overlap (``step_s``) and with full overlap
-  (``overlapped_s``).
+* communication: ``cost.predict`` on the scenario's links, per bucket at stages 0-2 (torch DDP's
+  25 MiB rule over the model's bf16 gradients, :func:`gpt_buckets`) and per unit at stage 3 (one
+  per block and the root's, ``budget.gpt_units``): every bucket and every unit pays α on each
+  round of its ring (2(n-1) for an all-reduce, n-1 for a reduce-scatter or an all-gather), with
+  no overlap (``step_s``) and with full overlap (``overlapped_s``).
 
 :func:`sensitivity` asks which input, halved or doubled, changes a choice of configuration.
 """
@@ -27,8 +29,11 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import torch
+
+from minizero import bucket
 from minizero.analysis import budget, cost
-from minizero.models import GPTConfig
+from minizero.models import GPTConfig, TinyGPT
 
 GB = 1e9  # lesson 05's GB
 
@@ -94,6 +99,28 @@ def step_compute_s(model: GPTConfig, sc: Scenario, checkpointing: bool) -> float
     return per_token * sc.seqs * model.block_size * sc.micro / (sc.tflops * 1e12)
 
 
+def gpt_buckets(model: GPTConfig, grad_bytes: int = 2) -> tuple[int, ...]:
+    """Elements of each bucket stages 0-2 reduce for ``TinyGPT(model)``: its trainable parameters
+    in reverse registration order (the order backward makes them ready), cut by torch DDP's rule
+    (``bucket.assign_by_size``: 25 MiB, the first 1 MiB) at ``grad_bytes`` per element. Built on
+    the meta device; unpadded (a stage pads each to a multiple of its n ranks: under n more)."""
+    return _buckets(tuple(sorted(dataclasses.asdict(model).items())), grad_bytes)
+
+
+@functools.cache
+def _buckets(model: tuple, grad_bytes: int) -> tuple[int, ...]:
+    with torch.device("meta"):
+        params = bucket.trainable_parameters(TinyGPT(GPTConfig(**dict(model))))
+    numels = [p.numel() for p in reversed(params)]
+    cuts = bucket.assign_by_size([grad_bytes * n for n in numels])
+    return tuple(sum(numels[i] for i in idx) for idx in cuts)
+
+
+def comm_sizes(model: GPTConfig, stage: int) -> list[int]:
+    """What one collective carries, in elements: a unit each at stage 3, a bucket each below."""
+    return budget.gpt_units(model) if stage == 3 else list(gpt_buckets(model))
+
+
 @functools.cache
 def _states(psi: int, stage: int, hsdp: bool, hpz: bool, qwz: bool, world: int, node: int):
     cfg = cost.Config(stage=stage, world=world, node_size=node, hsdp=hsdp, hpz=hpz, qwz=qwz)
@@ -113,6 +140,7 @@ def predict_row(
     """One configuration (``options``: ``cost.Config``'s ``stage``, ``hsdp``, ``hpz``, ``qwz``):
     ``ckpt`` (checkpointing needed), ``step_s`` and ``overlapped_s`` (seconds per step, no
     overlap and full overlap), ``inter`` and ``intra`` (seconds of communication per step),
+    ``alpha`` (the seconds of those that are latency, α on every ring round),
     ``states``, ``plain`` (bytes without checkpointing) and ``memory`` (bytes a rank needs)."""
     cfg = cost.Config(
         world=sc.world,
@@ -126,7 +154,9 @@ def predict_row(
     need = {ckpt: _need(model, cfg, sc, states, ckpt) for ckpt in (False, True)}
     ckpt = need[False] > sc.room  # checkpointing only where the memory needs it
     per_micro = step_compute_s(model, sc, ckpt) / sc.micro
-    p = [cost.predict(cfg, sc.links(), compute_s=per_micro, psi=psi, overlap=o) for o in (0, 1)]
+    sizes, links = comm_sizes(model, cfg.stage), sc.links()  # α on each round of each ring
+    p = [cost.predict(cfg, links, compute_s=per_micro, sizes=sizes, overlap=o) for o in (0, 1)]
+    alpha = sum(c.times * c.latency(links) for c in cost.step_collectives(cfg, sizes) if c.n > 1)
     return dict(
         name=name,
         ckpt=ckpt,
@@ -134,6 +164,7 @@ def predict_row(
         overlapped_s=p[1].step_s,
         inter=p[0].comm_s.get("inter", 0.0),
         intra=p[0].comm_s.get("intra", 0.0),
+        alpha=alpha,
         states=states,
         plain=need[False],
         memory=need[ckpt],
@@ -147,14 +178,15 @@ def predict_rows(
     return [predict_row(model, sc, n, o, every_microbatch) for n, o in candidates.items()]
 
 
-def one_nic_network_s(psi: int, sc: Scenario, options: dict) -> float:
+def one_nic_network_s(model: GPTConfig, sc: Scenario, options: dict) -> float:
     """Seconds of network per step in the model lesson 08 used to have: a ring that crosses nodes
-    at one NIC's speed, a group inside a node at one GPU's NVLink (α as in the scenario)."""
+    at one NIC's speed, a group inside a node at one GPU's NVLink (α as in the scenario, on every
+    round of each bucket's or unit's ring, as :func:`predict_row` charges it)."""
     cfg = cost.Config(world=sc.world, node_size=sc.gpus, micro_batches=sc.micro, **options)
     beta = {True: sc.nic_GBps * 1e9, False: sc.nvlink_GBps * 1e9}
     return sum(
         c.times * (sc.alpha_us * 1e-6 * c.rounds() + c.wire() / c.times / beta[c.nodes > 1])
-        for c in cost.step_collectives(cfg, [psi])
+        for c in cost.step_collectives(cfg, comm_sizes(model, cfg.stage))
     )
 
 

@@ -12,7 +12,7 @@ cut across rows. DTensor cannot say that (its placements cut a dimension into ``
 pieces), ShardedTensor can but is deprecated in favour of DTensor, and a rank-0 ``torch.save``
 would gather the whole model on one rank. DCP's metadata, though, describes any saved piece as a
 chunk (offsets, sizes) of a named tensor, and a 1-D range is one: two small planners
-(checkpoint_layout.py; planners are DCP's documented extension point) save each range as a chunk
+(layout.py; planners are DCP's documented extension point) save each range as a chunk
 of the parameter's flat tensor under the parameter's name. DCP then reshards at load time (a
 rank reads the saved chunks that overlap the ranges it now owns), and torch's own tools read the
 files: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT, "all.pt")`` gives every
@@ -53,7 +53,7 @@ from minizero.data_parallel import DataParallel
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
            "checkpoint_bytes", "open_checkpoint", "CheckpointError"]  # fmt: skip
 
-# torch.distributed.checkpoint takes a second to import: it (and checkpoint_layout.py, built on it)
+# torch.distributed.checkpoint takes a second to import: it (and layout.py, built on it)
 # is imported by the functions that use it, so that `import minizero` stays fast.
 
 

@@ -16,6 +16,16 @@ hints.py             ``hint("MyZeRO2")`` in a notebook: an exercise's hints, one
                      from ``hints.json`` (written by ``lessons``, shipped with the package)
 workflow.py          ``python -m minizero start``: the student's own copies (``my-lessons/``)
 grade.py             ``python -m minizero grade``: run notebooks, PASS/FAIL per check cell
+kit.py               what the kit says a lesson is, read from its source: each exercise's check
+                     cell, the parts a student writes, the names the check reads
+restore.py           the notebook grading runs: the student's, with the kit's check cells put
+                     back
+grading.py           the grader's side of the kernel: the cells ``grade`` adds to a notebook it
+                     runs (``begin``, ``capture``, ``run_check``)
+seal.py              what a check relies on, taken before any student code runs (``Seal``)
+gradebook.py         ``python -m minizero gradebook``: a class's grades from its submissions
+margins.py           ``python -m minizero margins``: how far every check is from failing a
+                     right answer and from passing a wrong one
 checks/              the check cells' code, one file per lesson: ``checks/lessonNN.py`` holds
                      lesson NN's checks; ``checks/common.py`` what every check shares;
                      ``checks/common_zero.py`` what the ZeRO checks of lessons 02-04 share
@@ -36,7 +46,7 @@ command line, which no notebook needs; ``cli.py`` is what those commands' parser
 
 A lesson opens with ``from minizero.course.labs.lessonNN import *`` and ``NPROCS, INFO =
 setup()``: the libraries its own code uses, ``hint``, its checks (``lessonNN``) and its lab
-(``lab``). Lessons not yet moved onto a lab import ``from minizero.course import checks, hint``.
+(``lab``).
 """
 
 from minizero.course.hints import hint

@@ -166,12 +166,23 @@ def test_link_model_against_nccl_tests_and_zeropp(capsys):
 
 def test_scale_tables_figure_choice_and_calculator(capsys, monkeypatch):
     big = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
-    candidates = {"DDP": dict(stage=0), "ZeRO-1": dict(stage=1), "ZeRO-3": dict(stage=3)}
+    candidates = {
+        "DDP": dict(stage=0),
+        "ZeRO-1": dict(stage=1),
+        "ZeRO-1 HSDP": dict(stage=1, hsdp=True),
+        "ZeRO-3": dict(stage=3),
+    }
     sc = scenario.Scenario()
     rows = scenario.predict_rows(big, sc, candidates)
-    lab.show_scale(rows, sc, big, {**candidates, "ZeRO-1 HSDP": dict(stage=1, hsdp=True)})
+    lab.show_scale(rows, sc, big, candidates)
     out = capsys.readouterr().out
     assert "(does not fit)" in out and "the old model" in out and "6.667B parameters" in out
+    # α (10 µs) on every ring round: 130 buckets x 1022 rounds flat; x (7 + 126 + 7) with HSDP;
+    # 33 units x 4 micro-batches x 3 collectives x 511 rounds at stage 3
+    lines = {line.split("  ")[0]: line for line in out.splitlines()}
+    assert f"{130 * 1022 * 10e-6:.3f}" == "1.329" and " 1.329" in lines["ZeRO-1"]
+    assert f"{130 * 140 * 10e-6:.3f}" == "0.182" and " 0.182" in lines["ZeRO-1 HSDP"]
+    assert f"{33 * 4 * 3 * 511 * 10e-6:.3f}" == "2.024" and " 2.024" in lines["ZeRO-3"]
     lab.plot_scale(rows, sc)
     assert drawn_inside(plt.gcf()) == 2 * 2 * len(rows)
 
@@ -183,10 +194,10 @@ def test_scale_tables_figure_choice_and_calculator(capsys, monkeypatch):
         return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"] if fits else None
 
     assert lab.show_choice(unwritten, rows, sc) is None
-    assert lab.show_choice(fastest, rows, sc) == "ZeRO-1"
+    assert lab.show_choice(fastest, rows, sc) == "ZeRO-1 HSDP"
     lab.show_sensitivity(scenario.sensitivity(big, sc, candidates, fastest))
     out = capsys.readouterr().out
-    assert "write choose() in exercise 4 first" in out and "run ZeRO-1" in out
+    assert "write choose() in exercise 4 first" in out and "run ZeRO-1 HSDP" in out
     assert "nodes               64                 =                 =" in out
     monkeypatch.setenv("MINIZERO_WIDGETS", "0")  # no front end: the scenario's table
     lab.calculator(big, candidates, sc)
@@ -194,8 +205,8 @@ def test_scale_tables_figure_choice_and_calculator(capsys, monkeypatch):
 
 
 def test_setup_names_the_nodes(capsys):
-    info = lab.setup(4, 2)
-    assert info["world"] == 4 and info["backend"] == "gloo"
+    nprocs, info = lab.setup(4, 2)  # NPROCS, INFO = setup(...), as every lesson opens
+    assert nprocs == 4 and info["world"] == 4 and info["backend"] == "gloo"
     assert "4 gloo ranks as 2 nodes × 2" in capsys.readouterr().out
     with pytest.raises(ValueError, match="multiple of the node size"):
         lab.setup(4, 3)

@@ -56,23 +56,23 @@ from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
 
 lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "dist", "C", "cost", "scenario"]
-__all__ += ["lesson08", "GPT", "PSI", "GPTConfig"]
+__all__ += ["lesson08", "GPT", "PSI", "GPTConfig", "CommLedger"]
 
 GPT = GPTConfig.tiny()  # the model measured here
 PSI = count_params(TinyGPT(GPT))
 adamw = lambda p: torch.optim.AdamW(p, lr=1e-3)
 
 
-def setup(world: int, node: int) -> dict:
-    """Where the lesson measures: ``world`` gloo ranks on this machine, read as nodes of ``node``
+def setup(nprocs: int, node: int) -> tuple[int, dict]:
+    """Where the lesson measures: ``nprocs`` gloo ranks on this machine, read as nodes of ``node``
     consecutive ranks (a labelling: every link is the same loopback). Prints it; returns
-    ``run_info`` of rank 0."""
-    if world % node:
-        raise ValueError(f"world ({world}) must be a multiple of the node size ({node})")
-    info = minizero.launch(run_info, world, backend="gloo", verbose=False)[0]
-    print(f"{world} gloo ranks as {world // node} nodes × {node} | TinyGPT Ψ = {PSI:,}")
+    ``nprocs`` and ``run_info`` of rank 0, as every lesson's ``setup`` does."""
+    if nprocs % node:
+        raise ValueError(f"world ({nprocs}) must be a multiple of the node size ({node})")
+    info = minizero.launch(run_info, nprocs, backend="gloo", verbose=False)[0]
+    print(f"{nprocs} gloo ranks as {nprocs // node} nodes × {node} | TinyGPT Ψ = {PSI:,}")
     print(f"minizero {minizero.__version__}, torch {torch.__version__} | {describe(info)}")
-    return info
+    return nprocs, info
 
 
 def library_options(options: dict, mesh, node: int) -> dict:

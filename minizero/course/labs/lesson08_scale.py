@@ -28,14 +28,15 @@ def gb(b: float) -> str:
 def _table(rows: list[dict], sc: Scenario) -> None:
     print(
         f"{'configuration':<16}{'ckpt':>5}{'step s':>8}{'overlapped':>11}{'comm inter':>11}"
-        f"{'comm intra':>11}{'model states':>14}{'no ckpt':>10}{'memory/rank':>13}"
+        f"{'comm intra':>11}{'of which α':>11}{'model states':>14}{'no ckpt':>10}"
+        f"{'memory/rank':>13}"
     )
     for r in rows:
         flag = "yes" if r["ckpt"] else "no"
         fits = "" if r["memory"] <= sc.room else "  (does not fit)"
         print(
             f"{r['name']:<16}{flag:>5}{r['step_s']:>8.2f}{r['overlapped_s']:>11.2f}"
-            f"{r['inter']:>11.3f}{r['intra']:>11.3f}{gb(r['states']):>14}"
+            f"{r['inter']:>11.3f}{r['intra']:>11.3f}{r['alpha']:>11.3f}{gb(r['states']):>14}"
             f"{gb(r['plain']):>10}{gb(r['memory']):>13}{fits}"
         )
 
@@ -55,7 +56,7 @@ def show_scale(rows: list[dict], sc: Scenario, model: GPTConfig, candidates: dic
         f"compute per step: {plain:.2f} s, {ckpt:.2f} s with checkpointing (6Ψ per token alone: "
         f"{weights_only:.2f} s)"
     )
-    old = [f"{n} {scenario.one_nic_network_s(psi, sc, candidates[n]):.2f}" for n in OLD_MODEL]
+    old = [f"{n} {scenario.one_nic_network_s(model, sc, candidates[n]):.2f}" for n in OLD_MODEL]
     print(
         "the old model, a crossing ring at one NIC's speed: network s per step, " + ", ".join(old)
     )
