@@ -32,7 +32,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     """One intra-op thread in each xdist worker: the workers are one per core already, and a
     second thread per worker only waits (OpenMP spins) for a core the other worker holds. The
-    ranks a test launches set their own (one each); notebook kernels and subprocesses keep theirs."""
+    ranks a test launches set their own (one each); kernels and subprocesses keep theirs."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         import torch
 
