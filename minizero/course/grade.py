@@ -16,6 +16,7 @@ when every exercise of every notebook passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -287,8 +288,11 @@ def grade_main(argv: list[str]) -> int:
         f"own, 120 to 180; or ${TIMEOUT_ENV}); raise it on a slow machine",
     )  # fmt: skip
     args = p.parse_args(argv)
-    if args.check_timeout:
-        os.environ[TIMEOUT_ENV] = f"{args.check_timeout:g}"  # the kernels inherit it
+    with check_timeout_env(args.check_timeout):  # the kernels inherit it
+        return _grade(args)
+
+
+def _grade(args: argparse.Namespace) -> int:
     try:
         paths = grade_paths(args.notebooks)
     except FileNotFoundError as e:
@@ -330,6 +334,23 @@ def grade_main(argv: list[str]) -> int:
 
 
 NO_CHECKS = "no check cells: not a lesson notebook (nothing graded)"
+
+
+@contextlib.contextmanager
+def check_timeout_env(seconds: float | None):
+    """``$MINIZERO_CHECK_TIMEOUT`` set to ``seconds`` (when given) for the kernels started inside
+    the block, and put back after it: ``grade_main`` and ``gradebook.main`` may run in a process
+    that goes on (a test, a notebook), whose later checks must keep their own timeouts."""
+    before = os.environ.get(TIMEOUT_ENV)
+    if seconds:
+        os.environ[TIMEOUT_ENV] = f"{seconds:g}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TIMEOUT_ENV, None)
+        else:
+            os.environ[TIMEOUT_ENV] = before
 
 
 def positive_seconds(text: str) -> float:

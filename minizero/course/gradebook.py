@@ -30,8 +30,8 @@ from pathlib import Path
 
 from minizero.course.grade import (
     NO_CHECKS,
-    TIMEOUT_ENV,
     Unreadable,
+    check_timeout_env,
     outcomes,
     positive_seconds,
     run,
@@ -174,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     inside = args.out.resolve()
     if args.submissions.resolve() in inside.parents:
         p.error(f"--out {args.out} is inside {args.submissions}: write the gradebook elsewhere")
-    if args.check_timeout:
-        os.environ[TIMEOUT_ENV] = f"{args.check_timeout:g}"  # the kernels (and pool) inherit it
-    rows = gradebook(args.submissions, args.timeout, args.jobs)
+    with check_timeout_env(args.check_timeout):  # the kernels (and pool) inherit it
+        rows = gradebook(args.submissions, args.timeout, args.jobs)
     if not rows:
         print(f"error: {args.submissions} holds no student folders", file=sys.stderr)
         return 2

@@ -282,8 +282,7 @@ _CAUSE_WAIT = 3.0  # seconds to wait for a rank's own error once only broken con
 
 def broken_connection(traceback_text: str) -> bool:
     """Whether a rank's traceback ends in a broken connection to a peer (see :data:`_BROKEN`)."""
-    last = traceback_text.strip().splitlines()[-1:] or [""]
-    return bool(_BROKEN.search(last[0]))
+    return bool(_BROKEN.search((traceback_text.strip().splitlines() or [""])[-1]))
 
 
 def _blame(ranks: Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> LaunchError:
@@ -329,7 +328,7 @@ def _blame(ranks: Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> Lau
 
 
 def _broken(tmp: Path, rank: int) -> bool:
-    return broken_connection((tmp / f"{rank}.err").read_text(errors="replace"))
+    return broken_connection(_last_line(tmp, rank))
 
 
 def _last_line(tmp: Path, rank: int) -> str:

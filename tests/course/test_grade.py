@@ -75,14 +75,25 @@ def test_check_timeout_comes_from_the_environment(monkeypatch):
         common.check_timeout()
 
 
-def test_grade_check_timeout_option_reaches_the_kernels(monkeypatch, tmp_path, capsys):
-    monkeypatch.delenv(common.TIMEOUT_ENV, raising=False)
-    monkeypatch.setattr(grade, "execute", lambda path, timeout: [])  # no kernel needed here
-    tiny(tmp_path / "a.ipynb", ok=True)
-    assert grade.grade_main(["--check-timeout", "450", str(tmp_path)]) == 0
+def test_grade_check_timeout_option_reaches_the_kernels_and_no_further(monkeypatch, tmp_path):
+    """The kernels grade starts see --check-timeout; the process that called grade_main (a test,
+    a notebook) keeps its own afterwards, so its later checks keep their timeouts."""
     import os
 
-    assert os.environ[common.TIMEOUT_ENV] == "450"
+    seen = []
+
+    def run(path, timeout):  # in place of a kernel: what one would inherit
+        seen.append(os.environ.get(common.TIMEOUT_ENV))
+        return grade.Run([], None)
+
+    monkeypatch.setattr(grade, "run", run)
+    tiny(tmp_path / "a.ipynb", ok=True)
+    monkeypatch.delenv(common.TIMEOUT_ENV, raising=False)
+    grade.grade_main(["--check-timeout", "450", str(tmp_path)])
+    assert seen == ["450"] and common.TIMEOUT_ENV not in os.environ
+    monkeypatch.setenv(common.TIMEOUT_ENV, "99")
+    grade.grade_main(["--check-timeout", "450", str(tmp_path)])
+    assert seen == ["450", "450"] and os.environ[common.TIMEOUT_ENV] == "99"
 
 
 def _stuck_rank() -> None:

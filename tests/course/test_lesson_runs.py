@@ -24,6 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 FIGURE = re.compile(r"^(\w+\.)?plot_\w+\(|# and its figure|^plt\.show\(\)", re.M)
 
 
+def _shown_as_text(output) -> str:
+    """A stream's text, or a rich output's text/plain where it has no image beside it."""
+    data = output.get("data", {})
+    return output.get("text", "") + ("" if "image/png" in data else data.get("text/plain", ""))
+
+
 class LessonRuns:
     """The tests of one lesson; a subclass per lesson names it (``stem``)."""
 
@@ -49,8 +55,8 @@ class LessonRuns:
         cells = [c for c in run.notebook.cells if c.cell_type == "code"]
         drawn = 0
         for i, cell in enumerate(cells):
-            text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
-                           for o in cell.outputs)  # fmt: skip
+            # what shows as text: streams, and the text of an output with no image beside it
+            text = "".join(_shown_as_text(o) for o in cell.outputs)
             where = f"{self.stem}, code cell {i}:\n{cell.source[:300]}"
             assert not re.search(r"<Figure size \d+x\d+", text), f"{where}\na figure as text"
             pngs = sum("image/png" in o.get("data", {}) for o in cell.outputs)

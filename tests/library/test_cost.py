@@ -274,7 +274,11 @@ def test_predicted_collectives_are_the_ledgers(stage):
         assert Counter(r["records"]) == want
         assert sum(c.wire() for c in predicted) == r["wire"]
     r0 = results[0]
-    link = cost.fit(r0["sweep"], world, emulated_rs=True)
+    try:  # what follows is printed, not asserted: timings on a busy machine may not fit a line
+        link = cost.fit(r0["sweep"], world, emulated_rs=True)
+    except ValueError as e:
+        print(f"\nstage {stage}: no α-β fit from this run's timings ({e})")
+        return
     p = cost.predict(cfg, cost.Links(intra=link, inter=link), compute_s=r0["compute_s"],
                      sizes=r0["sizes"], emulated_rs=True)  # fmt: skip
     print(
