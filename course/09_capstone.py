@@ -59,14 +59,15 @@ lab.show_data(DATA)
 #
 # Write `train(cfg, stage, group=None)`, called on every rank of `group` with a `TrainConfig`.
 # Seed with `cfg.seed` (the same initial weights on every rank), build `TinyGPT(cfg.gpt(
-# data.vocab_size))` on `rank_device()` (`data = shakespeare.load()`), its optimizer `make_optimizer(model, cfg)` (nanoGPT's
-# AdamW groups), and parallelize both at `stage`. Then for `it` in `0 .. cfg.max_iters`:
-# evaluate at every `cfg.eval_interval` and after the last step; then (but not after the last
-# step) set the schedule's `get_lr(it, cfg)`, run the micro-batches (micro-batch `m` is global
-# batch `it * cfg.gradient_accumulation_steps + m`), clip to `cfg.grad_clip`, step, zero the
-# gradients. Return a dict: `"loss"`, per iteration this rank's loss of the step (the mean over
-# its micro-batches) as a float; `"evals"`, `[it, train loss, val loss]` per evaluation, the same
-# on every rank; `"state_dict"`, the whole model's after the last step.
+# data.vocab_size))` on `rank_device()` (`data = shakespeare.load()`), its optimizer
+# `make_optimizer(model, cfg)` (nanoGPT's AdamW groups), and parallelize both at `stage`. Then
+# for `it` in `0 .. cfg.max_iters`: evaluate at every `cfg.eval_interval` and after the last
+# step; then (but not after the last step) set the schedule's `get_lr(it, cfg)`, run the
+# micro-batches (micro-batch `m` is global batch `it * cfg.gradient_accumulation_steps + m`),
+# clip to `cfg.grad_clip`, step, zero the gradients. Return a dict: `"loss"`, per iteration this
+# rank's loss of the step (the mean over its micro-batches) as a float; `"evals"`, `[it, train
+# loss, val loss]` per evaluation, the same on every rank; `"state_dict"`, the whole model's
+# after the last step.
 
 
 # %%

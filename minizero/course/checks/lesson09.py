@@ -221,7 +221,8 @@ def _state_summary(sd, cfg) -> dict | None:
     data = shakespeare.load()
     plain = TinyGPT(cfg.gpt(data.vocab_size))
     want = plain.state_dict()
-    out = {"missing": [k for k in want if k not in sd], "unexpected": [k for k in sd if k not in want]}
+    out = {"missing": [k for k in want if k not in sd]}
+    out["unexpected"] = [k for k in sd if k not in want]
     out["shapes"] = [(k, tuple(getattr(sd[k], "shape", ())), tuple(v.shape))
                      for k, v in want.items() if k in sd
                      and tuple(getattr(sd[k], "shape", ())) != tuple(v.shape)]  # fmt: skip
@@ -352,7 +353,8 @@ def _steps(per_rank: list[dict], cfg, stage: int) -> None:
                 raise CheckFailed(
                     f"{where}: the gradient reaching each micro-batch's loss was "
                     f"{', '.join(f'{g:g}' for g in grads)}, not 1/{micro}: divide each "
-                    f"micro-batch's loss by cfg.gradient_accumulation_steps before backward().{hint}"
+                    "micro-batch's loss by cfg.gradient_accumulation_steps before backward()."
+                    + hint
                 )
             wrong = _syncs([s for _, s in step["backwards"]], micro)
             if wrong:
@@ -368,7 +370,7 @@ def _steps(per_rank: list[dict], cfg, stage: int) -> None:
                     raise CheckFailed(
                         f"{where}: param group {k} stepped with lr {lr:g}; nanoGPT's schedule "
                         f"(warm-up, then cosine decay) gives get_lr({it}, cfg) = {want:g}. Before "
-                        f"each step, set every param group's \"lr\" to get_lr(it, cfg).{hint}"
+                        f'each step, set every param group\'s "lr" to get_lr(it, cfg).{hint}'
                     )
     for it in range(cfg.max_iters):
         sq = [r["steps"][it]["sq"] for r in per_rank]
@@ -411,8 +413,9 @@ def _evals(per_rank: list[dict], one: dict, cfg) -> None:
                 )
             if not _close(values[0], ref[j - 1], "09 eval loss"):
                 ratio = values[0] / ref[j - 1]
-                hint = (f" Yours is {ratio:.2f}x: the all-reduce sums; divide by the number of "
-                        "ranks." if abs(ratio - len(per_rank)) < 0.05 * len(per_rank) else "")  # fmt: skip
+                summed = abs(ratio - len(per_rank)) < 0.05 * len(per_rank)
+                hint = f" Yours is {ratio:.2f}x: the all-reduce sums; divide by the ranks' number."
+                hint = hint if summed else ""
                 raise CheckFailed(
                     f"iteration {it}: your {split} eval loss is {values[0]:.6f}, one process's "
                     f"on the whole eval batches {ref[j - 1]:.6f} (tolerance {RTOL:g} relative)."
@@ -433,7 +436,8 @@ def _losses(per_rank: list[dict], one: dict, cfg) -> None:
                     f"loss divided by {micro}, summed), not their sum."
                     if abs(got / ref - micro) < 0.05 * micro else
                     " Log this rank's loss of the step: the mean over its micro-batches, each "
-                    "drawn with train_batch(data, cfg, it * micro + m, rank, world, device).")  # fmt: skip
+                    "drawn with train_batch(data, cfg, it * micro + m, rank, world, device)."
+                    )  # fmt: skip
             raise CheckFailed(
                 f"iteration {it}: the mean over the ranks of your logged losses is {got:.6f}, "
                 f"one process's {ref:.6f} on the same rows (tolerance {RTOL:g} relative).{hint}"
@@ -443,8 +447,10 @@ def _losses(per_rank: list[dict], one: dict, cfg) -> None:
 def _state(per_rank: list[dict], stage: int, world: int) -> None:
     s = per_rank[0]["state"]
     if s is None:
-        raise CheckFailed('rank 0 returned "state_dict": None; return the whole state dict '
-                          "(model.state_dict(), called on every rank) on rank 0 at least.")  # fmt: skip
+        raise CheckFailed(
+            'rank 0 returned "state_dict": None; return the whole state dict '
+            "(model.state_dict(), called on every rank) on rank 0 at least."
+        )
     if s.get("shapes") or s.get("missing") or s.get("unexpected"):
         what = "; ".join(
             [f"{k}: {got} where the plain model has {want}" for k, got, want in s["shapes"][:3]]
