@@ -49,12 +49,14 @@ lab.show_data(DATA)
 #   eval_interval == 0 and master_process:`). Under torch DDP that works: its forward
 #   communicates nothing. **At ZeRO stage 3 a forward is collective**: each unit's parameters are
 #   all-gathered from every rank before it runs, and rank 0 evaluating alone waits for ranks that
-#   never come. So every rank evaluates its share of each eval batch (`eval_batches(...)`), and
-#   the ranks average: `all_reduce` sums, divide by the group's size.
+#   never come. So every rank evaluates its share of the fixed eval batches (`eval_batches(data,
+#   cfg, split, rank, world, device)`, a list of `(x, y)`), and the ranks average their means:
+#   `all_reduce` sums, divide by the group's size. Rank 0 alone prints.
 # - **The saved model.** At stages 1-3 no rank holds the whole model; `model.state_dict()` on
 #   the parallelized model gathers the full fp32 parameters under the plain model's keys, on every
 #   rank (collective: every rank calls it).
-#
+
+# %% [markdown]
 # ## Exercise — nanoGPT's loop, at any stage
 #
 # Write `train(cfg, stage, group=None)`, called on every rank of `group` with a `TrainConfig`.
@@ -62,7 +64,7 @@ lab.show_data(DATA)
 # data.vocab_size))` on `rank_device()` (`data = shakespeare.load()`), its optimizer
 # `make_optimizer(model, cfg)` (nanoGPT's AdamW groups), and parallelize both at `stage`. Then
 # for `it` in `0 .. cfg.max_iters`: evaluate at every `cfg.eval_interval` and after the last
-# step; then (but not after the last step) set the schedule's `get_lr(it, cfg)`, run the
+# step; then (but not after the last step) set nanoGPT's schedule, `get_lr(it, cfg)`, run the
 # micro-batches (micro-batch `m` is global batch `it * cfg.gradient_accumulation_steps + m`),
 # clip to `cfg.grad_clip`, step, zero the gradients. Return a dict: `"loss"`, per iteration this
 # rank's loss of the step (the mean over its micro-batches) as a float; `"evals"`, `[it, train
@@ -169,9 +171,10 @@ assert max(lab.differences(RUNS).values()) <= TOLERANCE, lab.differences(RUNS)
 #
 # ## 3. Memory per rank and step time, on this run
 #
-# Each rank measured its model states at the end of a backward (`minizero.analysis.memory.
-# model_state_bytes`: parameters, gradients, Adam's two moments; fp32, so (4 + 4 + 8)Ψ for DDP)
-# and timed each step; the paper's formula is beside the measurement. A step ends when its
+# While your loop ran, the lab measured each rank's model states at its second `opt.step()`,
+# gradients alive and Adam's moments made (`minizero.analysis.memory.model_state_bytes`:
+# parameters, gradients, Adam's two moments; fp32, so (4 + 4 + 8)Ψ for DDP), and timed each step
+# from its first forward; the paper's formula is beside the measurement. A step ends when its
 # slowest rank's does, so the step time is the median over iterations of the slowest rank's.
 
 # %%
@@ -194,9 +197,9 @@ lab.plot_states(RUNS, PAPER)
 #
 # ## 4. What the model writes
 #
-# After training, every rank calls `minizero.full_state_dict(model)` (collective: at stage 3 the
-# parameters are gathered) and rank 0 samples 150 characters from a plain `TinyGPT` with those
-# weights, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a newline).
+# Rank 0 loads the state dict your loop returned into a plain `TinyGPT` and samples 150
+# characters from it, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a
+# newline).
 
 # %%
 lab.show_samples(RUNS)
