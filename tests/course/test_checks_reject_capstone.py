@@ -126,31 +126,30 @@ def test_the_right_answer_passes(capsys):
     assert "on the subgroup [0, 1], given as group=" in out
 
 
-@pytest.mark.parametrize(
-    "wrong, stage, starts, has",
-    [
-        (sync_on_first, 0, "rank 0, iteration 0: the gradients were reduced on the FIRST micro",
-         ("no_sync() on every micro-batch but the last",)),
-        (sync_on_every, 0, "rank 0, iteration 0: 2 of the 2 backwards reduced the gradients",
-         ("model.no_sync()",)),
-        (loss_not_scaled, 0, "rank 0, iteration 0: the gradient reaching each micro-batch's loss",
-         ("was 1, 1, not 1/2", "the SUM of the 2 micro-batches' gradients")),
-        (evaluates_on_rank_0, 0, "at iteration 0, rank(s) [0] evaluated",
-         ("while rank(s) [1, 2] trained", "every rank evaluates")),
-        (evaluates_on_rank_0_at_stage_3, 3, "at iteration 0, rank(s) [0] evaluated",
-         ("At stage 3 each forward all-gathers",)),
-        (own_rows_eval, 0, "iteration 0, train: the ranks' eval losses differ",
-         ("All-reduce each rank's mean",)),
-        (constant_lr, 0, "rank 0, iteration 0: param group 0 stepped with lr 0.01",
-         ("get_lr(0, cfg) = 0.00333333", "the schedule is missing")),
-        (not_clipped, 0, "iteration 0: the gradients' norm at opt.step() was",
-         ("above cfg.grad_clip = 0.1", "clip_grad_norm_")),
-        (saves_a_shard, 3, "the state dict rank 0 returned is not whole: reading 'wte.weight'",
-         ("ShardedParameterError", "At stage 3 a rank holds 1/3 of each parameter",
-          "model.state_dict() on the parallelized model")),
-    ],
-    ids=lambda v: getattr(v, "__name__", None) if callable(v) else "",
-)  # fmt: skip
+WRONG = [  # (the loop, the stage whose run names it, how the message starts, what else it says)
+    (sync_on_first, 0, "rank 0, iteration 0: the gradients were reduced on the FIRST micro",
+     ("no_sync() on every micro-batch but the last",)),
+    (sync_on_every, 0, "rank 0, iteration 0: 2 of the 2 backwards reduced the gradients",
+     ("model.no_sync()",)),
+    (loss_not_scaled, 0, "rank 0, iteration 0: the gradient reaching each micro-batch's loss",
+     ("was 1, 1, not 1/2", "the SUM of the 2 micro-batches' gradients")),
+    (evaluates_on_rank_0, 0, "at iteration 0, rank(s) [0] evaluated",
+     ("while rank(s) [1, 2] trained", "every rank evaluates")),
+    (evaluates_on_rank_0_at_stage_3, 3, "at iteration 0, rank(s) [0] evaluated",
+     ("At stage 3 each forward all-gathers",)),
+    (own_rows_eval, 0, "iteration 0, train: the ranks' eval losses differ",
+     ("All-reduce each rank's mean",)),
+    (constant_lr, 0, "rank 0, iteration 0: param group 0 stepped with lr 0.01",
+     ("get_lr(0, cfg) = 0.00333333", "the schedule is missing")),
+    (not_clipped, 0, "iteration 0: the gradients' norm at opt.step() was",
+     ("above cfg.grad_clip = 0.1", "clip_grad_norm_")),
+    (saves_a_shard, 3, "the state dict rank 0 returned is not whole: reading 'wte.weight'",
+     ("ShardedParameterError", "At stage 3 a rank holds 1/3 of each parameter",
+      "model.state_dict() on the parallelized model")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("wrong, stage, starts, has", WRONG, ids=[w[0].__name__ for w in WRONG])
 def test_the_check_names_the_mistake(wrong, stage, starts, has):
     if MIN_WORLD != 3:
         pytest.skip("the messages name a world of 3")

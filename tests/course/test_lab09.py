@@ -8,11 +8,11 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+from test_checks_reject_capstone import train  # noqa: E402  the lesson's solution
 
 from minizero.analysis.memory import paper_model_state_bytes  # noqa: E402
 from minizero.course.labs import lesson09 as lab  # noqa: E402
 from minizero.tools import shakespeare  # noqa: E402
-from test_checks_reject_capstone import train  # noqa: E402  the lesson's solution
 
 CFG = lab.TrainConfig(
     n_layer=1,
