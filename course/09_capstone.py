@@ -14,8 +14,7 @@
 # stage, on gloo CPU ranks or one rank per GPU over NCCL (the full 2,000 iterations take minutes:
 # run it from a terminal, section 5). This lesson trains the same model for a short budget on
 # each stage, puts the four curves on one axis beside one process's, and measures memory per
-# rank and step time. You write the one piece of nanoGPT's loop that distributed training
-# changes: the evaluation.
+# rank and step time, all from the loop you write: nanoGPT's, at a stage given as an argument.
 #
 #     python -m minizero grade my-lessons/09_capstone.ipynb
 #
@@ -32,81 +31,129 @@ lab.show_data(DATA)
 # %% [markdown]
 # ## 1. What changes in nanoGPT's loop
 #
-# nanoGPT's `train.py` is written for torch DDP. Its data loader draws each rank's batch with a
-# seed offset by the rank; minizero's draws the *global* batch of step `it` the same on every
-# rank and keeps this rank's rows (`minizero/tools/shakespeare.py`), so 1, 2 or 3 ranks train on
-# exactly the same rows and their curves can be compared point by point. The model and
-# optimizer go through `minizero.parallelize(model, stage, optimizer)`; the learning-rate
-# schedule sets `param_group["lr"]` on the optimizer it returns, as nanoGPT does; gradient
-# clipping is `torch.nn.utils.clip_grad_norm_`, which minizero makes global where each rank holds
-# a shard of the gradients.
+# nanoGPT's `train.py` is written for torch DDP. What distributed training changes in it:
 #
-# The evaluation is different. nanoGPT evaluates on the master process only
-# (`if iter_num % eval_interval == 0 and master_process:` in its `train.py`), on that process's
-# own random batches. Under torch DDP that works: nanoGPT's model has no buffers to broadcast, so
-# its forward communicates nothing. **At ZeRO stage 3 a forward is collective**: each unit's
-# parameters are all-gathered from every rank before it runs. Rank 0 evaluating alone waits for
-# ranks that never come, until the process group's timeout ends the run. So every rank
-# evaluates: its share of each eval batch, then the ranks average.
+# - **The data.** nanoGPT draws each rank's batch with a seed offset by the rank; minizero's
+#   `train_batch(data, cfg, step, rank, world, device)` draws the *global* batch number `step`
+#   the same on every rank and keeps this rank's rows, so 1, 2 or 3 ranks train on exactly the
+#   same rows and their curves can be compared point by point.
+# - **The model** goes through `minizero.parallelize(model, stage, optimizer)` (pass
+#   `process_group=group`); the learning-rate schedule sets `param_group["lr"]` on the optimizer
+#   it returns, as nanoGPT does; clipping is `torch.nn.utils.clip_grad_norm_`, which minizero makes
+#   global where each rank holds a shard of the gradients.
+# - **Micro-batches.** A step accumulates `cfg.gradient_accumulation_steps` micro-batches. Each
+#   loss is divided by their number, so that the step's gradient is their mean. Only the last
+#   backward reduces the gradients over the ranks: the others run under `model.no_sync()`, which
+#   accumulates them locally (torch DDP's name; nanoGPT sets `require_backward_grad_sync`).
+# - **The evaluation.** nanoGPT evaluates on the master process only (`if iter_num %
+#   eval_interval == 0 and master_process:`). Under torch DDP that works: its forward
+#   communicates nothing. **At ZeRO stage 3 a forward is collective**: each unit's parameters are
+#   all-gathered from every rank before it runs, and rank 0 evaluating alone waits for ranks that
+#   never come. So every rank evaluates its share of the fixed eval batches (`eval_batches(data,
+#   cfg, split, rank, world, device)`, a list of `(x, y)`), and the ranks average their means:
+#   `all_reduce` sums, divide by the group's size. Rank 0 alone prints.
+# - **The saved model.** At stages 1-3 no rank holds the whole model; `model.state_dict()` on
+#   the parallelized model gathers the full fp32 parameters under the plain model's keys, on every
+#   rank (collective: every rank calls it).
+
+# %% [markdown]
+# ## Exercise — nanoGPT's loop, at any stage
 #
-# ## Exercise — the eval loss, averaged over the ranks
-#
-# Write `estimate_loss(model, batches, group=None)`, called on every rank of `group` with
-# `batches`, a list of `(x, y)`: this rank's rows of each eval batch. Return, as a Python float,
-# the mean loss over **every rank's rows**, the same number on every rank. Every rank holds the
-# same number of rows, so that is the mean over the ranks of each rank's mean: compute this
-# rank's mean over its batches, `all_reduce` it over `group`
-# (`minizero.collectives.all_reduce(t, group=group)`, in place, it **sums**) and divide by the
-# group's size. Keep nanoGPT's habits: no graph (`@torch.no_grad()`), `model.eval()` while
-# evaluating (dropout off) and `model.train()` before returning.
+# Write `train(cfg, stage, group=None)`, called on every rank of `group` with a `TrainConfig`.
+# Seed with `cfg.seed` (the same initial weights on every rank), build `TinyGPT(cfg.gpt(
+# data.vocab_size))` on `rank_device()` (`data = shakespeare.load()`), its optimizer
+# `make_optimizer(model, cfg)` (nanoGPT's AdamW groups), and parallelize both at `stage`. Then
+# for `it` in `0 .. cfg.max_iters`: evaluate at every `cfg.eval_interval` and after the last
+# step; then (but not after the last step) set nanoGPT's schedule, `get_lr(it, cfg)`, run the
+# micro-batches (micro-batch `m` is global batch `it * cfg.gradient_accumulation_steps + m`),
+# clip to `cfg.grad_clip`, step, zero the gradients. Return a dict: `"loss"`, per iteration this
+# rank's loss of the step (the mean over its micro-batches) as a float; `"evals"`, `[it, train
+# loss, val loss]` per evaluation, the same on every rank; `"state_dict"`, the whole model's
+# after the last step.
 
 
 # %%
-@torch.no_grad()
-def estimate_loss(model, batches, group=None) -> float:
-    """The mean loss over every rank's ``batches``; the same value on every rank of ``group``."""
+def train(cfg: TrainConfig, stage: int, group=None) -> dict:
+    """nanoGPT's loop at ZeRO ``stage`` on this rank of ``group``: its losses, evals, state dict."""
     # BEGIN SOLUTION
-    # TODO: the mean loss over every rank's rows, as a float, the same on every rank of group
-    # HINT: Every rank holds the same number of rows, so the mean over every row is the mean over
-    #       the ranks of each rank's own mean. Evaluate as nanoGPT does: model.eval() first
-    #       (dropout off), model.train() before returning; @torch.no_grad() is given.
-    # HINT: This rank's mean: torch.stack([model(x, y) for x, y in batches]).mean(), a 0-d
-    #       tensor. all_reduce(t, group=group) sums it over the group's ranks, in place: divide
-    #       by the group's size, dist.get_world_size(group), not the world's.
-    # HINT: model.eval()
-    #       mean = torch.stack([model(x, y) for x, y in batches]).mean()
-    #       all_reduce(mean, group=group)
-    #       model.train()
-    #       return ...  # a float: the sum over the ranks / their number
-    model.eval()
-    mean = torch.stack([model(x, y) for x, y in batches]).mean()  # 0-d: this rank's mean
-    all_reduce(mean, group=group)  # the sum of the ranks' means
-    model.train()
-    return mean.item() / dist.get_world_size(group)
+    # TODO: the losses, evaluations and whole state dict of cfg.max_iters steps at this stage
+    # HINT: The order of nanoGPT's loop: build and wrap once; then per iteration evaluate when
+    #       due (every rank), stop after the last evaluation, else set the lr, accumulate the
+    #       micro-batches, clip, step, zero the gradients. At the end, the state dict, on every
+    #       rank: at stages 1-3 it gathers.
+    # HINT: This rank's rows: rank, world = dist.get_rank(group), dist.get_world_size(group).
+    #       The wrapper: model, opt = minizero.parallelize(model, stage, make_optimizer(model,
+    #       cfg), process_group=group). Evaluate under torch.no_grad() in model.eval(), then
+    #       model.train(); each split's value is the all-reduced mean divided by world.
+    # HINT: The micro-batches, as torch DDP's users write them:
+    #       for m in range(micro):
+    #           sync = ...  # True on the last micro-batch only
+    #           with contextlib.nullcontext() if sync else model.no_sync():
+    #               loss = ...  # this micro-batch's loss, divided by micro
+    #               loss.backward()
+    #       then clip_grad_norm_(model.parameters(), cfg.grad_clip), opt.step(), opt.zero_grad()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    data, dev, micro = shakespeare.load(), rank_device(), cfg.gradient_accumulation_steps
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = TinyGPT(cfg.gpt(data.vocab_size)).to(dev)
+    model, opt = minizero.parallelize(model, stage, make_optimizer(model, cfg), process_group=group)
+    evals = {s: eval_batches(data, cfg, s, rank, world, dev) for s in ("train", "val")}
+    out = {"loss": [], "evals": []}
+    for it in range(cfg.max_iters + 1):
+        if it % cfg.eval_interval == 0 or it == cfg.max_iters:  # every rank: stage 3 gathers
+            model.eval()
+            losses = [it]
+            with torch.no_grad():
+                for split in ("train", "val"):
+                    mean = torch.stack([model(x, y) for x, y in evals[split]]).mean()
+                    all_reduce(mean, group=group)  # the sum of the ranks' means
+                    losses.append(mean.item() / world)
+            model.train()
+            out["evals"].append(losses)
+        if it == cfg.max_iters:
+            break
+        for g in opt.param_groups:
+            g["lr"] = get_lr(it, cfg)  # warm-up, then cosine decay
+        total = 0.0
+        for m in range(micro):
+            x, y = train_batch(data, cfg, it * micro + m, rank, world, dev)
+            with contextlib.nullcontext() if m == micro - 1 else model.no_sync():
+                loss = model(x, y) / micro  # the step's gradient: the micro-batches' mean
+                loss.backward()  # reduces over the ranks on the last micro-batch only
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["loss"].append(total)
+    out["state_dict"] = model.state_dict()  # every rank: stages 1-3 gather the full parameters
+    return out
     # END SOLUTION
 
 
-# %% check="estimate_loss"
-# A small GPT wrapped at stage 0 and at stage 3 (a forward gathers) on max(NPROCS, 3) ranks: your
-# value on every rank against minizero's estimate_loss and one process on the whole batches;
-# no_grad, eval mode, left training; then on the subgroup [0, 1] of the 3 with group=...
-lesson09.check_estimate_loss(estimate_loss, NPROCS)
+# %% check="train"
+# Your loop at stages 0-3 on max(NPROCS, 3) ranks, then at stage 3 on the subgroup [0, 1], on a
+# tiny model, 4 steps of 2 micro-batches: every loss against one process's, the micro-batches'
+# sync and scaling, the schedule, the clipping, every rank evaluating, the whole state dict
+lesson09.check_train(train, NPROCS)
 
 # %% [markdown]
 # ## 2. Four stages, one curve
 #
-# nanoGPT's CPU configuration, for a short budget: 40 iterations with the warm-up
-# shortened to 5 (so the loss moves), an evaluation every 10 iterations on one fixed batch per
-# split. First one process in plain PyTorch (no minizero, no process group, one thread as each
-# rank has), then each stage on `NPROCS` ranks; the runs use minizero's own `estimate_loss`, the
-# function you just wrote. (The loss over the whole validation split, which the full run of
+# nanoGPT's CPU configuration, for a short budget: 40 iterations of 2 micro-batches with the
+# warm-up shortened to 5 (so the loss moves), an evaluation every 10 iterations on one fixed
+# batch per split. First one process in plain PyTorch (minizero's own loop, `python -m minizero
+# train`'s, with no minizero and no process group, one thread as each rank has), then **your**
+# `train` at each stage on `NPROCS` ranks. The lab watches your loop from outside (torch's
+# global hooks) for the memory and the step times of section 3, and samples from the state dict
+# you return in section 4. (The loss over the whole validation split, which the full run of
 # section 5 prints at its end, is left out here: `val_full=False`.)
 
 # %%
-SHORT = TrainConfig(  # nanoGPT's CPU model and schedule, for 40 iterations
-    max_iters=40, warmup_iters=5, eval_interval=10, eval_iters=1, sample_tokens=150, val_full=False
+SHORT = TrainConfig(  # nanoGPT's CPU model and schedule: 40 iterations of 2 micro-batches
+    max_iters=40, gradient_accumulation_steps=2, warmup_iters=5, eval_interval=10, eval_iters=1
 )
-RUNS = lab.train_every_stage(SHORT, NPROCS, stages=(0, 1, 2, 3))  # and one process first
+SHORT.sample_tokens, SHORT.val_full = 150, False  # 150 characters sampled; no whole-split loss
+RUNS = lab.train_every_stage(train, SHORT, NPROCS, stages=(0, 1, 2, 3))  # one process first
 
 # %%
 TOLERANCE = 0.02  # the largest relative difference from one process's curve this lesson allows
@@ -124,9 +171,10 @@ assert max(lab.differences(RUNS).values()) <= TOLERANCE, lab.differences(RUNS)
 #
 # ## 3. Memory per rank and step time, on this run
 #
-# Each rank measured its model states at the end of a backward (`minizero.analysis.memory.
-# model_state_bytes`: parameters, gradients, Adam's two moments; fp32, so (4 + 4 + 8)Ψ for DDP)
-# and timed each step; the paper's formula is beside the measurement. A step ends when its
+# While your loop ran, the lab measured each rank's model states at its second `opt.step()`,
+# gradients alive and Adam's moments made (`minizero.analysis.memory.model_state_bytes`:
+# parameters, gradients, Adam's two moments; fp32, so (4 + 4 + 8)Ψ for DDP), and timed each step
+# from its first forward; the paper's formula is beside the measurement. A step ends when its
 # slowest rank's does, so the step time is the median over iterations of the slowest rank's.
 
 # %%
@@ -149,9 +197,9 @@ lab.plot_states(RUNS, PAPER)
 #
 # ## 4. What the model writes
 #
-# After training, every rank calls `minizero.full_state_dict(model)` (collective: at stage 3 the
-# parameters are gathered) and rank 0 samples 150 characters from a plain `TinyGPT` with those
-# weights, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a newline).
+# Rank 0 loads the state dict your loop returned into a plain `TinyGPT` and samples 150
+# characters from it, as nanoGPT's `sample.py` does (temperature 0.8, top-k 200, from a
+# newline).
 
 # %%
 lab.show_samples(RUNS)

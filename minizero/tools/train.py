@@ -11,9 +11,12 @@ training changes, and nothing else:
 - the model and optimizer go through ``minizero.parallelize(model, stage, optimizer)``;
 - the global batch (12) is split over the ranks: each rank draws the same global batch and keeps
   its rows (``minizero/tools/shakespeare.py``), so every world size trains on the same rows;
+- with micro-batches (``gradient_accumulation_steps``), each a global batch, the loss is divided
+  by their number and the gradients are reduced on the last one only (``no_sync()`` on the
+  others, as nanoGPT's ``require_backward_grad_sync``);
 - the evaluation is each rank's share of the eval batches, averaged over the ranks
-  (:func:`estimate_loss`, lesson 09's exercise); at stage 3 every rank must run it, since each
-  forward gathers the parameters from every rank;
+  (:func:`estimate_loss`); at stage 3 every rank must run it, since each forward gathers the
+  parameters from every rank;
 - checkpoints are ``minizero.save_checkpoint`` (each rank writes what it owns), resumable at any
   stage and world size; samples come from the full weights (``full_state_dict``, collective).
 
@@ -22,6 +25,7 @@ The command itself (options, progress bar, report, plot) is in ``minizero/tools/
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -46,6 +50,7 @@ class TrainConfig:
     block_size: int = 64  # characters of context
     dropout: float = 0.0
     batch_size: int = 12  # the GLOBAL batch, split evenly over the ranks
+    gradient_accumulation_steps: int = 1  # micro-batches per step, each a global batch (nanoGPT's)
     max_iters: int = 2000  # optimizer steps; the last evaluation is after the last step
     lr_decay_iters: int | None = None  # where the cosine reaches min_lr (None: max_iters)
     learning_rate: float = 1e-3
@@ -69,7 +74,7 @@ class TrainConfig:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (ZeRO), got {self.stage!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
-                     "eval_interval", "eval_iters"):  # fmt: skip
+                     "gradient_accumulation_steps", "eval_interval", "eval_iters"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -113,8 +118,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 def estimate_loss(model: torch.nn.Module, batches, group=None) -> float:
     """The mean loss over every rank's ``batches`` (this rank's rows of each eval batch): each
     rank's mean, summed over ``group`` by an all-reduce and divided by its size (the shares are
-    equal, so the mean of means is the mean). Collective: every rank of ``group`` calls it.
-    Lesson 09 asks you to write this function."""
+    equal, so the mean of means is the mean). Collective: every rank of ``group`` calls it."""
     from minizero.collectives import all_reduce
 
     was_training = model.training
@@ -159,6 +163,13 @@ def eval_batches(data, cfg: TrainConfig, split: str, rank: int, world: int, devi
             for k in range(cfg.eval_iters)]  # fmt: skip
 
 
+def train_batch(data, cfg: TrainConfig, step: int, rank: int, world: int, device) -> tuple:
+    """This rank's rows ``(x, y)`` of global training batch number ``step``; with micro-batches,
+    micro-batch ``m`` of iteration ``it`` is batch ``it * cfg.gradient_accumulation_steps + m``."""
+    return shakespeare.get_batch(data, "train", cfg.batch_size, cfg.block_size, step, rank=rank,
+                                 world=world, seed=cfg.seed, device=device)  # fmt: skip
+
+
 def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, group=None,
                device=None, start: int = 0, history: dict | None = None, progress=None,
                on_eval=None) -> dict:  # fmt: skip
@@ -191,18 +202,23 @@ def train_loop(model, opt, cfg: TrainConfig, *, rank: int = 0, world: int = 1, g
         lr = get_lr(it, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = shakespeare.get_batch(data, "train", cfg.batch_size, cfg.block_size, it, rank=rank,
-                                     world=world, seed=cfg.seed, device=device)  # fmt: skip
         t0 = time.perf_counter()
-        loss = model(x, y)
-        loss.backward()
+        micro = cfg.gradient_accumulation_steps
+        total = torch.zeros((), device=device)
+        for m in range(micro):  # the gradients are reduced on the last micro-batch only
+            x, y = train_batch(data, cfg, it * micro + m, rank, world, device)
+            last = m == micro - 1 or not hasattr(model, "no_sync")
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = model(x, y) / micro  # the step's gradient: the mean over its micro-batches
+                loss.backward()
+            total += loss.detach()
         if it == start + 1:  # Adam's states exist now; gradients are alive: the step's peak set
             h["states"] = model_state_bytes(model, opt)
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lossf = loss.item()  # waits for the device: the step is over
+        lossf = total.item()  # waits for the device: the step is over
         h["step_s"].append(time.perf_counter() - t0)
         h["loss"].append(lossf)
         if progress is not None:

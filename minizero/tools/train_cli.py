@@ -229,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     ints = {"n-layer": "transformer blocks", "n-head": "attention heads per block",
             "n-embd": "model width", "block-size": "characters of context",
             "batch-size": "the global batch in sequences, split evenly over the ranks",
+            "gradient-accumulation-steps": "micro-batches per step, each a global batch",
             "max-iters": "optimizer steps", "warmup-iters": "iterations of linear warm-up",
             "eval-interval": "iterations between evaluations",
             "eval-iters": "batches per split in an evaluation"}  # fmt: skip
