@@ -42,7 +42,7 @@ FIX = (
 
 def plain_params(optimizer) -> list[list[torch.Tensor]] | None:
     """Each group's parameters as the user built the optimizer (None: not recorded)."""
-    return getattr(optimizer, "_minizero_params", None)
+    return optimizer._wrapper.optimizers[optimizer].params
 
 
 def shard_state_dict(optimizer, sd: dict) -> dict:

@@ -204,7 +204,7 @@ def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, t
             f"consolidate_state_dict takes the model minizero.parallelize returned, got "
             f"{type(model).__name__}"
         )
-    if getattr(optimizer, "_wrapper", None) is not model and not model.habits.adopt(optimizer):
+    if optimizer not in model.optimizers and not model.habits.adopt(optimizer):
         raise ValueError(
             "this optimizer holds none of the model's parameters: pass the optimizer built "
             "over model.parameters()"

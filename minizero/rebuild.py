@@ -71,7 +71,7 @@ class Rebuild:
         """Cut, and move the fp32 masters and each optimizer's states, a parameter at a time."""
         w = self.wrapper
         old = dict(w.fragments_of)  # id(param) -> its fragments here, before the cut
-        alive = [o for o in (ref() for ref in w.optimizers) if o is not None]
+        alive = list(w.optimizers)  # (held weakly: the live ones, in the order attached)
         held = [take_states(o, w) for o in alive]  # before the fragments change
         w.lay_out(ready)
         for o in alive:

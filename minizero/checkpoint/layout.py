@@ -364,7 +364,7 @@ def apply_loaded(
     # numbered as torch numbers this optimizer's fragments: torch's own load (StageStep's would
     # take a dict without minizero's record for a whole one, numbered by parameter)
     torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": groups})
-    optimizer.__dict__.pop("_minizero_full", None)  # a consolidated state dict is of before
+    model.optimizers[optimizer].full = None  # a consolidated state dict is of before
     if f"rng/{rank}/cpu" in sd:
         torch.set_rng_state(sd[f"rng/{rank}/cpu"])
     if f"rng/{rank}/cuda" in sd and torch.cuda.is_available():
