@@ -67,7 +67,7 @@ class DataParallel(nn.Module):
     (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
-    rebuild = None  # DDP's Rebuild (rebuild.py): cuts the buckets again in the ready order
+    rebuild = None  # DDP's Rebuild (optimizer_state.py): cuts the buckets again in ready order
 
     def __init__(
         self,

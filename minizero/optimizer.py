@@ -28,7 +28,7 @@ import torch
 
 from minizero import optimizer_state as S
 from minizero.extension import Extension
-from minizero.rebuild import Rebuild, regroup
+from minizero.optimizer_state import Rebuild, regroup
 
 __all__ = ["ADOPTED", "Adopted", "StageStep", "attach", "regroup", "shard_record", "wrapper_of"]
 
@@ -38,7 +38,7 @@ class Wrapper(Protocol):
 
     fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
     habits: Extension  # the seam to minizero/habits/: clip_grad_norm_, zero_grad_of
-    rebuild: Rebuild | None  # DDP's bucket rebuild (rebuild.py): order, rebuild_as
+    rebuild: Rebuild | None  # DDP's bucket rebuild (optimizer_state.py): order, rebuild_as
     optimizers: weakref.WeakKeyDictionary  # the optimizers attach()ed -> their Adopted records
     params: list  # the parameters it trains
 

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from minizero.data_parallel import DataParallel
+from minizero.optimizer_state import per_element
 
 # key -> (numel of the whole flattened tensor, the element where this rank's piece of it starts);
 # the piece's length is the saved tensor's. (A range, elsewhere here, is (start, end).)
@@ -353,8 +354,7 @@ def apply_loaded(
             st = {}
             for key in received.get(c, []):
                 v = sd[f"optim/{c}/{key}"]
-                per_element = isinstance(v, torch.Tensor) and v.dim() == 1  # a (n,) piece
-                st[key] = v.view(t.shape) if per_element else v
+                st[key] = v.view(t.shape) if per_element(v, t.numel()) else v  # a (n,) piece
             if st:
                 state[i] = st
             i += 1

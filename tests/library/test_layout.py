@@ -297,11 +297,11 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
     habits around the core (``Extension``), and the instruments (the ledger, the ring model)
     watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild is
-    composed by parallelize (rebuild.py). zero2.py's import closure stays what a reader can follow:
-    at most 1,300 lines, counted by tools/closure.py (it was 2,666 in 13 files)."""
+    composed by parallelize (optimizer_state.py). zero2.py's import closure stays what a reader
+    can follow: at most 1,300 lines, counted by tools/closure.py (it was 2,666 in 13 files)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
-            "minizero.rebuild")  # fmt: skip
+            "minizero.optimizer_state")  # fmt: skip
     for stage in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
         closure = import_closure(f"minizero.{stage}", graph)
         bad = sorted(m for m in closure if m.startswith(away))
@@ -320,7 +320,7 @@ def test_one_step_calls_at_most_500_lines_at_ddp_and_700_at_stage_2():
     habits, the models and the launcher left out): what a reader follows through one step."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 500, f"DDP's call closure is {ddp} lines: {by_file}"
-    assert "minizero/rebuild.py" in by_file and "minizero/ddp.py" in by_file  # it traced them
+    assert "minizero/optimizer_state.py" in by_file and "minizero/ddp.py" in by_file  # traced
     stage2, by_file = CLOSURE.call_closure(2)
     assert stage2 <= 700, f"stage 2's call closure is {stage2} lines: {by_file}"
     assert "minizero/zero2.py" in by_file and not any("habits" in f for f in by_file)
