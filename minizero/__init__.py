@@ -37,7 +37,7 @@ DataParallel            minizero/data_parallel.py       what every stage shares 
 Extension               minizero/extension.py           the seam to minizero/habits/
 DDP                     minizero/ddp.py                 01_ddp
 NaiveDDP                minizero/naive_ddp.py           01_ddp
-Rebuild                 minizero/rebuild.py             01_ddp (buckets cut in ready order)
+Rebuild                 minizero/optimizer_state.py     01_ddp (buckets cut in ready order)
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1

@@ -17,6 +17,7 @@ buckets four times, strategy objects would hide the chain; so it stays (docs/: t
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class DataParallel(nn.Module):
     (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
-    rebuild = None  # DDP's Rebuild (rebuild.py): cuts the buckets again in the ready order
+    rebuild = None  # DDP's Rebuild (optimizer_state.py): cuts the buckets again in ready order
 
     def __init__(
         self,
@@ -100,7 +101,7 @@ class DataParallel(nn.Module):
         self.grads_ok: bool | None = None  # fp16: this step's gradients unscaled and checked
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
-        self.optimizers: list = []  # weak references to the optimizers attach()ed to it
+        self.optimizers = weakref.WeakKeyDictionary()  # attach()ed ones -> optimizer.Adopted
         self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
         for t in list(module.parameters()) + list(module.buffers()):  # rank 0's, on every rank
             self.broadcast_from_rank0(t.data, "initial state")

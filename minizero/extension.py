@@ -37,7 +37,7 @@ class Extension:
     def adopt(self, optimizer: Any) -> bool:
         """``load_checkpoint``: make an optimizer built after wrapping this wrapper's; True when it
         is. Here: only one already attached to it."""
-        return getattr(optimizer, "_wrapper", None) is self.wrapper
+        return optimizer in self.wrapper.optimizers
 
     def adopt_on_first_step(self) -> None:
         """``parallelize``, once wrapped: adopt an optimizer built afterwards at its first step

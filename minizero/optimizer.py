@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from minizero import optimizer_state as S
 from minizero.extension import Extension
-from minizero.rebuild import Rebuild, regroup
+from minizero.optimizer_state import Rebuild, regroup
 
-__all__ = ["StageStep", "attach", "regroup", "shard_record"]  # regroup: rebuild.py's
+__all__ = ["ADOPTED", "Adopted", "StageStep", "attach", "regroup", "shard_record", "wrapper_of"]
 
 
 class Wrapper(Protocol):
@@ -37,7 +38,9 @@ class Wrapper(Protocol):
 
     fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
     habits: Extension  # the seam to minizero/habits/: clip_grad_norm_, zero_grad_of
-    rebuild: Rebuild | None  # DDP's bucket rebuild (rebuild.py): order, rebuild_as
+    rebuild: Rebuild | None  # DDP's bucket rebuild (optimizer_state.py): order, rebuild_as
+    optimizers: weakref.WeakKeyDictionary  # the optimizers attach()ed -> their Adopted records
+    params: list  # the parameters it trains
 
     def before_step(self) -> bool: ...
     def after_step(self) -> None: ...
@@ -45,11 +48,35 @@ class Wrapper(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
-class StageStep:
-    """Mixin placed before the user's optimizer class; ``self._wrapper`` is the wrapper."""
+@dataclass(kw_only=True)
+class Adopted:
+    """What minizero knows of an optimizer it steps. Kept here, in :data:`ADOPTED` (weakly keyed
+    by the optimizer), and in ``wrapper.optimizers``: nothing of it is written on the optimizer."""
 
-    _wrapper: Wrapper
+    wrapper: Wrapper | None = None  # set by attach()
+    trains: set[int] | None = None  # id(param) of the parameters it trains (None: every one)
+    params: list[list[torch.Tensor]] | None = None  # each group's parameters, as the user built it
+    closure_through: bool = False  # fp32 DDP: step(closure) is the class's own (LBFGS)
+    full: dict | None = None  # consolidate_state_dict's whole state dict, until the next step
+
+
+ADOPTED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Adopted] = weakref.WeakKeyDictionary()
+
+
+def wrapper_of(optimizer: object) -> Wrapper | None:
+    """The wrapper ``optimizer`` was attached to (None: none)."""
+    record = ADOPTED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    return None if record is None else record.wrapper
+
+
+class StageStep:
+    """Mixin placed before the user's optimizer class; ``ADOPTED[self]`` is what it steps with."""
+
     minizero_wraps_step = True  # runs the user's class's own step (habits/optimizer.py)
+
+    @property
+    def _wrapper(self) -> Wrapper:
+        return ADOPTED[self].wrapper
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -57,7 +84,7 @@ class StageStep:
         only shards (stages 1-3, fp32 masters) its inf check would be this rank's alone, so ranks
         could disagree on skipping a step (FSDP has a ShardedGradScaler for this): refused here,
         by name. fp32 DDP: False, GradScaler works as with torch DDP."""
-        if not getattr(self, "_minizero_closure_through", False):
+        if not ADOPTED[self].closure_through:
             raise RuntimeError(
                 "torch's GradScaler cannot see whole gradients here (each rank holds a shard, "
                 "so its inf check is not global): drop GradScaler and fp16 autocast and pass "
@@ -69,17 +96,18 @@ class StageStep:
     def step(self, closure=None):
         if closure is not None:
             return self._minizero_step_with_closure(closure)
-        self._minizero_full = None  # a consolidated state dict is of the states before
-        if self._wrapper.before_step():
+        record = ADOPTED[self]
+        record.full = None  # a consolidated state dict is of the states before
+        if record.wrapper.before_step():
             super().step()
-        self._wrapper.after_step()
-        self._wrapper.end_step()
+        record.wrapper.after_step()
+        record.wrapper.end_step()
 
     def _minizero_step_with_closure(self, closure):
         """fp32 DDP: the optimizer holds the parameters themselves, so a closure (LBFGS calls it
         many times) runs forward and backward, whose hooks all-reduce, as with torch DDP. Else
         (elementwise optimizers call it once, first): the closure, then the stage's step."""
-        if getattr(self, "_minizero_closure_through", False):
+        if ADOPTED[self].closure_through:
             return super().step(closure)
         with torch.enable_grad():
             loss = closure()
@@ -88,23 +116,24 @@ class StageStep:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: the gradients of this optimizer's parameters (the others keep theirs)."""
-        trains = getattr(self, "_minizero_trains", None)  # id(param) of the groups' parameters
-        if trains is None or all(id(p) in trains for p in self._wrapper.params):
-            self._wrapper.zero_grad(set_to_none)
-        else:
-            self._wrapper.habits.zero_grad_of(trains, set_to_none)
+        w, trains = ADOPTED[self].wrapper, ADOPTED[self].trains  # id(param) of the groups' params
+        if trains is not None and any(id(p) not in trains for p in w.params):
+            return w.habits.zero_grad_of(trains, set_to_none)  # some: the others keep theirs
+        w.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group`` (a parameter that starts training later, with its own
         settings): its parameters are swapped for this rank's fragments of them, as ``regroup``
         does for the groups the optimizer was built with."""
-        wrapper = getattr(self, "_wrapper", None)
+        record = ADOPTED.get(self)  # (None: torch's constructor calls it, before attach)
+        wrapper = None if record is None else record.wrapper
         if wrapper is not None:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            self._minizero_trains |= {id(p) for p in params}
-            if getattr(self, "_minizero_params", None) is not None:
-                self._minizero_params.append(list(params))  # as built (optimizer_state.py)
+            if record.trains is not None:
+                record.trains |= {id(p) for p in params}
+            if record.params is not None:
+                record.params.append(list(params))  # as built (optimizer_state.py)
             if any(f.is_master for f in wrapper.fragments):
                 frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
@@ -122,12 +151,12 @@ class StageStep:
         same layout may load it back (see ``load_state_dict``); at stages 1-3 a warning says so,
         and how to write the whole one. After ``consolidate_state_dict(to=r)`` on every rank, and
         until the next step, rank r's is the whole one (minizero/optimizer_state.py)."""
-        full = self.__dict__.get("_minizero_full")
+        full = ADOPTED[self].full
         if full is not None:
             return full
         sd = super().state_dict()
         sd["minizero_shard"] = shard_record(self._wrapper)
-        if getattr(self, "_minizero_params", None) is not None and any(
+        if ADOPTED[self].params is not None and any(
             f.is_master for f in self._wrapper.fragments
         ):  # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
             sd = S.shard_state_dict(self, sd)
@@ -140,7 +169,7 @@ class StageStep:
         ``to``'s ``state_dict()`` is the whole optimizer state, as a plain optimizer over the
         model's parameters returns it (torch DDP's; a plain optimizer loads it, and parallelize
         cuts it to each rank's shard again)."""
-        self._minizero_full = S.consolidate(self, to)
+        ADOPTED[self].full = S.consolidate(self, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse an optimizer state dict saved by another rank or another layout: its states
@@ -163,7 +192,7 @@ class StageStep:
                 "world size and stage), not with rank 0's optimizer.state_dict(); or, to write "
                 f"the whole state with torch.save, {S.FIX.split(' or save with')[0]}"
             )
-        self._minizero_full = None
+        ADOPTED[self].full = None
         if numbering == "parameters":  # this rank's shard, as state_dict() wrote it
             state_dict = S.unshard_state_dict(self, state_dict)
         elif (
@@ -187,9 +216,9 @@ def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Op
     cls = type(optimizer)
     if not issubclass(cls, StageStep):
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
-    optimizer._wrapper = wrapper
-    optimizer._minizero_closure_through = not any(f.is_master for f in wrapper.fragments)
-    wrapper.optimizers.append(weakref.ref(optimizer))  # (a rebuild of the buckets moves its states)
+    record = wrapper.optimizers[optimizer] = ADOPTED.setdefault(optimizer, Adopted())
+    record.wrapper = wrapper  # (a rebuild of the buckets moves the states of wrapper.optimizers)
+    record.closure_through = not any(f.is_master for f in wrapper.fragments)
     return optimizer
 
 

@@ -38,8 +38,8 @@ from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.optimizer import attach
+from minizero.optimizer_state import Rebuild, regroup
 from minizero.precision import Precision, resolve
-from minizero.rebuild import Rebuild, regroup
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
 from minizero.zero3 import ZeRO3
@@ -105,7 +105,7 @@ def parallelize(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
-        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (rebuild.py)
+        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (optimizer_state.py)
         **stage_options,
     )
     wrapped.habits.adopt_on_first_step()  # an optimizer built after wrapping, over its parameters
@@ -204,7 +204,7 @@ def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, t
             f"consolidate_state_dict takes the model minizero.parallelize returned, got "
             f"{type(model).__name__}"
         )
-    if getattr(optimizer, "_wrapper", None) is not model and not model.habits.adopt(optimizer):
+    if optimizer not in model.optimizers and not model.habits.adopt(optimizer):
         raise ValueError(
             "this optimizer holds none of the model's parameters: pass the optimizer built "
             "over model.parameters()"

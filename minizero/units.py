@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from minizero import collectives as C
 
@@ -225,8 +226,13 @@ def _op_name(func) -> tuple[str, str]:
     return "call", name
 
 
+# guarded tensor -> (name, unit, world) for the message; minizero's table, weakly keyed by the
+# tensor's identity: nothing is written on the user's parameter
+WHERE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class _Guarded:
-    """Mixin of the guarded classes. ``_minizero_where``: (name, unit, world) for the message."""
+    """Mixin of the guarded classes; :data:`WHERE` says which parameter and unit each one is."""
 
     __slots__ = ()
 
@@ -244,7 +250,7 @@ class _Guarded:
             out = func(*args, **(kwargs or {}))
         if name in _VIEWS and kind != "__set__":
             out.__class__ = GuardedTensor  # same 0-byte storage: reading it must fail the same way
-            out._minizero_where = args[0]._minizero_where
+            WHERE[out] = WHERE.get(args[0])
         return out
 
 
@@ -258,7 +264,7 @@ def _raise(op: str, args, kwargs) -> None:
             stack += list(a)
         elif isinstance(a, dict):
             stack += list(a.values())
-    name, unit, world = getattr(guarded, "_minizero_where", ("a parameter", "?", "N"))
+    name, unit, world = WHERE.get(guarded) or ("a parameter", "?", "N")
     raise ShardedParameterError(
         f"minizero ZeRO-3: {op}() on {name}, which is sharded: between uses this rank holds only "
         f"its 1/{world} chunk, and the full tensor exists only while its unit ({unit}) runs "

@@ -26,7 +26,7 @@ from minizero import collectives as C
 from minizero import units as U
 from minizero.bucket import Bucket
 from minizero.precision import Precision
-from minizero.units import Accumulators, UncopiedHook, Units, set_guard
+from minizero.units import WHERE, Accumulators, UncopiedHook, Units, set_guard
 from minizero.zero2 import ZeRO2
 
 
@@ -122,7 +122,7 @@ class ZeRO3(ZeRO2):
         self._check_device = dev
         for b in self.buckets:  # for the guard's message: which parameter, which unit, 1/N
             for p in b.params:
-                p._minizero_where = (self.param_names[id(p)], self._unit_names[b.index], self.world)
+                WHERE[p] = (self.param_names[id(p)], self._unit_names[b.index], self.world)
         for m in self.units_of:
             # first of m's pre-hooks (as FSDP2's): one of the user's may read the parameters
             # (torch.nn.utils.prune, weight_norm compute the weight from them). Under

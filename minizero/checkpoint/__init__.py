@@ -49,6 +49,7 @@ from minizero import hsdp
 from minizero.checkpoint import files as F
 from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
+from minizero.optimizer import wrapper_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "consolidate_main",
            "checkpoint_bytes", "open_checkpoint", "CheckpointError"]  # fmt: skip
@@ -247,9 +248,9 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{what} takes the model that minizero.parallelize returned, got "
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
-    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "_wrapper"):
+    if isinstance(optimizer, torch.optim.Optimizer) and wrapper_of(optimizer) is None:
         model.habits.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
-    if getattr(optimizer, "_wrapper", None) is not model:
+    if wrapper_of(optimizer) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")

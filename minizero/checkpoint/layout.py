@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from minizero.data_parallel import DataParallel
+from minizero.optimizer_state import per_element
 
 # key -> (numel of the whole flattened tensor, the element where this rank's piece of it starts);
 # the piece's length is the saved tensor's. (A range, elsewhere here, is (start, end).)
@@ -353,8 +354,7 @@ def apply_loaded(
             st = {}
             for key in received.get(c, []):
                 v = sd[f"optim/{c}/{key}"]
-                per_element = isinstance(v, torch.Tensor) and v.dim() == 1  # a (n,) piece
-                st[key] = v.view(t.shape) if per_element else v
+                st[key] = v.view(t.shape) if per_element(v, t.numel()) else v  # a (n,) piece
             if st:
                 state[i] = st
             i += 1
@@ -364,7 +364,7 @@ def apply_loaded(
     # numbered as torch numbers this optimizer's fragments: torch's own load (StageStep's would
     # take a dict without minizero's record for a whole one, numbered by parameter)
     torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": groups})
-    optimizer.__dict__.pop("_minizero_full", None)  # a consolidated state dict is of before
+    model.optimizers[optimizer].full = None  # a consolidated state dict is of before
     if f"rng/{rank}/cpu" in sd:
         torch.set_rng_state(sd[f"rng/{rank}/cpu"])
     if f"rng/{rank}/cuda" in sd and torch.cuda.is_available():

@@ -52,17 +52,21 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
+WRAPPED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # -> by whom
+
+
 def refuse_second_wrapper(module: nn.Module, wrapper: str) -> None:
     """One wrapper per model: a second ``parallelize`` of the same module (a notebook cell run
-    twice) would stack a second set of hooks and buckets on it."""
-    held = module.__dict__.get("_minizero_wrapped_by")
+    twice) would stack a second set of hooks and buckets on it. Which models are wrapped is
+    minizero's record (:data:`WRAPPED`, weakly keyed), not an attribute of the model."""
+    held = WRAPPED.get(module)
     if held is not None:
         raise RuntimeError(
             f"this model is already wrapped by minizero ({held}): a cell run twice? Build a fresh "
             f"model (e.g. model = Model(config)) before calling minizero.parallelize again, or "
             f"keep using the wrapper you have"
         )
-    module.__dict__["_minizero_wrapped_by"] = wrapper  # not an attribute nn.Module registers
+    WRAPPED[module] = wrapper
 
 
 class FrozenFlags:

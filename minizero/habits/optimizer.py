@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from minizero.optimizer import StageStep, attach, regroup
+from minizero.optimizer import ADOPTED, Adopted, StageStep, attach, regroup, wrapper_of
 from minizero.optimizer_state import FIX
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
@@ -104,10 +104,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             f"param groups of them, before parallelize"
         )
     check_loaded_state(optimizer, module)  # a resumed optimizer's state is taken as it is
-    optimizer._minizero_trains = {id(p) for p in held}  # StageStep.zero_grad reads it
+    record = ADOPTED.setdefault(optimizer, Adopted())  # minizero's record (optimizer.py), not on it
+    record.trains = {id(p) for p in held}  # StageStep.zero_grad reads it
     # each group's parameters as the user built it: a full state dict (consolidate_state_dict)
     # numbers them as a plain optimizer over them would (minizero/optimizer.py)
-    optimizer._minizero_params = [list(g["params"]) for g in optimizer.param_groups]
+    record.params = [list(g["params"]) for g in optimizer.param_groups]
 
 
 def check_loaded_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
@@ -171,7 +172,7 @@ def adopt(optimizer: torch.optim.Optimizer, wrapper) -> bool:
     this wrapper's parameters; an optimizer over some of them and other tensors (another model's,
     another wrapper's) is refused."""
     if isinstance(optimizer, StageStep):
-        return getattr(optimizer, "_wrapper", None) is wrapper
+        return wrapper_of(optimizer) is wrapper
     mine = {id(p) for p in wrapper.module.parameters()}
     held = [p for g in optimizer.param_groups for p in g["params"]]
     ours = sum(id(p) in mine for p in held)
@@ -216,7 +217,7 @@ def adopt_on_first_step(wrapper) -> RemovableHandle:
 
 def _first_step(optimizer, wrapper, args: tuple, kwargs: dict):
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is not None and getattr(optimizer, "_minizero_closure_through", False):
+    if closure is not None and ADOPTED[optimizer].closure_through:
         return None  # fp32 DDP with a closure (LBFGS): as StageStep.step, the class's own step
     if closure is not None:  # elementwise optimizers call the closure once, first: here
         with torch.enable_grad():

@@ -186,7 +186,7 @@ def test_the_top_of_the_package_is_the_library_a_student_reads():
     # one concept a file: the chain, what it shares, naive DDP, its bucket, collectives, units,
     # precision, HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models, the
     # seam to the habits (extension), the bucket rebuild, the optimizer's sharded state dict
-    assert len(top) <= 18, f"{len(top)} modules at the top of minizero/: {top}"
+    assert len(top) <= 17, f"{len(top)} modules at the top of minizero/: {top}"
     for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
         assert stage in top, stage
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
@@ -297,11 +297,11 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
     habits around the core (``Extension``), and the instruments (the ledger, the ring model)
     watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild is
-    composed by parallelize (rebuild.py). zero2.py's import closure stays what a reader can follow:
-    at most 1,300 lines, counted by tools/closure.py (it was 2,666 in 13 files)."""
+    composed by parallelize (optimizer_state.py). zero2.py's import closure stays what a reader
+    can follow: at most 1,300 lines, counted by tools/closure.py (it was 2,666 in 13 files)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
-            "minizero.rebuild")  # fmt: skip
+            "minizero.optimizer_state")  # fmt: skip
     for stage in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
         closure = import_closure(f"minizero.{stage}", graph)
         bad = sorted(m for m in closure if m.startswith(away))
@@ -320,7 +320,7 @@ def test_one_step_calls_at_most_500_lines_at_ddp_and_700_at_stage_2():
     habits, the models and the launcher left out): what a reader follows through one step."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 500, f"DDP's call closure is {ddp} lines: {by_file}"
-    assert "minizero/rebuild.py" in by_file and "minizero/ddp.py" in by_file  # it traced them
+    assert "minizero/optimizer_state.py" in by_file and "minizero/ddp.py" in by_file  # traced
     stage2, by_file = CLOSURE.call_closure(2)
     assert stage2 <= 700, f"stage 2's call closure is {stage2} lines: {by_file}"
     assert "minizero/zero2.py" in by_file and not any("habits" in f for f in by_file)
@@ -554,3 +554,75 @@ def test_the_counter_finds_decorated_functions_by_their_first_decorator(tmp_path
     ns: dict = {}
     exec(compile(src.read_text(), str(src), "exec"), ns)
     assert ns["A"].f.fget.__code__.co_firstlineno == 4  # what sys.setprofile reports
+
+
+def foreign_minizero_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every ``x._minizero... = ...`` and ``setattr(x, "_minizero...", ...)`` where
+    ``x`` is not ``self`` or ``cls``: minizero writing its own attribute onto an object it does
+    not own (the user's optimizer, model or parameter)."""
+
+    def foreign(target: ast.AST) -> bool:
+        return not (isinstance(target, ast.Name) and target.id in ("self", "cls"))
+
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            for a in ast.walk(t):
+                if (
+                    isinstance(a, ast.Attribute)
+                    and a.attr.startswith("_minizero")
+                    and foreign(a.value)
+                ):
+                    out.append((node.lineno, ast.unparse(node).splitlines()[0]))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("_minizero")
+            and foreign(node.args[0])
+        ):
+            out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def library_files() -> list[Path]:
+    """minizero/'s modules, the course machinery and tools/ aside."""
+    return [p for p in sorted(PACKAGE.rglob("*.py"))
+            if p.relative_to(PACKAGE).parts[0] not in ("course", "tools")]  # fmt: skip
+
+
+def test_minizero_writes_none_of_its_attributes_on_objects_it_does_not_own():
+    """What minizero knows of the user's optimizer, model and parameters lives in its own records
+    (optimizer.Adopted, habits/module.WRAPPED, units.WHERE), not in attributes written on them
+    (docs/design.md, "What minizero changes on your objects")."""
+    bad = [f"{p.relative_to(ROOT)}:{line} {code}" for p in library_files()
+           for line, code in foreign_minizero_writes(ast.parse(p.read_text()))]  # fmt: skip
+    assert not bad, "minizero attributes written on objects it does not own:\n" + "\n".join(bad)
+    caught = ast.parse(
+        "opt._minizero_full = None\nsetattr(model, '_minizero_by', w)\np._minizero_x += 1\n"
+        "self._minizero_ok = 1\nsetattr(self, '_minizero_ok', 1)\nx._other = 1\n"
+    )
+    assert sorted(line for line, _ in foreign_minizero_writes(caught)) == [1, 2, 3]
+
+
+def test_one_predicate_says_which_optimizer_states_are_per_element():
+    """One implementation moves optimizer state between layouts (minizero/optimizer_state.py),
+    with one predicate: no twin of ``per_element`` (``_elementwise``, ``_per_element``) anywhere
+    in the library, and the callers use the one."""
+    defined = {}
+    for p in library_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(per_element|elementwise)",
+                                                                  node.name):  # fmt: skip
+                defined.setdefault(node.name, []).append(p.relative_to(ROOT).as_posix())
+    assert defined == {"per_element": ["minizero/optimizer_state.py"]}, defined
+    assert not (PACKAGE / "rebuild.py").exists(), "the state mover is optimizer_state.py's alone"
+    for user in ("checkpoint/layout.py", "optimizer_state.py"):
+        assert "per_element(" in (PACKAGE / user).read_text(), user
