@@ -15,7 +15,9 @@ lesson05.py       ``check_predict_peak``                                      05
 lesson06.py       ``check_owned_tensors``                                     06_myths
 lesson07.py       ``check_owned_ranges``, ``check_read_plan``                 07_checkpoints
 lesson08.py       ``check_predict_step_time``, ``check_choose``               08_beyond_one_node
-lesson09.py       ``check_train``, ``LoopWatch``                              09_capstone
+lesson09.py       ``check_train``                                             09_capstone
+loop_watch.py     ``LoopWatch``, ``state_summary``: what a loop did, seen     09 (check, lab)
+                  from outside it
 ================  ==========================================================  ===============
 
 A lesson calls its own file's checks, e.g. ``lesson02.check_zero1(MyZeRO1)``; its one import
