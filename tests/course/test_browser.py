@@ -8,10 +8,12 @@ full, and every widget that holds a slider or a dropdown and a figure redraws th
 control moves. For the first unsolved lesson: its first check cell shows the exercise's failure
 message.
 
-The fast tier runs the lessons that draw widgets (``WIDGETS``: what only a browser can show) and
-the unsolved lesson; the soak tier the other solutions, each asserted to draw no widget (so that
-``WIDGETS``, read from the sources, misses none). A screenshot of the whole notebook goes to
-``runs/browser/`` when a test fails, and for every notebook under ``--soak``.
+The fast tier runs the lessons whose widgets a student moves (``WIDGETS``: sliders and dropdowns,
+what only a browser can show) and the unsolved lesson; the soak tier the other solutions, each
+asserted to draw no slider or dropdown (so that ``WIDGETS``, read from the sources, misses none;
+their progress bars are widgets too, checked drawn and full in either tier). A screenshot of the
+whole notebook goes to ``runs/browser/`` when a test fails, and for every notebook under
+``--soak``.
 
 Needs chromium (``apt-get install chromium``; another binary: ``MINIZERO_CHROMIUM=/path``) and
 ``pip install playwright`` (its own browser download is not used); skipped without them.
@@ -399,12 +401,16 @@ def test_solution_runs_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
             assert any(c["bars"] for c in code), f"{stem}: no progress bar drawn"
         boxes, stuck = interact(page)
         assert not stuck, f"{stem}: these widgets did not redraw their figure: {stuck}"
-        if stem in WIDGETS:  # a lab widget call in its source: it draws one
-            assert widgets, f"{stem}: no widget drawn"
+        # controls a student moves (progress bars are widgets too, drawn in any lesson)
+        controls = page.locator(
+            ".jp-OutputArea-output .widget-slider, .jp-OutputArea-output .widget-dropdown"
+        ).count()
+        if stem in WIDGETS:  # a lab widget call in its source: it draws controls
+            assert widgets and controls, f"{stem}: no slider or dropdown drawn ({widgets} widgets)"
         if stem.startswith("05_"):
             assert boxes >= 1, f"{stem}: the calculator (sliders and a figure) is not drawn"
-        if stem not in WIDGETS:  # WIDGETS (read from the sources) misses no lesson that draws one
-            assert widgets == 0, f"{stem} drew {widgets} widgets: add its call to WIDGETS' pattern"
+        if stem not in WIDGETS:  # WIDGETS (read from the sources) misses no lesson with controls
+            assert controls == 0, f"{stem} drew {controls} controls: add its call to WIDGETS"
         if request.config.getoption("--soak"):
             screenshot(page, stem)
 
