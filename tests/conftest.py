@@ -130,24 +130,24 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+_STARTED: dict[str, float] = {}  # nodeid -> CPU-seconds when its protocol began
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    """Each test's CPU-seconds (setup, call and teardown, its children included) ride on its
-    report as the user property ``cpu_s``, so that they reach the xdist controller."""
-    start = _cpu_seconds()
-    item.user_properties.append(("cpu_s", 0.0))  # filled in before the teardown report is sent
-    item._minizero_cpu_start = start
+    _STARTED[item.nodeid] = _cpu_seconds()
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
+    """Each test's CPU-seconds (setup, call and teardown, its children included) ride on its
+    teardown report as the user property ``cpu_s``, so that they reach the xdist controller."""
     outcome = yield
-    if call.when == "teardown" and hasattr(item, "_minizero_cpu_start"):
+    if call.when == "teardown" and item.nodeid in _STARTED:
+        cpu = round(_cpu_seconds() - _STARTED.pop(item.nodeid), 2)
         report = outcome.get_result()
-        cpu = round(_cpu_seconds() - item._minizero_cpu_start, 2)
-        props = report.user_properties
-        report.user_properties = [(k, cpu if k == "cpu_s" else v) for k, v in props]
+        report.user_properties = [*report.user_properties, ("cpu_s", cpu)]
 
 
 _CPU: dict[str, float] = {}
