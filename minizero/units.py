@@ -180,23 +180,38 @@ def check_same_module(code: int, names: list[str], group, device: torch.device) 
     """Stage 3's check that the ranks run the same unit modules: each rank all-gathers its
     ``code`` (2 * the module's index in ``names`` + 1 if backward starts from it) and all raise
     a ``RuntimeError`` naming what each rank ran when the codes differ."""
-    mine = torch.tensor([code], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    gather = lambda a: dist.all_gather(every, mine, group=group, async_op=a)  # not in the ledger
-    if dist.get_backend(group) == "gloo":  # temporaries: freed here, not on gloo's thread
-        C.released(gather, (mine, *every), async_op=False)
-    else:
-        gather(False)
-    codes = [int(t) for t in every]
-    if len(set(codes)) > 1:
-        what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(names[c // 2])
-        ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
-        raise RuntimeError(
-            f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
-            "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
-            "must run the same modules with parameters in the same order: make the branch "
-            "the same on every rank (e.g. run both and select the output)." + ONE_RANK_FORWARD
-        )
+    SameModule(code, names, group, device).verify()
+
+
+class SameModule:
+    """:func:`check_same_module` in two halves: the all-gather of the codes starts here, so that
+    it can be in flight with the unit's own all-gather; :meth:`verify` waits for it and raises.
+    Verify before anything reads what was gathered after it: ranks that ran different modules
+    may have paired their gathers of units of the same size."""
+
+    def __init__(self, code: int, names: list[str], group, device: torch.device) -> None:
+        self.names = names
+        mine = torch.tensor([code], dtype=torch.int64, device=device)
+        self.every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        gather = lambda a: dist.all_gather(self.every, mine, group=group, async_op=a)
+        if dist.get_backend(group) == "gloo":  # temporaries: freed here, not on gloo's thread
+            self.work = C.released(gather, (mine, *self.every), async_op=True)  # (no ledger)
+        else:
+            self.work = gather(True)
+
+    def verify(self) -> None:
+        self.work.wait()
+        codes = [int(t) for t in self.every]
+        if len(set(codes)) > 1:
+            names = self.names
+            what = lambda c: ("backward, from " if c % 2 else "forward of ") + repr(names[c // 2])
+            ran = "; ".join(f"rank {r}: {what(c)}" for r, c in enumerate(codes))
+            raise RuntimeError(
+                f"minizero ZeRO-3: the ranks ran different modules at the same point ({ran}). "
+                "Stage 3 all-gathers each unit's parameters with a collective, so every rank "
+                "must run the same modules with parameters in the same order: make the branch "
+                "the same on every rank (e.g. run both and select the output)." + ONE_RANK_FORWARD
+            )
 
 
 # -- the guard on sharded parameters -----------------------------------------------------------

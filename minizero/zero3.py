@@ -225,8 +225,12 @@ class ZeRO3(ZeRO2):
     def _forward_pre_hook(self, m: nn.Module, args) -> None:
         if m is self.module:  # a new forward: nothing of an earlier one (an exception) is running
             self._active = [0] * len(self.buckets)
-        if self.check_modules:
-            self._check_same_module(m, backward=False)
+        if self.check_modules:  # in flight with m's own gathers; verified before m runs
+            check = U.SameModule(2 * self._module_index[m], self._module_names,
+                                 self.same_module_group, self._check_device)  # fmt: skip
+            for i in self.units_of[m]:
+                self.gather(i, wait=False)
+            check.verify()
         self.pre_forward(m, args)
         for i in self.units_of[m]:
             self._active[i] += 1

@@ -11,9 +11,9 @@ rank 0 only.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -270,14 +270,19 @@ class ArrivalCheck:
         if self.store is None:
             return
         self.calls += 1
-        key = f"{self.prefix}/{self.calls}"
+        key = f"{self.prefix}/{self.calls}"  # the count of ranks that arrived at this call
         seconds = float(os.environ.get("MINIZERO_ARRIVAL_S", "30"))
-        if self.store.add(key, 1) == self.world:
-            self.store.set(key + "/all", "1")
-        try:
-            self.store.wait([key + "/all"], timedelta(seconds=seconds))
-        except RuntimeError:  # torch's DistStoreError is a RuntimeError
-            raise RuntimeError(
-                f"{what} is collective {why} and some rank did not call it within {seconds:g} s. "
-                f"Call it on every rank, {how}."
-            ) from None
+        deadline = time.monotonic() + seconds
+        arrived, pause = self.store.add(key, 1), 0.0
+        # poll the count (add 0 reads it): store.wait() would cost a FileStore's 10 ms polling
+        # interval at every step (the fork launcher's store), this one round trip when every
+        # rank is there (lesson 08's step parts: the wrapper's own work)
+        while arrived < self.world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{what} is collective {why} and some rank did not call it within "
+                    f"{seconds:g} s. Call it on every rank, {how}."
+                )
+            time.sleep(pause)
+            pause = min(2 * pause or 5e-5, 5e-3)  # 50 µs, doubling to 5 ms
+            arrived = self.store.add(key, 0)

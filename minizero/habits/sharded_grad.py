@@ -132,11 +132,21 @@ class GradNorms:
             inf = ord_ == float("inf")
             dtype = torch.promote_types(w.params[0].dtype, torch.float32)  # fp32, or fp64
             part = torch.zeros(len(w.params), dtype=dtype, device=w.params[0].device)
-            for i, q in enumerate(w.params):  # (P,) this rank's part of each parameter's norm
+            # (P,) this rank's part of each parameter's norm: every fragment's norm in one
+            # foreach call, gathered into its parameter's slot (one fragment per parameter and
+            # bucket here; a parameter with none keeps 0)
+            slots, frags = [], []
+            for i, q in enumerate(w.params):
                 for g in self.grad_fragments(q):
-                    part[i] = (
-                        torch.maximum(part[i], g.abs().max()) if inf else part[i] + g.pow(2).sum()
-                    )
+                    slots.append(i)
+                    frags.append(g)
+            if frags:
+                idx = torch.tensor(slots, device=part.device)
+                each = torch.stack(torch._foreach_norm(frags, ord_)).to(dtype)  # (fragments,)
+                if inf:
+                    part.scatter_reduce_(0, idx, each, "amax")
+                else:
+                    part.index_add_(0, idx, each.square())
             if w.stage > 0:  # disjoint ranges: one all-reduce (DDP owns every element)
                 what = "a gradient norm (p.grad.norm(), clip_grad_norm_)"  # a rank that logs
                 expect_every_rank(w, what, "print or save on rank 0 only")  # alone: an error

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp|nanogpt``.
+"""Benchmarks: ``python -m minizero bench collectives|ddp|stages|checkpoints|zeropp|parts|nanogpt``.
 Lessons 00, 01, 05, 07; zeropp (minizero/tools/bench_zeropp.py) for lesson 08; nanogpt
 (minizero/tools/bench_nanogpt.py: nanoGPT's train.py beside ``minizero train``) for lesson 09.
 
@@ -226,7 +226,7 @@ def all_reduce_probe(seconds: float, nbytes: int) -> dict:
 
 def main(argv: list[str]) -> int:
     """``python -m minizero bench collectives|ddp|stages [options]``."""
-    from minizero.tools import bench_steps, bench_zeropp
+    from minizero.tools import bench_parts, bench_steps, bench_zeropp
     from minizero.tools.bench_ckpt import bench_checkpoint
 
     p = Parser(
@@ -245,14 +245,17 @@ def main(argv: list[str]) -> int:
     sub.add_parser("checkpoints", help="save/load time and bytes per rank per stage",
                    description=COMMANDS["checkpoints"], add_help=False)  # fmt: skip
     bench_zeropp.add_parser(sub)
+    bench_parts.add_parser(sub)
     sub.add_parser("nanogpt", help="nanoGPT's train.py beside minizero train: val loss, wall "
                    "time, memory", add_help=False)  # fmt: skip
     a, rest = p.parse_known_args(argv[:1])
     if a.what is None:
-        p.error("say what to measure: collectives, ddp, stages, checkpoints, zeropp or nanogpt"
-                "; e.g. python -m minizero bench collectives")  # fmt: skip
+        p.error("say what to measure: collectives, ddp, stages, checkpoints, zeropp, parts or "
+                "nanogpt; e.g. python -m minizero bench collectives")  # fmt: skip
     if a.what == "zeropp":
         return bench_zeropp.main(argv[1:])
+    if a.what == "parts":
+        return bench_parts.bench_parts(argv[1:])
     if a.what == "nanogpt":
         from minizero.tools import bench_nanogpt
 

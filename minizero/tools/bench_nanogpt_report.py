@@ -81,8 +81,9 @@ def largest_difference(row: dict, ref: dict | None) -> str:
 def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
     from minizero.analysis.memory import format_bytes
 
-    base = {r["seed"]: r["wall_s"] for r in rows if r["name"].startswith("nanoGPT train.py")
-            and not r.get("fed")}  # fmt: skip
+    own = [r for r in rows if r["name"].startswith("nanoGPT train.py") and not r.get("fed")]
+    base = {r["seed"]: r["wall_s"] for r in own}
+    iters = {r["seed"]: r.get("iter_ms") for r in own}  # nanoGPT's median iteration, this run
     refs = {r["seed"]: r for r in rows if r.get("reference")}
     cores = os.cpu_count()
     threads = a.nanogpt_threads or "torch's default"
@@ -90,7 +91,8 @@ def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
           f"on Tiny Shakespeare, {a.max_iters} iterations, CPU ({cores} cores); threads: nanoGPT "
           f"{threads}, minizero 1 per rank")  # fmt: skip
     head = (f"{'run':<38}{'seed':>5}{'val':>8}{'val all':>8}{'train':>8}{'diff':>13}"
-            f"{'wall s':>8}{'/ nanoGPT':>10}{'iter ms':>8}{'peak RSS':>11}{'states':>11}"
+            f"{'wall s':>8}{'/ nanoGPT':>10}{'iter ms':>8}{'/ nanoGPT':>10}{'peak RSS':>11}"
+            f"{'states':>11}"
             f"{'load':>5}")  # fmt: skip
     print(head)
     for r in rows:
@@ -98,15 +100,21 @@ def print_rows(rows: list[dict], a: argparse.Namespace) -> None:
         r["diff"] = largest_difference(r, refs.get(r["seed"]))
         ms = f"{r['iter_ms']:.1f}" if r.get("iter_ms") else ""
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else ""
+        r["iter_ratio"] = (r["iter_ms"] / iters[r["seed"]]
+                           if r.get("iter_ms") and iters.get(r["seed"]) else None)  # fmt: skip
+        per_iter = f"{r['iter_ratio']:.2f}" if r["iter_ratio"] else ""
         states = format_bytes(r["states"]) if r.get("states") else ""
         print(f"{r['name']:<38}{r['seed']:>5}{r['val']:>8.4f}{r['val_full']:>8.4f}"
               f"{r['train']:>8.4f}{r['diff']:>13}{r['wall_s']:>8.1f}{ratio:>10}{ms:>8}"
-              f"{format_bytes(r['peak']):>11}{states:>11}{r['load']:>5.1f}")  # fmt: skip
+              f"{per_iter:>10}{format_bytes(r['peak']):>11}{states:>11}"
+              f"{r['load']:>5.1f}")  # fmt: skip
     print("val: the 20-batch estimate at the last iteration (nanoGPT's README: 1.88 at 2,000); "
           "val all: the final model over the whole validation split (111,539 characters, each "
           "predicted once); train: the 20-batch estimate on the training split; diff: the "
           "largest relative difference of the evaluations from the one-process run of the same "
-          "seed; peak RSS: the largest process (minizero: its largest rank); states: model "
+          "seed; iter ms: the median iteration, and its ratio to nanoGPT's own run's in this "
+          "bench (the figure that does not count start-up or evaluations); peak RSS: the "
+          "largest process (minizero: its largest rank); states: model "
           "states per rank at the end of a backward (the largest rank); wall: the whole "
           f"command, start-up and evaluations included; load: the 1-minute load average as the "
           f"run ended, on {cores} cores (above that the runs shared the machine and their times "
