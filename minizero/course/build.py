@@ -372,6 +372,7 @@ def lessons_main(argv: list[str]) -> int:
         (args.root / HINTS).write_text(hints)
         print(f"wrote {HINTS.as_posix()}")
     if _differs(args.root / SAVED, saved):  # generated, like hints.json: always rewritten
+        (args.root / SAVED).parent.mkdir(parents=True, exist_ok=True)
         (args.root / SAVED).write_text(saved)
         print(f"wrote {SAVED.as_posix()}")
     same = len(files) - len(todo)

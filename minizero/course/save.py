@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib.util
 import re
 import symtable
 import sys
@@ -125,9 +126,9 @@ class _Lab:
     defines: set[str]
 
 
-def read_lab(root: Path, module: str) -> _Lab:
+def read_lab(module: str) -> _Lab:
     """A lab read without importing it (it imports the saved module, which may not exist yet)."""
-    path = root / (module.replace(".", "/") + ".py")
+    path = Path(importlib.util.find_spec(module).origin)  # imports its package, not the lab
     tree = ast.parse(path.read_text(), str(path))
     exports: set[str] = set()
     imports: dict[str, tuple] = {}
@@ -138,7 +139,8 @@ def read_lab(root: Path, module: str) -> _Lab:
                 imports[a.asname or a.name.split(".")[0]] = ("import", a.name, a.asname)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
             for a in node.names:
-                imports[a.asname or a.name] = ("from", node.module, a.name, a.asname)
+                asname = None if a.asname == a.name else a.asname  # `import x as x`: a re-export
+                imports[asname or a.name] = ("from", node.module, a.name, asname)
         elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names = [t.id for t in targets if isinstance(t, ast.Name)]
@@ -176,7 +178,7 @@ def collect(root: Path) -> tuple[list[Saved], dict[str, tuple]]:
                     if isinstance(node, _DEFS):
                         notebook.update(dict.fromkeys(_bound(node), c.line))
         saved += mine
-        needs += [(s, read_lab(root, star[0]), notebook) for s in mine]
+        needs += [(s, read_lab(star[0]), notebook) for s in mine]
     where: dict[str, Saved] = {}
     for s in saved:
         for n in s.names:

@@ -7,9 +7,13 @@ it is copied from."""
 import torch
 import torch.distributed as dist
 
+import minizero
 from minizero import collectives as C
 from minizero.analysis.ledger import CommLedger
+from minizero.analysis.memory import MemoryMeter
 from minizero.course.labs import rank_device, run_info
+from minizero.course.labs.common import GPT, adam, gpt_batch
+from minizero.models import MLP, TinyGPT, synthetic_batch
 
 
 # course/00_collectives.py:175 (cell 00_collectives-010)
@@ -45,3 +49,69 @@ def time_collective(op: str, nbytes: int) -> dict:
     algbw = 4 * n / t  # S / t: bytes per second, as the caller sees it
     busbw = algbw * (2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world)
     return dict(op=op, nbytes=4 * n, seconds=t, algbw=algbw, busbw=busbw, info=run_info())
+
+
+# course/01_ddp.py:42 (cell 01_ddp-003)
+def local_gradients(rows_per_rank: int) -> dict:
+    """On every rank: the MLP's gradients on this rank's rows of the global batch, nothing sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = MLP()
+    x, y = synthetic_batch("mlp", rows_per_rank * world, 0, rank=rank, world=world)  # my rows
+    model(x, y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+# course/01_ddp.py:60 (cell 01_ddp-005)
+def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
+    """Each rank's gradients (``local_gradients``) against one process on the whole batch."""
+    local = minizero.launch(local_gradients, nprocs, rows_per_rank, verbose=False)  # per rank
+    torch.manual_seed(0)
+    single = MLP()
+    single(*synthetic_batch("mlp", rows_per_rank * nprocs, step=0)).backward()  # every row
+    rows = []
+    for name, p in single.named_parameters():
+        spread = max((g[name] - local[0][name]).abs().max().item() for g in local)
+        mean = sum(g[name] for g in local) / nprocs
+        rows.append(dict(name=name, spread=spread, error=(mean - p.grad).abs().max().item()))
+    return rows
+
+
+# course/02_zero1.py:55 (cell 02_zero1-003)
+def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
+    """Adam on a (numel,) tensor against two Adams, one per half, fed the same gradients."""
+    torch.manual_seed(0)
+    whole = torch.randn(numel, requires_grad=True)
+    halves = [h.clone().requires_grad_() for h in whole.detach().chunk(2)]
+    opt_whole = torch.optim.Adam([whole], lr=lr)
+    opt_halves = [torch.optim.Adam([h], lr=lr) for h in halves]  # two optimizers, two states
+    for _ in range(steps):
+        g = torch.randn(numel)  # the same gradient for both
+        whole.grad = g.clone()
+        for h, part in zip(halves, g.chunk(2), strict=True):
+            h.grad = part.clone()
+        for opt in [opt_whole, *opt_halves]:
+            opt.step()
+    diff = (torch.cat([h.detach() for h in halves]) - whole.detach()).abs().max().item()
+    shapes = lambda opt, p: [tuple(v.shape) for v in opt.state[p].values()]  # each state's shape
+    half = shapes(opt_halves[0], halves[0])
+    return dict(steps=steps, diff=diff, whole=shapes(opt_whole, whole), half=half)
+
+
+# course/02_zero1.py:387 (cell 02_zero1-021)
+def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = None) -> dict:
+    """On every rank: TinyGPT through one Adam step at ``stage``, read by a ``MemoryMeter``."""
+    torch.manual_seed(0)
+    kw = {} if bucket_cap_mb is None or stage == 3 else dict(bucket_cap_mb=bucket_cap_mb)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision, **kw)
+    x, y = gpt_batch(0)  # this rank's rows of step 0
+    with MemoryMeter(model, opt) as meter:  # what this rank holds, by category, and the peak
+        meter.mark("start")
+        loss = model(x, y)
+        meter.mark("after forward")
+        loss.backward()
+        meter.mark("after backward")
+        opt.step()
+        opt.zero_grad()
+        meter.mark("after step")
+    return dict(marks=meter.marks, info=run_info())
