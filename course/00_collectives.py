@@ -163,12 +163,29 @@ lesson00.check_all_reduce_via_rs_ag(all_reduce_via_rs_ag, NPROCS)
 #   reduce-scatter and all-gather: the rate at which each rank's link carries data in a ring
 #   implementation, comparable across ops and world sizes (and with the hardware's link speed).
 #
-# First the volumes, in the paper's accounting (elements moved), for S = 1200 float32:
+# A ledger is a `with` block: open it, issue collectives, read its records. On every rank, one
+# all-reduce of S = 1200 float32, then its two halves (`tag=` names a call in the ledger's table).
+# The prediction, in the paper's accounting (elements moved): 2S for the all-reduce, S for each
+# half. (`# @save` above a definition: the lab keeps this very function for later cells and
+# lessons, as d2l's `#@save` does.)
 
 
 # %%
+# @save
+def one_of_each(elements: int) -> CommLedger:
+    """On every rank: an all-reduce, then a reduce-scatter and an all-gather, under a ledger."""
+    world, dev = dist.get_world_size(), rank_device()
+    full = torch.ones(elements, device=dev)  # (S,)
+    shard = torch.empty(elements // world, device=dev)  # (S/N,)
+    with CommLedger() as ledger:  # records every call of minizero.collectives until the block ends
+        C.all_reduce(full, tag="all-reduce")
+        C.reduce_scatter(shard, full, tag="reduce-scatter half")
+        C.all_gather(full, shard, tag="all-gather half")
+    return ledger
+
+
 S = 1200  # float32 elements: divisible by 2, 3, 4, 5, 6, 8 ranks
-lab.show_volumes(lab.volumes(NPROCS, elements=S))  # rank 0's ledger
+lab.show_volumes(minizero.launch(one_of_each, NPROCS, S, verbose=False)[0])  # rank 0's ledger
 
 # %% [markdown]
 # The all-reduce counts 2 × 1200 elements; the reduce-scatter and the all-gather 1200 each:
@@ -197,8 +214,11 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 #
 # ## 4. Bandwidth over message sizes
 #
-# The cell below runs each collective at sizes from 4 KiB up, a few times each, on every rank,
-# and keeps rank 0's median time. It shows a progress bar while it runs.
+# `time_collective` is what every rank runs for one op and one size S: a warm-up call (the first
+# call of a size sets up connections and buffers), then a few timed calls under a ledger, and the
+# **median** (one call slowed by the machine moves a mean, not a median). From the median time t
+# it computes nccl-tests' algbw and busbw (section 3). The cell after it runs it at sizes from
+# 4 KiB up, on every rank, with a progress bar, and keeps rank 0's rows.
 #
 # **PyTorch's gloo emulates reduce-scatter.** The gloo library (the CPU backend) has a
 # reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch does not call it:
@@ -212,9 +232,32 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 
 
 # %%
+# @save
+def time_collective(op: str, nbytes: int) -> dict:
+    """On every rank: ``op`` on S = ``nbytes`` of float32, its median call and nccl-tests' rates."""
+    world, dev = dist.get_world_size(), rank_device()
+    n = max(world, nbytes // 4 // world * world)  # float32 elements, a multiple of N
+    full, shard = torch.ones(n, device=dev), torch.empty(n // world, device=dev)  # (S,), (S/N,)
+    call = {
+        "all_reduce": lambda: C.all_reduce(full),
+        "reduce_scatter": lambda: C.reduce_scatter(shard, full),
+        "all_gather": lambda: C.all_gather(full, shard),
+    }[op]
+    call()  # warm-up: connections, buffers
+    repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
+    with CommLedger() as ledger:
+        for _ in range(repeats):
+            call()
+    t = sorted(r.seconds for r in ledger.records)[repeats // 2]  # the median call, in seconds
+    algbw = 4 * n / t  # S / t: bytes per second, as the caller sees it
+    busbw = algbw * (2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world)
+    return dict(op=op, nbytes=4 * n, seconds=t, algbw=algbw, busbw=busbw, info=run_info())
+
+
+# %%
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 SIZES = lab.default_sizes(INFO)  # bytes: 4 KiB to 16 MiB on CPUs, to 256 MiB on GPUs
-rows = lab.bandwidth(NPROCS, OPS, SIZES)  # rank 0's median call at each (op, size)
+rows = lab.bandwidth(NPROCS, OPS, SIZES, time_collective)  # rank 0's row at each (op, size)
 lab.plot_bandwidth(rows)
 lab.show_ratios(rows)
 

@@ -33,12 +33,45 @@ NPROCS, INFO = setup()
 # The loss of a global batch of B rows is the mean over its rows. Split it into N equal slices:
 # its gradient is the **mean of the N slices' gradients**. So if rank r computes the gradient of
 # its slice and the ranks average, every rank holds the gradient that one process would compute
-# on the whole batch. The cell measures it: each rank returns its local gradients (no
-# communication), and we compare their mean with one process on the whole batch.
+# on the whole batch. The first cell is what each rank runs: the gradient of minizero's MLP on its
+# own rows of the global batch, with no communication.
 
 
 # %%
-lab.show_gradient_mean(lab.gradient_mean(NPROCS, rows_per_rank=4))
+# @save
+def local_gradients(rows_per_rank: int) -> dict:
+    """On every rank: the MLP's gradients on this rank's rows of the global batch, nothing sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = MLP()
+    x, y = synthetic_batch("mlp", rows_per_rank * world, 0, rank=rank, world=world)  # my rows
+    model(x, y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+# %% [markdown]
+# The second compares, parameter by parameter, the ranks' gradients with each other (`spread`) and
+# their mean with one process that runs the whole batch (`error`). The prediction: the spread is
+# the size of a gradient, the error is float rounding.
+
+
+# %%
+# @save
+def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
+    """Each rank's gradients (``local_gradients``) against one process on the whole batch."""
+    local = minizero.launch(local_gradients, nprocs, rows_per_rank, verbose=False)  # per rank
+    torch.manual_seed(0)
+    single = MLP()
+    single(*synthetic_batch("mlp", rows_per_rank * nprocs, step=0)).backward()  # every row
+    rows = []
+    for name, p in single.named_parameters():
+        spread = max((g[name] - local[0][name]).abs().max().item() for g in local)
+        mean = sum(g[name] for g in local) / nprocs
+        rows.append(dict(name=name, spread=spread, error=(mean - p.grad).abs().max().item()))
+    return rows
+
+
+lab.show_gradient_mean(gradient_mean(NPROCS, rows_per_rank=4))
 
 # %% [markdown]
 # Local gradients differ between ranks (each saw other rows), so without communication the copies

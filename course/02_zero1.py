@@ -46,10 +46,33 @@ NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurem
 # Adam updates element i of a parameter from element i of its gradient and of its two moments,
 # nothing else. So the update of a tensor is the same as the updates of its pieces, done
 # separately, by different optimizers, possibly on different ranks. The cell checks it: Adam on
-# a whole tensor against two Adams, each on one half, for 5 steps.
+# a whole tensor against two Adams, each on one half, fed the same gradients for 5 steps. The
+# prediction: the halves, put end to end, are the whole, to the last bit (`diff` 0).
+
 
 # %%
-lab.show_adam_in_pieces(lab.adam_in_pieces(steps=5, numel=10))
+# @save
+def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
+    """Adam on a (numel,) tensor against two Adams, one per half, fed the same gradients."""
+    torch.manual_seed(0)
+    whole = torch.randn(numel, requires_grad=True)
+    halves = [h.clone().requires_grad_() for h in whole.detach().chunk(2)]
+    opt_whole = torch.optim.Adam([whole], lr=lr)
+    opt_halves = [torch.optim.Adam([h], lr=lr) for h in halves]  # two optimizers, two states
+    for _ in range(steps):
+        g = torch.randn(numel)  # the same gradient for both
+        whole.grad = g.clone()
+        for h, part in zip(halves, g.chunk(2), strict=True):
+            h.grad = part.clone()
+        for opt in [opt_whole, *opt_halves]:
+            opt.step()
+    diff = (torch.cat([h.detach() for h in halves]) - whole.detach()).abs().max().item()
+    shapes = lambda opt, p: [tuple(v.shape) for v in opt.state[p].values()]  # each state's shape
+    half = shapes(opt_halves[0], halves[0])
+    return dict(steps=steps, diff=diff, whole=shapes(opt_whole, whole), half=half)
+
+
+lab.show_adam_in_pieces(adam_in_pieces(steps=5, numel=10))
 
 # %% [markdown]
 # Identical, and each half's optimizer holds states for its half only. That is all stage 1
@@ -354,10 +377,33 @@ lab.show_table1("7.5B", world=64, stages=(1, 2, 3))
 # each mark it splits the memory this rank holds into parameters, gradients, optimizer states,
 # communication buffers and everything else (activations), and keeps the peak. On GPUs it reads
 # the caching allocator (`torch.cuda.memory_allocated`); on CPUs it tracks every tensor storage
-# the step creates. Here in bf16, DDP against stage 1:
+# the step creates. A meter is a `with` block around the step, and `meter.mark(label)` takes a
+# reading. `one_step_memory` is what each rank runs, here in bf16, DDP against stage 1; the
+# prediction after the step: optimizer states 12Ψ at stage 0, 12Ψ/N at stage 1.
+
 
 # %%
-STEPS = lab.memory_per_step(NPROCS, stages=(0, 1), precision="bf16")
+# @save
+def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = None) -> dict:
+    """On every rank: TinyGPT through one Adam step at ``stage``, read by a ``MemoryMeter``."""
+    torch.manual_seed(0)
+    kw = {} if bucket_cap_mb is None or stage == 3 else dict(bucket_cap_mb=bucket_cap_mb)
+    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision, **kw)
+    x, y = gpt_batch(0)  # this rank's rows of step 0
+    with MemoryMeter(model, opt) as meter:  # what this rank holds, by category, and the peak
+        meter.mark("start")
+        loss = model(x, y)
+        meter.mark("after forward")
+        loss.backward()
+        meter.mark("after backward")
+        opt.step()
+        opt.zero_grad()
+        meter.mark("after step")
+    return dict(marks=meter.marks, info=run_info())
+
+
+# %%
+STEPS = {s: minizero.launch(one_step_memory, NPROCS, s, "bf16", verbose=False)[0] for s in (0, 1)}
 lab.plot_memory_per_step(STEPS, "TinyGPT, one bf16 Adam step")
 lab.show_after_step(STEPS)
 

@@ -221,6 +221,7 @@ lab.show_reduce_scatter_memory(lab.reduce_scatter_memory(NPROCS, mib=4))  # fp32
 # ## 4. One step, mark by mark
 #
 # `MemoryMeter` over one bf16 step of stage 1 and stage 2 (small buckets, 0.03 MiB), on rank 0:
+# `lab.memory_per_step` runs lesson 02's `one_step_memory` (section 6 there) at each stage.
 
 # %%
 STEPS = lab.memory_per_step(NPROCS, stages=(1, 2), precision="bf16", bucket_cap_mb=0.03)

@@ -10,6 +10,8 @@ file                 what it does
 build.py             ``python -m minizero lessons``: the sources ``course/NN_name.py`` (percent
                      format, read with jupytext) -> ``lessons/`` and ``solutions/``;
                      fingerprints, so that a notebook someone edited is never overwritten
+save.py              ``# @save`` above a lesson's definition: ``lessons`` copies it into
+                     ``labs/saved.py``, which the labs import (one source, as d2l's ``#@save``)
 exercise.py          an exercise in a source: its one ``# TODO:`` (the result), its ``# HINT:``
                      lines, its code
 hints.py             ``hint("MyZeRO2")`` in a notebook: an exercise's hints, one per call, read
@@ -32,7 +34,8 @@ checks/              the check cells' code, one file per lesson: ``checks/lesson
 labs/                the experiments the lessons run, one file per lesson: ``labs/lessonNN.py``
                      measures (functions returning rows or a dataclass) and shows (``show_*``,
                      ``plot_*``) what lesson NN measures, and its ``__all__`` is the lesson's one
-                     import line; ``labs/common.py`` what several lessons measure alike
+                     import line; ``labs/common.py`` what several lessons measure alike;
+                     ``labs/saved.py`` (generated) the lessons' ``# @save`` definitions
 plots.py             the lessons' figures of measured stages and of the paper's formulas
 plots_budget.py      lesson 05's memory budget figure and its ipywidgets calculator
 compare.py           every stage measured side by side (``profile_stages``, ``workload``) and

@@ -23,6 +23,10 @@ exercise is tagged ``exercise``. Generation is deterministic (cell ids from less
 sorted JSON keys, no outputs), so CI can regenerate and fail when a committed notebook differs
 from its source, or ``hints.json`` from the hints.
 
+A line ``# @save`` above a top-level definition of a code cell copies that definition into
+``minizero/course/labs/saved.py``, which the labs import (:mod:`minizero.course.save`): the code a
+lesson shows in the open is the code its lab, and later lessons, run.
+
 Every generated notebook carries the SHA-256 of its own content (``metadata.minizero.sha256``):
 a file whose content no longer matches was edited, run or saved by a person, and neither
 ``lessons`` nor ``start`` ever overwrites it.
@@ -48,6 +52,7 @@ from minizero.course.exercise import (
     ask_for_hints,
     split_blocks,
 )
+from minizero.course.save import SAVED, saved_text
 
 ROOT = Path(__file__).resolve().parents[2]  # the kit: course/, lessons/, solutions/
 VARIANTS = ("lessons", "solutions")
@@ -304,6 +309,10 @@ def stale(root: Path = ROOT) -> list[str]:
         bad.append(f"{HINTS.as_posix()} (missing)")
     elif _differs(root / HINTS, hints_text(root)):
         bad.append(f"{HINTS.as_posix()} (differs from the '{HINT}' lines of course/)")
+    if not (root / SAVED).exists():
+        bad.append(f"{SAVED.as_posix()} (missing)")
+    elif _differs(root / SAVED, saved_text(root)):
+        bad.append(f"{SAVED.as_posix()} (differs from the '# @save' definitions of course/)")
     return bad
 
 
@@ -341,7 +350,7 @@ def lessons_main(argv: list[str]) -> int:
                 n = len(generate(args.root))
                 print(f"lessons/ and solutions/ are up to date with course/ ({n} notebooks)")
             return 1 if bad else 0
-        files, hints = generate(args.root), hints_text(args.root)
+        files, hints, saved = generate(args.root), hints_text(args.root), saved_text(args.root)
     except SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -362,6 +371,10 @@ def lessons_main(argv: list[str]) -> int:
         (args.root / HINTS).parent.mkdir(parents=True, exist_ok=True)
         (args.root / HINTS).write_text(hints)
         print(f"wrote {HINTS.as_posix()}")
+    if _differs(args.root / SAVED, saved):  # generated, like hints.json: always rewritten
+        (args.root / SAVED).parent.mkdir(parents=True, exist_ok=True)
+        (args.root / SAVED).write_text(saved)
+        print(f"wrote {SAVED.as_posix()}")
     same = len(files) - len(todo)
     print(f"{len(todo)} notebooks written, {same} already up to date, in lessons/ and solutions/")
     return 0

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.analysis.memory import MemoryMeter, model_state_bytes, print_states_per_rank
+from minizero.analysis.memory import model_state_bytes, print_states_per_rank
 from minizero.collectives import mark
 from minizero.course.checks.common import describe, run_info
 from minizero.course.plots import GLOO_MEMORY_NOTE
@@ -88,34 +88,18 @@ def show_after_step(runs: dict[int, dict], psi: int = PSI) -> None:
         print(f"stage {stage}, after the step: {parts}")
 
 
-def _memory_per_step(stage: int, precision: str, bucket_cap_mb: float | None) -> dict:
-    torch.manual_seed(0)
-    kw = {} if bucket_cap_mb is None or stage == 3 else dict(bucket_cap_mb=bucket_cap_mb)
-    model, opt = minizero.parallelize(TinyGPT(GPT), stage, adam, precision=precision, **kw)
-    x, y = gpt_batch(0)
-    with MemoryMeter(model, opt) as meter:
-        meter.mark("start")
-        loss = model(x, y)
-        meter.mark("after forward")
-        loss.backward()
-        meter.mark("after backward")
-        opt.step()
-        opt.zero_grad()
-        meter.mark("after step")
-    return dict(marks=meter.marks, info=run_info())
-
-
 def memory_per_step(
     nprocs: int, stages, precision: str = "bf16", bucket_cap_mb: float | None = None
 ) -> dict[int, dict]:
     """Lessons 02-03: TinyGPT through one Adam step at each stage (buckets of ``bucket_cap_mb``,
     the default if None; stage 3 cuts units): rank 0's bytes of each category (params, grads,
     optimizer, comm, activations) and the peak so far, at start, after forward, after backward and
-    after the step. ``{stage: {"marks": [...], "info": ...}}``."""
+    after the step. ``{stage: {"marks": [...], "info": ...}}``: lesson 02's ``one_step_memory``
+    on ``nprocs`` ranks, once per stage."""
+    from minizero.course.labs.saved import one_step_memory  # saved.py imports this module
+
     args = (precision, bucket_cap_mb)
-    return {
-        s: minizero.launch(_memory_per_step, nprocs, s, *args, verbose=False)[0] for s in stages
-    }
+    return {s: minizero.launch(one_step_memory, nprocs, s, *args, verbose=False)[0] for s in stages}
 
 
 def plot_memory_per_step(

@@ -1,8 +1,8 @@
 """Lesson 00's experiments (``course/00_collectives.py``): what a collective moves and costs.
 
-``volumes`` (section 3) the paper's volume of each collective, from the ledger;
+``volumes`` (section 3) the paper's volume of each collective: the lesson's ``one_of_each``;
 ``ledger_cost`` (section 3) what the ledger's own timing costs per call;
-``bandwidth`` (section 4) time, algbw and busbw per op over message sizes, nccl-tests' way;
+``bandwidth`` (section 4) the lesson's ``time_collective`` over ops and message sizes;
 ``show_fit`` / ``plot_fit`` (section 5) those rows beside the α-β model fitted to them.
 """
 
@@ -25,36 +25,21 @@ from minizero.collectives import all_gather, reduce_scatter
 from minizero.course import hint
 from minizero.course.checks import lesson00
 from minizero.course.labs import describe, rank_device, run_info, setup
+from minizero.course.labs.saved import one_of_each, time_collective
 from minizero.launcher.progress import launch_with_progress
 
 lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "C", "all_gather", "cost", "dist"]
-__all__ += ["lesson00", "rank_device", "reduce_scatter", "run_info"]
-
-CALLS = {  # full: (S,), shard: (S/N,)
-    "all_reduce": lambda full, shard: C.all_reduce(full),
-    "reduce_scatter": lambda full, shard: C.reduce_scatter(shard, full),
-    "all_gather": lambda full, shard: C.all_gather(full, shard),
-}
-
-
-def _volumes(elements: int) -> CommLedger:
-    world, dev = dist.get_world_size(), rank_device()
-    full = torch.ones(elements, device=dev)  # (S,)
-    shard = torch.empty(elements // world, device=dev)  # (S/N,)
-    with CommLedger() as ledger:
-        C.all_reduce(full, tag="all-reduce")
-        C.reduce_scatter(shard, full, tag="reduce-scatter half")
-        C.all_gather(full, shard, tag="all-gather half")
-    return ledger
+__all__ += ["CommLedger", "lesson00", "rank_device", "reduce_scatter", "run_info"]
 
 
 def volumes(nprocs: int, elements: int = 1200) -> CommLedger:
-    """Lesson 00, section 3: one all-reduce, then one reduce-scatter and one all-gather of
-    ``elements`` float32 (a multiple of ``nprocs``), recorded by a ledger; rank 0's ledger."""
+    """Lesson 00, section 3: the lesson's ``one_of_each`` (one all-reduce, then one reduce-scatter
+    and one all-gather of ``elements`` float32, a multiple of ``nprocs``, under a ledger) on
+    ``nprocs`` ranks; rank 0's ledger."""
     if elements % nprocs:
         raise ValueError(f"elements={elements} must divide by nprocs={nprocs}")
-    return minizero.launch(_volumes, nprocs, elements, verbose=False)[0]
+    return minizero.launch(one_of_each, nprocs, elements, verbose=False)[0]
 
 
 def show_volumes(ledger: CommLedger) -> None:
@@ -108,40 +93,22 @@ def default_sizes(info: dict) -> list[int]:
     return [2**k for k in range(12, top + 1, 2)]
 
 
-def _bandwidth(ops: list[str], sizes: list[int], progress) -> list[dict]:
-    world, dev = dist.get_world_size(), rank_device()
+def _each(ops: list[str], sizes: list[int], time_one, progress) -> list[dict]:
     rows = []
     for op in ops:
         for nbytes in sizes:
-            n = max(world, nbytes // 4 // world * world)  # float32 elements, a multiple of N
-            full = torch.ones(n, device=dev)  # (S,)
-            shard = torch.empty(n // world, device=dev)  # (S/N,)
-            CALLS[op](full, shard)  # warm-up: connections, buffers
-            repeats = max(5, min(25, 2**22 // nbytes))  # more repeats where calls are cheap
-            with CommLedger() as ledger:
-                for _ in range(repeats):
-                    CALLS[op](full, shard)
-            m = sorted(ledger.records, key=lambda r: r.seconds)[repeats // 2]  # the median
-            rows.append(
-                dict(
-                    op=op,
-                    nbytes=m.nbytes,
-                    seconds=m.seconds,
-                    algbw=m.algbw,
-                    busbw=m.busbw,
-                    info=run_info(),
-                )
-            )
+            rows.append(time_one(op, nbytes))
             progress.tick()
     return rows
 
 
-def bandwidth(nprocs: int, ops: list[str], sizes: list[int]) -> list[dict]:
-    """Lesson 00, section 4: each op at each size (bytes), a few calls each; rank 0's median call
-    per (op, size): ``op, nbytes, seconds, algbw, busbw`` (nccl-tests' definitions), ``info``."""
+def bandwidth(nprocs: int, ops: list[str], sizes: list[int], time_one=time_collective) -> list:
+    """Lesson 00, section 4: ``time_one(op, nbytes)`` (the lesson's ``time_collective``: warm-up,
+    repeats, the median call) at each op and size, on ``nprocs`` ranks, with a progress bar; rank
+    0's rows: ``op, nbytes, seconds, algbw, busbw`` (nccl-tests' definitions), ``info``."""
     total = len(ops) * len(sizes)
     return launch_with_progress(
-        _bandwidth, nprocs, ops, sizes, total=total, desc="collectives", verbose=False
+        _each, nprocs, ops, sizes, time_one, total=total, desc="collectives", verbose=False
     )[0]
 
 

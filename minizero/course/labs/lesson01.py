@@ -1,6 +1,6 @@
 """Lesson 01's experiments (``course/01_ddp.py``): what DDP sends, when, and at what cost.
 
-``gradient_mean`` (section 1) the mean of the ranks' local gradients against one process;
+``gradient_mean`` (section 1) the lesson's own: the ranks' local gradients against one process;
 ``naive_volume`` (section 2) naive DDP's all-reduces and volume per step;
 ``overlap_timelines`` (section 4) one step per bucket size seen by the profiler;
 ``ddp_variants`` (section 5) naive, bucketed and torch DDP: messages, volume, time;
@@ -31,38 +31,14 @@ from minizero.course.labs import describe, rank_device, run_info, setup
 from minizero.course.labs.common import GPT, PSI, gpt_batch, gpt_step
 from minizero.course.labs.common import model_states as model_states  # section 6
 from minizero.course.labs.common import show_model_states as show_model_states
+from minizero.course.labs.saved import gradient_mean as gradient_mean  # section 1
 from minizero.course.plots import widgets_available
 from minizero.launcher.progress import launch_with_progress
 from minizero.models import MLP, TinyGPT, synthetic_batch
 
 lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "C", "PSI", "all_reduce", "cost", "dist"]
-__all__ += ["lesson01", "make_buckets", "mark"]
-
-
-def _local_gradients(rows_per_rank: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = MLP()
-    x, y = synthetic_batch("mlp", rows_per_rank * world, 0, rank=rank, world=world)
-    model(x, y).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
-    """Section 1: each rank's gradient of minizero's MLP on its rows of a global batch (no
-    communication), against one process on the whole batch. A row per parameter: ``name``,
-    ``spread`` (how far the ranks' gradients differ), ``error`` (|their mean - one process|)."""
-    local = minizero.launch(_local_gradients, nprocs, rows_per_rank, verbose=False)
-    torch.manual_seed(0)
-    single = MLP()
-    single(*synthetic_batch("mlp", rows_per_rank * nprocs, step=0)).backward()
-    rows = []
-    for name, p in single.named_parameters():
-        spread = max((g[name] - local[0][name]).abs().max().item() for g in local)
-        mean = sum(g[name] for g in local) / nprocs
-        rows.append(dict(name=name, spread=spread, error=(mean - p.grad).abs().max().item()))
-    return rows
+__all__ += ["MLP", "lesson01", "make_buckets", "mark", "synthetic_batch"]
 
 
 def show_gradient_mean(rows: list[dict]) -> None:

@@ -1,12 +1,12 @@
 """Lesson 02's experiments (``course/02_zero1.py``): stage 1, P_os, measured.
 
-``adam_in_pieces`` (section 1) Adam on a tensor against Adam on its halves;
+``adam_in_pieces`` (section 1) the lesson's own: Adam on a tensor against Adam on its halves;
 ``bucket_ownership`` (section 2) which elements of which parameter each rank owns;
 ``fp16_gradients`` (section 7) a backward in fp16 at several loss scales against fp32;
 ``step_volume`` (section 8) what one step sends, per op;
 ``optimizer_share`` (section 9) each rank's share of Adam's states, two layouts.
-Sections 4-6 use :mod:`minizero.course.labs.common` (``model_states``, ``states_over_world``,
-``memory_per_step``).
+Sections 4-5 use :mod:`minizero.course.labs.common` (``model_states``, ``states_over_world``);
+section 6 the lesson's own ``one_step_memory``, which ``memory_per_step`` runs for lesson 03.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import minizero
 from minizero.analysis.memory import PAPER_TABLE1, TABLE1_PSI, model_state_bytes, table1_gb
+from minizero.analysis.memory import MemoryMeter as MemoryMeter  # section 6
 from minizero.bucket import make_buckets, trainable_parameters
 from minizero.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.course import hint
@@ -31,6 +32,7 @@ from minizero.course.labs.common import plot_states_over_world as plot_states_ov
 from minizero.course.labs.common import show_after_step as show_after_step
 from minizero.course.labs.common import show_model_states as show_model_states
 from minizero.course.labs.common import states_over_world as states_over_world  # section 5
+from minizero.course.labs.saved import adam_in_pieces as adam_in_pieces  # section 1
 from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
 from minizero.precision import divides_before_sum
 from minizero.zero1 import ZeRO1
@@ -38,31 +40,7 @@ from minizero.zero1 import ZeRO1
 lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "MLP", "PSI", "ZeRO1", "all_gather"]
 __all__ += ["all_reduce", "dist", "divides_before_sum", "lesson02", "reduce_scatter"]
-
-
-def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
-    """Section 1: Adam on a (numel,) tensor against two Adams, one per half, fed the same
-    gradients: ``diff`` (max |whole - halves|) and the shapes of each one's states."""
-    torch.manual_seed(0)
-    whole = torch.randn(numel, requires_grad=True)
-    halves = [h.clone().requires_grad_() for h in whole.detach().chunk(2)]
-    opt_whole = torch.optim.Adam([whole], lr=lr)
-    opt_halves = [torch.optim.Adam([h], lr=lr) for h in halves]  # two optimizers, two states
-    for _ in range(steps):
-        g = torch.randn(numel)  # the same gradient for both
-        whole.grad = g.clone()
-        for h, part in zip(halves, g.chunk(2), strict=True):
-            h.grad = part.clone()
-        for opt in [opt_whole, *opt_halves]:
-            opt.step()
-    diff = (torch.cat([h.detach() for h in halves]) - whole.detach()).abs().max().item()
-    shapes = lambda opt, p: [tuple(v.shape) for v in opt.state[p].values()]
-    return dict(
-        steps=steps,
-        diff=diff,
-        whole=shapes(opt_whole, whole),
-        half=shapes(opt_halves[0], halves[0]),
-    )
+__all__ += ["GPT", "MemoryMeter", "TinyGPT", "adam", "gpt_batch", "run_info"]
 
 
 def show_adam_in_pieces(r: dict) -> None:
