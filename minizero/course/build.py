@@ -311,7 +311,7 @@ def stale(root: Path = ROOT) -> list[str]:
         bad.append(f"{HINTS.as_posix()} (differs from the '{HINT}' lines of course/)")
     if not (root / SAVED).exists():
         bad.append(f"{SAVED.as_posix()} (missing)")
-    elif _differs(root / SAVED, saved_text(root)):
+    elif _differs(root / SAVED, saved_text(root, parse)):
         bad.append(f"{SAVED.as_posix()} (differs from the '# @save' definitions of course/)")
     return bad
 
@@ -350,7 +350,8 @@ def lessons_main(argv: list[str]) -> int:
                 n = len(generate(args.root))
                 print(f"lessons/ and solutions/ are up to date with course/ ({n} notebooks)")
             return 1 if bad else 0
-        files, hints, saved = generate(args.root), hints_text(args.root), saved_text(args.root)
+        files, hints = generate(args.root), hints_text(args.root)
+        saved = saved_text(args.root, parse)
     except SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

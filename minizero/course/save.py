@@ -152,10 +152,9 @@ def read_lab(module: str) -> _Lab:
     return _Lab(module, exports, imports, defines)
 
 
-def collect(root: Path) -> tuple[list[Saved], dict[str, tuple]]:
-    """Every saved statement of the course, in order, and the import each name they read needs."""
-    from minizero.course.build import parse
-
+def collect(root: Path, parse) -> tuple[list[Saved], dict[str, tuple]]:
+    """Every saved statement of the course, in order, and the import each name they read needs.
+    ``parse``: build.py's, source text -> cells (passed in: build.py imports this module)."""
     saved: list[Saved] = []
     needs: list[tuple[Saved, _Lab, dict[str, int]]] = []
     for src in sorted((root / "course").glob("[0-9][0-9]_*.py")):
@@ -256,9 +255,10 @@ def import_lines(imports: dict[str, tuple]) -> list[str]:
     return out
 
 
-def saved_text(root: Path) -> str:
-    """The text of ``minizero/course/labs/saved.py`` for the sources under ``root``."""
-    saved, imports = collect(root)
+def saved_text(root: Path, parse) -> str:
+    """The text of ``minizero/course/labs/saved.py`` for the sources under ``root`` (``parse``:
+    build.py's)."""
+    saved, imports = collect(root, parse)
     head = [
         '"""The `# @save` definitions of the lessons, in course order: what the labs run.',
         "",

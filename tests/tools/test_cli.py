@@ -75,7 +75,7 @@ def test_run_help_lists_minizeros_defaults_and_torchruns_options(capsys):
     [
         ([], "minizero: error: say which command to run: demo, doctor, compare, simulate, bench"),
         (["bench"], "minizero bench: error: say what to measure: collectives, ddp, stages, "
-         "checkpoints, zeropp or nanogpt"),
+         "checkpoints, zeropp, parts or nanogpt"),
         (["bench", "nope"], "minizero bench: error: argument WHAT: invalid choice: 'nope'"),
         (["demo", "--nprocs", "0"], "minizero demo: error: argument --nprocs: must be a whole "
          "number >= 1, got '0'"),

@@ -3,8 +3,8 @@ states after one step beside the paper's formula, and the memory held through on
 
 ``model_states`` lessons 01-03 (bytes per rank after one step, beside the paper's formula);
 ``states_over_world`` lessons 02 and 04 (model states per rank for N = 1..world);
-``memory_per_step`` / ``plot_memory_per_step`` lessons 02-03 (what a rank holds at each point
-of one step: the one memory-per-step helper).
+``plot_memory_per_step`` lessons 02-03 (what a rank holds at each point of one step, as lesson
+02's lab's ``memory_per_step`` measures it).
 """
 
 from __future__ import annotations
@@ -86,20 +86,6 @@ def show_after_step(runs: dict[int, dict], psi: int = PSI) -> None:
         end = run["marks"][-1]
         parts = ", ".join(f"{c} {end[c] / psi:.2f}Ψ" for c in ("params", "grads", "optimizer"))
         print(f"stage {stage}, after the step: {parts}")
-
-
-def memory_per_step(
-    nprocs: int, stages, precision: str = "bf16", bucket_cap_mb: float | None = None
-) -> dict[int, dict]:
-    """Lessons 02-03: TinyGPT through one Adam step at each stage (buckets of ``bucket_cap_mb``,
-    the default if None; stage 3 cuts units): rank 0's bytes of each category (params, grads,
-    optimizer, comm, activations) and the peak so far, at start, after forward, after backward and
-    after the step. ``{stage: {"marks": [...], "info": ...}}``: lesson 02's ``one_step_memory``
-    on ``nprocs`` ranks, once per stage."""
-    from minizero.course.labs.saved import one_step_memory  # saved.py imports this module
-
-    args = (precision, bucket_cap_mb)
-    return {s: minizero.launch(one_step_memory, nprocs, s, *args, verbose=False)[0] for s in stages}
 
 
 def plot_memory_per_step(

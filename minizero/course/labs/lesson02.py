@@ -25,7 +25,6 @@ from minizero.course import hint
 from minizero.course.checks import lesson02
 from minizero.course.labs import describe, rank_device, run_info, setup
 from minizero.course.labs.common import GPT, PSI, adam, gpt_batch
-from minizero.course.labs.common import memory_per_step as memory_per_step  # section 6
 from minizero.course.labs.common import model_states as model_states  # section 4
 from minizero.course.labs.common import plot_memory_per_step as plot_memory_per_step
 from minizero.course.labs.common import plot_states_over_world as plot_states_over_world
@@ -33,6 +32,7 @@ from minizero.course.labs.common import show_after_step as show_after_step
 from minizero.course.labs.common import show_model_states as show_model_states
 from minizero.course.labs.common import states_over_world as states_over_world  # section 5
 from minizero.course.labs.saved import adam_in_pieces as adam_in_pieces  # section 1
+from minizero.course.labs.saved import one_step_memory
 from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
 from minizero.precision import divides_before_sum
 from minizero.zero1 import ZeRO1
@@ -210,3 +210,15 @@ def show_optimizer_share(rows: list[dict]) -> None:
     for r, row in enumerate(rows):
         print(f"rank {r}: ZeroRedundancyOptimizer {row['theirs']:6.1%} ({', '.join(row['owned'])})")
         print(f"        minizero ZeRO1          {row['ours']:6.1%} (chunk {r} of one flat bucket)")
+
+
+def memory_per_step(
+    nprocs: int, stages, precision: str = "bf16", bucket_cap_mb: float | None = None
+) -> dict[int, dict]:
+    """Lessons 02-03: TinyGPT through one Adam step at each stage (buckets of ``bucket_cap_mb``,
+    the default if None; stage 3 cuts units): rank 0's bytes of each category (params, grads,
+    optimizer, comm, activations) and the peak so far, at start, after forward, after backward and
+    after the step. ``{stage: {"marks": [...], "info": ...}}``: lesson 02's ``one_step_memory``
+    on ``nprocs`` ranks, once per stage."""
+    args = (precision, bucket_cap_mb)
+    return {s: minizero.launch(one_step_memory, nprocs, s, *args, verbose=False)[0] for s in stages}

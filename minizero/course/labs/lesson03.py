@@ -27,10 +27,10 @@ from minizero.course import hint
 from minizero.course.checks import lesson03
 from minizero.course.labs import describe, rank_device, run_info, setup
 from minizero.course.labs.common import GPT, PSI, adam, gpt_batch
-from minizero.course.labs.common import memory_per_step as memory_per_step  # section 4
 from minizero.course.labs.common import model_states as model_states  # section 3
 from minizero.course.labs.common import plot_memory_per_step as plot_memory_per_step
 from minizero.course.labs.common import show_model_states as show_model_states
+from minizero.course.labs.lesson02 import memory_per_step as memory_per_step  # section 4
 from minizero.course.plots import GLOO_EMULATION
 from minizero.models import TinyGPT, synthetic_batch
 from minizero.precision import divides_before_sum
