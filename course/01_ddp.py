@@ -18,9 +18,6 @@
 # `DistributedDataParallel` and minizero's own `minizero.ddp`, and says where they differ.
 #
 #     python -m minizero grade my-lessons/01_ddp.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson01 import *  # torch, dist, minizero, C, hint, lab, lesson01

@@ -31,9 +31,6 @@
 # together when one of them sees an overflow.
 #
 #     python -m minizero grade my-lessons/02_zero1.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson02 import *  # torch, dist, minizero, hint, lab, lesson02, ZeRO1

@@ -19,9 +19,6 @@
 # You will write the hook that does it, and the gradient clipping that sharded gradients need.
 #
 #     python -m minizero grade my-lessons/03_zero2.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson03 import *  # torch, minizero, hint, lab, lesson03, ZeRO2, ...

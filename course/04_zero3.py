@@ -25,9 +25,6 @@
 # while the current one computes.
 #
 #     python -m minizero grade my-lessons/04_zero3.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson04 import *  # torch, nn, dist, minizero, hint, lab, lesson04, ZeRO3

@@ -26,9 +26,6 @@
 # arXiv 2205.05198.
 #
 #     python -m minizero grade my-lessons/05_all_stages.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson05 import *  # torch, minizero, budget, hint, lab, the check
