@@ -408,7 +408,8 @@ lab.plot_step_parts(PARTS)
 # average under the table is above the core count, rerun section 1. On a GPU the optimizer and the
 # copies are fast kernels, and NCCL overlaps only partly (its kernels share the SMs, lesson 01), so
 # a real step sits between no overlap and full overlap.
-#
+
+# %% [markdown]
 # ## 6. At scale: lesson 05's 6.7B model on 64 nodes × 8 GPUs
 #
 # A scenario, not a measurement. The model is lesson 05's (L = 32, h = 4096, s = 4096, flash
