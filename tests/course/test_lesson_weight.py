@@ -75,7 +75,7 @@ def test_the_course_is_at_most_20000_words():
 def test_markdown_cells_count_words_not_marks(tmp_path: Path):
     src = tmp_path / "00_x.py"
     src.write_text("# %% [markdown]\n# # Title\n#\n# two words\n\n# %%\nx = 1  # not counted\n")
-    assert markdown_cells(src) == [(1, 3)]
+    assert markdown_cells(src) == [(1, 4)]  # "#", "Title", "two", "words": the comment marks go
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
