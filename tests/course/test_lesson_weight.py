@@ -114,8 +114,10 @@ if __name__ == "__main__":
         print(f"{p.stem:<24}{w['student']:>8}{w['rest']:>6}{w['longest']:>8}{w['directives']:>9}")
     words = {p.stem: markdown_cells(p) for p in LESSONS}
     for stem, cells in words.items():
-        print(f"{stem:<24}{sum(w for _, w in cells):>6} words, largest cell {max(w for _, w in cells)}")
-    print(f"markdown words in all: {sum(w for c in words.values() for _, w in c)} (at most {WORDS})")
+        counts = [w for _, w in cells]
+        print(f"{stem:<24}{sum(counts):>6} words, largest cell {max(counts)}")
+    in_all = sum(w for c in words.values() for _, w in c)
+    print(f"markdown words in all: {in_all} (at most {WORDS})")
     print(
         f"{'all':<24}{'':>8}{total:>6}   (targets: {TOTAL} in all, {PER_LESSON} a lesson, "
         f"{PER_CELL} a cell)"
