@@ -263,8 +263,8 @@ class MyZeRO1(ZeRO1):
                 # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives
                 #       every rank every chunk, Ψ in all:
                 #       if self.precision.master:
-                #           own.copy_(master)
-                #       all_gather(flat, own, group=self.group, tag=f"params {b.index}")
+                #           own.copy_(...)  # the 16-bit chunk takes the stepped master
+                #       all_gather(...)  # flat from own over self.group, tag f"params {b.index}"
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")

@@ -139,10 +139,9 @@ class MyZeRO3(ZeRO3):
         #       (self.gather_works[i]) must finish first. Then the storage goes to 0 bytes; the
         #       views stay.
         # HINT: if self.gather_works[i] is not None:
-        #           self.gather_works[i].wait()
-        #           self.gather_works[i] = None
-        #       self.flat_params[i].untyped_storage().resize_(0)
-        #       self.gathered[i] = False
+        #           ...  # wait for it, then forget it
+        #       self.flat_params[i].untyped_storage()...  # 0 bytes
+        #       self.gathered[i] = ...
         if self.gather_works[i] is not None:  # never free memory a collective is writing into
             self.gather_works[i].wait()
             self.gather_works[i] = None
@@ -229,8 +228,8 @@ class PrefetchZeRO3(ZeRO3):
         #       (self.started[i]): gathering it again would move Ψ/N for nothing.
         # HINT: for i in self.units_of[m]:
         #           self.gather(i)
-        #       for i in self.neighbour(m, -self.prefetch):
-        #           if not self.started[i]:
+        #       for i in self.neighbour(m, ...):  # backward's direction of travel
+        #           if ...:  # not reduce-scattered yet
         #               self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
