@@ -189,28 +189,23 @@ lab.show_volumes(minizero.launch(one_of_each, NPROCS, S, verbose=False)[0])  # r
 
 # %% [markdown]
 # The all-reduce counts 2 × 1200 elements; the reduce-scatter and the all-gather 1200 each:
-# together, exactly one all-reduce. (Times for a single small call are noise; the curve below
-# repeats each call and takes the median. On gloo the reduce-scatter's time is an all-reduce's:
-# section 4.)
+# together, exactly one all-reduce. (One small call's time is noise; section 4 takes medians.)
 #
 # **What the ledger's timing costs.** With no ledger open, minizero's wrappers call
-# `torch.distributed` directly and add nothing. With a ledger open, each call also creates a
-# record and reads the clock: a blocking call is timed from issue to return (on CUDA the stream
-# is synchronised before and after, so the figure is the collective alone, and the call no
-# longer overlaps GPU work queued before it); an asynchronous call is timed from issue to the end
-# of its `wait()`, which includes whatever ran in between. The cell times 200 blocking 4 KiB
-# all-reduces twice at once: from the caller's side (`time.perf_counter()` around the call) and
-# by the ledger. The difference is the ledger's own bookkeeping.
+# `torch.distributed` directly. With one open, each call also creates a record and reads the clock:
+# a blocking call is timed from issue to return (on CUDA the stream is synchronised before and
+# after, so the call no longer overlaps queued GPU work); an asynchronous one from issue to the end
+# of its `wait()`. The cell times 200 blocking 4 KiB all-reduces both from the caller's side and by
+# the ledger: the difference is the ledger's bookkeeping.
 
 
 # %%
 lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 
 # %% [markdown]
-# Microseconds per call (printed above), and only while a ledger is open: open one around the steps
-# you want to measure, not around a whole training run. (`python -m minizero bench collectives`
-# compares the ledger's times with the same calls made on `torch.distributed` directly, at sizes
-# up to 64 MiB, and prints the ratio.)
+# Microseconds per call, and only while a ledger is open: open one around the steps you measure, not
+# around a whole run (`python -m minizero bench collectives` compares it with bare calls up to 64
+# MiB).
 #
 # ## 4. Bandwidth over message sizes
 #
@@ -221,14 +216,12 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 # 4 KiB up, on every rank, with a progress bar, and keeps rank 0's rows.
 #
 # **PyTorch's gloo emulates reduce-scatter.** The gloo library (the CPU backend) has a
-# reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch does not call it:
-# `ProcessGroupGloo::reduce_scatter_tensor_coalesced` runs an **all-reduce of a clone of the whole
-# input** and copies out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce
-# costs, and its busbw (computed with the smaller factor (N−1)/N) comes out at about half of the
-# all-reduce's. It costs memory too: the all-reduce runs on a copy of the input, which lives
-# until the reduce-scatter completes (lesson 03 measures it). NCCL implements reduce-scatter
-# natively; run this notebook on GPUs and the same cells measure it there. The last cell of this
-# section prints the ratio measured here.
+# reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch's `ProcessGroupGloo`
+# answers `reduce_scatter_tensor` with an **all-reduce of a clone of the whole input** and copies
+# out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce costs (its busbw, with
+# the smaller factor, comes out at about half), and the clone costs memory until it completes
+# (lesson 03 measures it). NCCL implements reduce-scatter natively. The last cell prints the ratio
+# measured here.
 
 
 # %%
@@ -264,19 +257,17 @@ lab.show_ratios(rows)
 # %% [markdown]
 # What to read in the measurements:
 #
-# * **Small messages are latency-bound**: below some size the time per call hardly changes with
-#   S, so busbw grows with S (left plot, rising part). Sending many small tensors costs a latency
-#   each: this is why DDP groups gradients into buckets (lesson 01).
-# * **The ratio** printed above: on gloo, time(reduce_scatter) / time(all_reduce) is near 1,
-#   because there the reduce-scatter *is* an all-reduce, so RS + AG costs more than one
-#   all-reduce. With a native reduce-scatter (NCCL) the ring model says each half moves half an
-#   all-reduce's bytes; whether it also takes half the time is for `python -m minizero bench
-#   collectives` on a GPU machine to measure (NCCL may run the all-reduce with its Tree
-#   algorithm, which is all-reduce only, so the all-reduce can be faster than the two halves;
-#   NVLS serves reduce-scatter and all-gather too, and NCCL 2.20 added CollNet for both:
-#   NVIDIA/nccl `src/device/reduce_scatter.h` and `src/device/all_gather.h`).
-#   The *volume* is the same either way (section 3): that is what the ZeRO paper
-#   counts, and what lessons 02–04 measure.
+# * **Small messages are latency-bound**: below some size the time per call hardly changes with S,
+#   so busbw grows with S. Many small tensors cost a latency each: this is why DDP groups gradients
+#   into buckets (lesson 01).
+# * **The ratio** printed above: on gloo, time(reduce_scatter) / time(all_reduce) is near 1, so RS +
+#   AG costs more than one all-reduce. With NCCL each half of a ring moves half an all-reduce's
+#   bytes, but NCCL has other algorithms than the ring: a **tree** (all-reduce only, its rounds
+#   growing with log N), **NVLS** (NVLink SHARP: the NVSwitch itself reduces) and **CollNet** (the
+#   network's switches reduce). NVLS serves reduce-scatter and all-gather too, and NCCL 2.20 added
+#   CollNet for both (NVIDIA/nccl `src/device/reduce_scatter.h`), so which is faster on a GPU
+#   machine is for `python -m minizero bench collectives` to measure. The *volume* is the same
+#   either way: that is what the ZeRO paper counts, and what lessons 02–04 measure.
 
 # %% [markdown]
 # ## 5. A cost model: latency + bytes / bandwidth
@@ -310,12 +301,10 @@ lab.show_fit(rows, link, model)
 lab.plot_fit(rows, link, model)
 
 # %% [markdown]
-# Where does latency stop mattering? The two terms of an all-reduce are equal when
-# α·2(N−1) = 2(N−1)/N · S/β, at **S½ = N·α·β**: a message of S½ reaches half of β. Below it,
-# sending fewer, larger messages pays; above it, the size hardly matters. That is the reason DDP
-# packs gradients into buckets of megabytes (lesson 01 sweeps the bucket size against this
-# model), and the number to keep in mind for lesson 08, where the same fit, done once for the
-# links inside a node and once for the network between nodes, predicts a training step.
+# Where does latency stop mattering? The two terms of an all-reduce are equal at **S½ = N·α·β**: a
+# message of S½ reaches half of β. Below it, fewer, larger messages pay. That is why DDP packs
+# gradients into buckets of megabytes (lesson 01), and lesson 08 fits the same model once for the
+# links inside a node and once for the network, to predict a training step.
 
 # %%
 s_half = NPROCS * link.alpha * link.beta

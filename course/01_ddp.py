@@ -18,9 +18,6 @@
 # `DistributedDataParallel` and minizero's own `minizero.ddp`, and says where they differ.
 #
 #     python -m minizero grade my-lessons/01_ddp.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson01 import *  # torch, dist, minizero, C, hint, lab, lesson01
@@ -74,18 +71,16 @@ def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
 lab.show_gradient_mean(gradient_mean(NPROCS, rows_per_rank=4))
 
 # %% [markdown]
-# Local gradients differ between ranks (each saw other rows), so without communication the copies
-# would drift apart after one step; their mean equals one process's gradient up to float rounding.
+# Local gradients differ between ranks, so without communication the copies would drift apart after
+# one step; their mean equals one process's gradient up to float rounding.
 #
 # ## Exercise 1 — naive DDP
 #
 # Write `allreduce_gradients(model, group=None)`, called on every rank after `loss.backward()`:
 # replace every `p.grad` by its average over the ranks of `group`. Use
 # `minizero.collectives.all_reduce(tensor, group=group)` (in place, it **sums**), so that the
-# `CommLedger` sees each call. Parameters without a gradient (`p.grad is None`) are skipped.
-#
-# (The initial weights must also be the same everywhere; DDP broadcasts rank 0's at the start.
-# Here every rank seeds its generator the same way, so they already are.)
+# `CommLedger` sees each call. Skip parameters whose `p.grad is None`. (The initial weights must
+# also be the same everywhere: here every rank seeds its generator alike; DDP broadcasts rank 0's.)
 
 
 # %%
@@ -120,11 +115,10 @@ lesson01.check_allreduce_gradients(allreduce_gradients, NPROCS)
 # %% [markdown]
 # ## 2. What naive DDP costs
 #
-# Per step, naive DDP all-reduces Ψ gradient elements, which moves **2Ψ** elements in the ZeRO
-# paper's accounting (§7.1; lesson 00: all-reduce = reduce-scatter + all-gather). It does so in
-# **one collective per parameter tensor**, and **only after backward has finished**: the network
-# idles during backward, and the compute idles during communication. minizero's `NaiveDDP` does
-# the same as your function (from a callback at the end of backward). Measured on `TinyGPT`:
+# Per step, naive DDP all-reduces Ψ gradient elements, **2Ψ** in the ZeRO paper's accounting (§7.1;
+# lesson 00), in **one collective per parameter tensor**, **after backward has finished**: the
+# network idles during backward, the compute during communication. minizero's `NaiveDDP` does the
+# same as your function. Measured on `TinyGPT`:
 
 # %%
 lab.show_naive_volume(lab.naive_volume(NPROCS))  # expected: 2Ψ, every all-reduce after backward
@@ -132,15 +126,13 @@ lab.show_naive_volume(lab.naive_volume(NPROCS))  # expected: 2Ψ, every all-redu
 # %% [markdown]
 # ## 3. Gradient hooks: the argument is the parameter
 #
-# To start communicating during backward we need to know when each gradient is ready. PyTorch
-# calls `p.register_post_accumulate_grad_hook(hook)` **after** the gradient has been accumulated
-# into `p.grad`, with **the parameter `p` as the argument**, not the gradient (unlike a tensor's
-# `register_hook(hook)`, whose argument is the gradient flowing through). The mix-up is easy and
-# silent: pytorch/pytorch issue #187268 reports a training run whose loss stalled for thousands of
-# steps because the argument was taken for the gradient, and huggingface/picotron issue #39 asks
-# the same question of that teaching repository's data-parallel hook. All-reducing the argument
-# averages the *weights* (identical on every rank, so nothing changes) and leaves each rank's
-# local gradient in `p.grad`. The cell shows what each hook receives:
+# To communicate during backward we need to know when each gradient is ready. PyTorch calls
+# `p.register_post_accumulate_grad_hook(hook)` **after** the gradient has been accumulated into
+# `p.grad`, with **the parameter `p` as the argument**, not the gradient (unlike a tensor's
+# `register_hook`). The mix-up is silent: pytorch/pytorch issue #187268 reports a run whose loss
+# stalled for thousands of steps because of it. All-reducing the argument averages the *weights*
+# (identical everywhere, so nothing changes) and leaves each rank's local gradient in `p.grad`. The
+# cell shows what each hook receives:
 
 # %%
 lin = torch.nn.Linear(3, 2)
@@ -161,25 +153,20 @@ lin(torch.randn(4, 3)).sum().backward()
 # %% [markdown]
 # ## Exercise 2 — bucketed DDP, overlapped with backward
 #
-# Torch DDP (and minizero's `DDP`) group parameters into **buckets** of about `bucket_cap_mb`
-# MiB (a bucket closes once it reaches the cap; at the default, 25, the first closes at 1 MiB),
-# in **reverse** registration order (backward produces the last layer's gradients first; both
-# then cut them once more, in the order the gradients really arrived in the first backward).
-# Each bucket has one flat buffer; when the last gradient of a bucket has arrived, the bucket's
-# all-reduce starts **asynchronously**, while backward goes on with earlier layers. At the end of
-# backward we wait for every bucket and write the averages back into `p.grad`.
+# Torch DDP (and minizero's `DDP`) group parameters into **buckets** of about `bucket_cap_mb` MiB,
+# in **reverse** registration order (backward produces the last layer's gradients first). Each
+# bucket has one flat buffer; when its last gradient has arrived, its all-reduce starts
+# **asynchronously**, while backward goes on. At the end of backward we wait for every bucket and
+# write the averages back into `p.grad`.
 #
-# The class below is written except for two bodies. Provided: buckets from
-# `minizero.bucket.make_buckets` (a `Bucket` has `.index`, `.params`, `.numel` and
-# `.view(flat, p)`, the slice of a flat buffer that belongs to `p`, shaped like `p`); one flat
-# buffer per bucket; a count of gradients still expected per bucket; a hook on every parameter;
-# and `_finish()`, queued to run once when backward is over, which marks `"backward end"` on the
-# ledger's timeline.
+# Provided: buckets from `minizero.bucket.make_buckets` (a `Bucket` has `.index`, `.params`,
+# `.numel` and `.view(flat, p)`, the slice of a flat buffer that belongs to `p`, shaped like `p`);
+# one flat buffer per bucket; a count of gradients still expected per bucket; a hook on every
+# parameter; and `_finish()`, queued to run once when backward is over.
 #
-# * `on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer;
-#   decrement the bucket's count; when it reaches 0, start the bucket's all-reduce with
-#   `all_reduce(flat, group=self.group, async_op=True, tag=...)` and keep `(bucket, work)` in
-#   `self.works`.
+# * `on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer; decrement
+#   the bucket's count; at 0, start the bucket's all-reduce with `all_reduce(flat, group=self.group,
+#   async_op=True, tag=...)` and keep `(bucket, work)` in `self.works`.
 # * `_finish()`: for each `(bucket, work)`: `work.wait()`, divide the flat buffer by the world size,
 #   copy each parameter's slice back into its `p.grad`.
 
@@ -272,21 +259,16 @@ lesson01.check_bucketed_ddp(BucketedDDP, NPROCS)
 # ## 4. When did each bucket's all-reduce run?
 #
 # minizero's `DDP` works like your class, except that its gradients *are* views into the buckets
-# (as with torch DDP's `gradient_as_bucket_view=True`), so it holds one copy of the gradients
-# where your class holds two (section 6 measures minizero's at exactly one copy).
+# (torch's `gradient_as_bucket_view=True`), so it holds one copy of the gradients where yours holds
+# two.
 #
-# A `CommLedger` cannot say when a bucket's all-reduce ran: it times an asynchronous collective from
-# its issue to the end of its `wait()`, and DDP waits for every bucket at the end of backward, so
-# every such bar would end there. That shows the order in which buckets were *issued*, not overlap.
-# The backend knows when it ran each one: gloo runs a collective on a worker thread, which
-# `torch.profiler` records as `gloo:all_reduce`, from the moment the thread starts it to the moment
-# it completes; NCCL runs a kernel on the GPU, which the profiler records on the device's clock.
-# `minizero.analysis.timeline.profile_step(step)` runs one step under the profiler and returns, for
-# every all-reduce, when it was issued, started and completed, beside the marks `"forward start"`,
-# `"backward start"` and `"backward end"` (the last made when autograd has computed every gradient,
-# before DDP waits). The cell trains `TinyGPT` for 6 steps at three bucket sizes; after a warm-up
-# step, it keeps, for each size, the step whose overlap is the median of the five (one step on a
-# shared machine can be an outlier).
+# When did each all-reduce *run*? The ledger sees when it was issued and waited for; the profiler
+# sees when the backend ran it
+# ([how](../docs/machinery.md#when-a-buckets-all-reduce-ran-the-profiler-and-gloos-threads)).
+# `minizero.analysis.timeline.profile_step(step)` runs one step under `torch.profiler` and returns,
+# for every all-reduce, when it was issued, started and completed, beside the marks of forward and
+# backward. The cell trains `TinyGPT` at three bucket sizes and keeps, for each, the step of median
+# overlap.
 
 # %%
 CAPS = [0.05, 0.2, 25]  # MiB; 25 is torch DDP's default, larger than all of TinyGPT
@@ -295,25 +277,16 @@ lab.plot_timelines(TIMELINES)
 lab.show_overlap(TIMELINES)
 
 # %% [markdown]
-# Each orange bar is an all-reduce running in the backend; the dotted line before it is the time it
-# waited after being issued (gloo runs a process group's collectives on a small pool of threads, in
-# issue order). A bar also holds the time this rank waited for the other ranks to join that
-# all-reduce, as an NCCL kernel in a GPU trace does: when a rank falls behind (on a shared machine
-# one is often descheduled for a while) the other rank's bars stretch. The printed fractions are the
-# measurement of overlap: the share of the time during which some all-reduce was running that falls
-# before the last gradient was computed. With one big bucket (25 MiB, torch DDP's default, larger
-# than TinyGPT) the all-reduce can only start once the last gradient exists: at most the last
-# moments of backward hide it, and the step waits for nearly all of it, as in naive DDP. With small
-# buckets the first all-reduces start early in backward and most of the communication is hidden
-# behind it; how much depends on the machine. Here gloo's threads share the CPU cores with backward
-# itself, so a hidden all-reduce still slows the computation down. NCCL on GPUs runs on its own
-# stream, but its kernels still occupy SMs and memory bandwidth that backward's kernels would use:
-# cheaper to overlap than gloo on the CPU, not free. On GPUs the marks are the host's (it issues
-# backward's kernels ahead of the device), so the fraction printed there is a lower bound. Rerun the
-# cell: on a shared machine these numbers move.
+# Each orange bar is an all-reduce running in the backend; the dotted line before it, the time it
+# waited after being issued. The printed fractions measure overlap: the share of all-reduce time
+# that falls before the last gradient was computed. With one big bucket (25 MiB, torch's default,
+# larger than TinyGPT) the all-reduce starts only once the last gradient exists, and the step waits
+# for nearly all of it, as in naive DDP. With small buckets the first all-reduces start early and
+# most of the communication hides behind backward. Hidden is not free: gloo's threads share the CPU
+# cores with backward, and NCCL's kernels take SMs and memory bandwidth from it. Rerun the cell: on
+# a shared machine these numbers move.
 #
-# To look at one bucket size at a time (needs ipywidgets and a live kernel; the figure above is
-# the same data):
+# One bucket size at a time (needs ipywidgets and a live kernel; same data):
 
 # %%
 lab.timeline_widget(TIMELINES)  # JupyterLab with ipywidgets; never in a graded run
@@ -333,25 +306,17 @@ lab.show_variants(lab.ddp_variants(NPROCS, bucket_cap_mb=0.1, steps=7))
 # %% [markdown]
 # What the numbers say:
 #
-# * **Volume is the same, 2Ψ**: bucketing changes how many messages carry the gradient and when,
-#   not how much is sent.
-# * **Messages**: one per parameter tensor for naive DDP, one per bucket for bucketed DDP. Each
-#   message pays a latency (lesson 00's curve), so fewer, larger messages help.
-# * **Time**: the measured times above mix two effects, fewer messages (fewer latencies) and
-#   overlap (communication hidden behind backward). Overlap helps only where communication and
-#   computation do not compete for the same resources: gloo's threads share the CPU cores with
-#   backward; NCCL on GPUs runs on its own stream but its kernels still take SMs and memory
-#   bandwidth from backward's, so overlap is cheaper there, not free. Rerun the cell: on a shared
-#   machine these times move.
+# * **Volume is the same, 2Ψ**: bucketing changes how many messages carry the gradient and when.
+# * **Messages**: one per tensor naive, one per bucket bucketed; each pays a latency (lesson 00).
+# * **Time** mixes fewer latencies and overlap, which helps only where communication and compute do
+#   not compete for the same resources (section 4).
 #
 # ## 6. The redundancy ZeRO removes
 #
-# Every rank holds the whole model state: parameters, gradients and optimizer states. The cell
-# measures, on every rank, the bytes of each after one step of DDP with AdamW in fp32 and in bf16
-# mixed precision (`minizero.analysis.memory.model_state_bytes`), next to the paper's formulas:
-# (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed precision (fp32
-# master weights, momentum and variance). On GPUs the same states also show in
-# `torch.cuda.memory_allocated()`; lesson 02 plots the allocator's figures.
+# Every rank holds the whole model state. The cell measures, on every rank, the bytes of each after
+# one step of DDP with AdamW in fp32 and bf16 (`minizero.analysis.memory.model_state_bytes`), beside
+# the paper's formulas: (4 + 4 + 8)Ψ in fp32 (Adam's two moments), (2 + 2 + K)Ψ with K = 12 in mixed
+# precision (fp32 master weights, momentum and variance).
 
 
 # %%
@@ -397,10 +362,8 @@ lab.show_bucket_sweep(s, link, predicted)
 lab.plot_bucket_sweep(s, predicted)
 
 # %% [markdown]
-# What to read: the model's curve has the U shape of the two costs; the measured one follows it
-# where the machine lets backward and communication run side by side. On gloo they share the
-# CPU cores, so the communication the model hides under backward is partly paid anyway, and a
-# busy machine adds noise: rerun the cell before trusting a minimum. torch DDP's default, 25 MiB,
-# is one bucket for this 0.4 MiB model; for a model of billions of parameters on NCCL, the same
-# formula with that machine's α and β (`python -m minizero bench collectives`) says where its
-# minimum lies.
+# The model's curve has the U shape of the two costs; the measured one follows it where backward and
+# communication can run side by side. On gloo they share the CPU cores, so hidden communication is
+# partly paid anyway: rerun the cell before trusting a minimum. For a model of billions of
+# parameters on NCCL, the same formula with that machine's α and β (`python -m minizero bench
+# collectives`) says where its minimum lies.

@@ -31,9 +31,6 @@
 # together when one of them sees an overflow.
 #
 #     python -m minizero grade my-lessons/02_zero1.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson02 import *  # torch, dist, minizero, hint, lab, lesson02, ZeRO1
@@ -75,35 +72,30 @@ def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
 lab.show_adam_in_pieces(adam_in_pieces(steps=5, numel=10))
 
 # %% [markdown]
-# Identical, and each half's optimizer holds states for its half only. That is all stage 1
-# needs: rank r keeps the optimizer states of **its** 1/N of the elements, steps those, and the
-# ranks exchange the results. (An optimizer that mixes elements, such as LAMB's per-tensor trust
-# ratio or Shampoo, does not split this way across a tensor; `minizero.parallelize` refuses
-# those for ZeRO, because minizero's shards cut through tensors: section 9.)
+# Identical, and each half's optimizer holds states for its half only. That is all stage 1 needs:
+# rank r keeps the optimizer states of **its** 1/N of the elements, steps those, and the ranks
+# exchange the results. (An optimizer that mixes elements, such as LAMB's per-tensor trust ratio,
+# does not split this way; `minizero.parallelize` refuses those for ZeRO: section 9.)
 #
 # ## 2. The layout: flatten, pad, shard
 #
-# Parameters come in many shapes, and 1/N of a (37, 13) matrix is not a tensor. So ZeRO lays the
-# parameters end to end in a flat buffer and cuts the buffer, not the tensors. minizero does it
-# per **bucket** (lesson 01's buckets: a few parameters in the order backward produces their
-# gradients, `bucket_cap_mb` at most): each bucket's flat buffer is zero-padded to a multiple of
-# N and cut into N equal chunks, and **rank r owns chunk r of every bucket**
-# (`minizero/bucket.py`). A parameter may straddle two chunks; then two ranks each own a part of it.
+# 1/N of a (37, 13) matrix is not a tensor. So ZeRO lays the parameters end to end in a flat buffer
+# and cuts the buffer, not the tensors. minizero does it per **bucket** (lesson 01's buckets): each
+# bucket's flat buffer is zero-padded to a multiple of N and cut into N equal chunks, and **rank r
+# owns chunk r of every bucket** (`minizero/bucket.py`). A parameter may straddle two chunks.
 #
 # ## Exercise 1 — `MyBucket`: the flat layout
 #
 # Write the layout of one bucket, as minizero's `Bucket` has it. `MyBucket(params, index, world)`
 # lays `params` end to end:
 #
-# * `offsets[i]`: where `params[i]` starts in the flat buffer (the first at 0); `numel`: the
-#   total number of elements;
-# * `shard`: the chunk every rank owns, `numel / world` **rounded up** (every rank must own the
-#   same number of elements, or the collectives cannot cut the buffer); `padded = shard * world`:
-#   the buffer's length, the last `padded - numel` elements zeros that no parameter owns;
+# * `offsets[i]`: where `params[i]` starts in the flat buffer; `numel`: the total of elements;
+# * `shard`: the chunk every rank owns, `numel / world` **rounded up** (equal chunks, or the
+#   collectives cannot cut the buffer); `padded = shard * world`, the last `padded - numel` elements
+#   zeros;
 # * `view(flat, p)`: the elements of `flat` (padded,) that belong to `p`, **as a view** shaped like
-#   `p` (so that `p.data` and `p.grad` can live inside the flat buffer);
-# * `chunk(flat, rank)`: rank `rank`'s (shard,) chunk of `flat`, also a view (a reduce-scatter
-#   writes into it, an all-gather reads from it);
+#   `p` (so `p.data` and `p.grad` can live inside the flat buffer);
+# * `chunk(flat, rank)`: rank `rank`'s (shard,) chunk of `flat`, also a view;
 # * `flatten(tensors, dtype=None)`: a new zero-padded (padded,) buffer holding `tensors[i]` in
 #   `params[i]`'s place (dtype: the tensors' unless given).
 
@@ -178,65 +170,51 @@ lesson02.check_bucket(MyBucket)
 lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world=NPROCS))
 
 # %% [markdown]
-# Every rank owns the same number of elements, so the optimizer memory divides exactly by N;
-# the price is at most N − 1 zeros of padding per bucket.
+# Every rank owns the same number of elements, so optimizer memory divides exactly by N, for at most
+# N − 1 zeros of padding per bucket.
 #
 # ## 3. The step: reduce-scatter, step, all-gather
 #
-# Lesson 00 showed **all-reduce = reduce-scatter + all-gather**. DDP all-reduces the gradients
-# and then every rank steps *every* element. Stage 1 puts the optimizer step **between the two
-# halves** of that all-reduce:
+# DDP all-reduces the gradients, then every rank steps *every* element. Stage 1 puts the optimizer
+# step **between the two halves** of that all-reduce (lesson 00):
 #
-# 1. backward fills each bucket's flat gradient buffer (every rank: the full local gradient);
-# 2. **reduce-scatter** each bucket: rank r receives the sum over ranks of chunk r only; divide
-#    by N for the average (volume Ψ);
-# 3. the optimizer steps chunk r: it was built on this rank's chunks only, so its states are
-#    (shard,) tensors, 1/N of the model;
-# 4. **all-gather** the updated chunks: every rank has every updated parameter again (volume Ψ).
+# 1. backward fills each bucket's flat gradient buffer (the full local gradient);
+# 2. **reduce-scatter** each bucket: rank r receives the sum of chunk r only; divide by N (volume
+#    Ψ);
+# 3. the optimizer steps chunk r: its states are (shard,) tensors, 1/N of the model;
+# 4. **all-gather** the updated chunks: every rank has every parameter again (volume Ψ).
 #
-# Total volume 2Ψ, the same as DDP's all-reduce (§7.2.1): stage 1 saves memory for free.
+# Total 2Ψ, DDP's volume (§7.2.1): stage 1 saves memory for free. What minizero's `ZeRO1`
+# (`minizero/zero1.py`) gives you:
 #
-# How minizero's `ZeRO1` (`minizero/zero1.py`) is organised, and what you get to use:
-#
-# * `self.buckets`: the buckets; `b.chunk(flat, r)` is the (shard,) view of chunk r of a
-#   (padded,) buffer, `b.index` its position;
-# * `self.grad_buffers[i]`: bucket i's flat gradient buffer (padded,); every `p.grad` is a view
-#   into it, so after backward it holds this rank's full local gradient;
-# * `self.flat_params[i]`: bucket i's flat parameter buffer (padded,); every `p.data` is a view
-#   into it, so writing into it changes the model's parameters;
-# * `self.masters[i]`: what the optimizer steps for bucket i, a (shard,) tensor. In fp32 it *is*
-#   `b.chunk(self.flat_params[i], self.rank)`; in mixed precision it is a separate fp32 copy of
-#   that chunk (the master weights, part of K);
+# * `self.buckets`; `b.chunk(flat, r)` is the (shard,) view of chunk r, `b.index` its position;
+# * `self.grad_buffers[i]`: bucket i's flat gradient (padded,); every `p.grad` is a view into it;
+# * `self.flat_params[i]`: bucket i's flat parameters (padded,); every `p.data` is a view into it;
+# * `self.masters[i]`: what the optimizer steps for bucket i, (shard,): in fp32 it *is*
+#   `b.chunk(self.flat_params[i], self.rank)`, in mixed precision a separate fp32 copy (part of K);
 # * `self.rank`, `self.world`, `self.group` (pass `group=self.group` to every collective),
 #   `self.precision.master` (True in mixed precision).
 #
-# `minizero.parallelize(model, 1, optimizer)` builds `ZeRO1(model)` and keeps *your* optimizer,
-# with its param groups, but gives each group this rank's *fragments* of its parameters: for every
-# parameter that falls (partly) in chunk r, a view of `self.masters[i]` over exactly its elements
-# (`zero1.fragments` says which parameter and which element range). So per-group settings, such as
-# nanoGPT's weight decay on 2-D weights only, still apply to the right elements. The optimizer's
-# `step()` runs `before_step()` (given: it calls `reduce_gradients()` and gives each fragment the
-# matching range of the returned chunk as `.grad`), the optimizer's own step on the fragments (which
-# writes into the masters, since they are views), and `after_step()`.
-#
+# The optimizer's `step()` runs `before_step()` (given: it calls `reduce_gradients()` and hands the
+# optimizer its chunk's gradients), the optimizer's step on this rank's elements, and
+# `after_step()`. How your optimizer's param groups are kept:
+# [fragments](../docs/machinery.md#stage-1s-fragments).
+
+# %% [markdown]
 # ## Exercise 2 — `MyZeRO1`: the two collectives of stage 1
 #
 # * `reduce_gradients()`: leave in each of this rank's chunks the gradient **averaged** over the
-#   ranks of `self.group`, for that chunk only, moving Ψ in all (not DDP's 2Ψ). Which collective
-#   of lesson 00 does that, per bucket, and what must follow it? (Its output may be the chunk of
-#   its own input, in place, as NCCL documents: the plain loop needs no extra buffer. minizero's
-#   own ZeRO1 spends Ψ/N on a separate output, so that `step()` twice, or more backwards without
-#   `zero_grad()`, reduce this rank's intact local sums again: habits torch users have.)
-#   Where to divide by N: after the sum, except in fp16, where the loss scale (section 7) makes
-#   gradients large and a sum of N of them can overflow: there divide each rank's buffer before
-#   the sum. `minizero.precision.divides_before_sum(flat)` says which; the check also trains your
-#   class in bf16 and fp16, and compares it with minizero's `ZeRO1` bit for bit.
-# * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every
-#   rank hold every rank's updated chunk, moving Ψ. In mixed precision the optimizer stepped a
-#   separate fp32 master (`self.masters[i]`), not the bf16 parameters: what must happen first?
+#   ranks of `self.group`, for that chunk only, moving Ψ in all. Which collective of lesson 00 does
+#   that, and what must follow it? (Its output may be the chunk of its own input, in place.) Divide
+#   by N after the sum, except in fp16, a 16-bit format whose largest value is 65504 (section 7):
+#   there the gradients are scaled up and a sum of N of them can overflow, so divide each rank's
+#   buffer before the sum. `minizero.precision.divides_before_sum(flat)` says which.
+# * `after_step()`: the optimizer has updated this rank's chunk of each bucket only. Make every rank
+#   hold every updated chunk, moving Ψ. In mixed precision the optimizer stepped a separate fp32
+#   master, not the bf16 parameters: what must happen first?
 #
-# The check runs your class on 3 ranks and on a subgroup of 2 of them: the number of ranks and
-# the group are `self.world` and `self.group`, never a constant or the default group.
+# The check runs your class on 3 ranks and on a subgroup of 2, in fp32, bf16 and fp16, against
+# minizero's `ZeRO1` bit for bit: use `self.world` and `self.group`, never a constant.
 
 
 # %%
@@ -285,8 +263,8 @@ class MyZeRO1(ZeRO1):
                 # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives
                 #       every rank every chunk, Ψ in all:
                 #       if self.precision.master:
-                #           own.copy_(master)
-                #       all_gather(flat, own, group=self.group, tag=f"params {b.index}")
+                #           own.copy_(...)  # the 16-bit chunk takes the stepped master
+                #       all_gather(...)  # flat from own over self.group, tag f"params {b.index}"
                 if self.precision.master:
                     own.copy_(master)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
@@ -304,12 +282,11 @@ lesson02.check_zero1(MyZeRO1, NPROCS)
 # %% [markdown]
 # ## 4. Memory per rank: measured against the formula
 #
-# From here on the cells use `minizero.parallelize(model, stage, ...)`, whose stage 1 is
-# minizero's `ZeRO1`: the class you just completed. Each rank trains TinyGPT for one step with
-# Adam under DDP (stage 0) and stage 1, in fp32 and in bf16 mixed precision, and measures the
-# bytes of each model state it holds (`model_state_bytes`: every live tensor's storage, counted
-# once). Next to it, the paper's formula (`paper_model_state_bytes`). In fp32 the parameters are
-# their own master copy, so K = 8 (Adam's two moments) and the gradients take 4 bytes.
+# From here on the cells use `minizero.parallelize(model, stage, ...)`, whose stage 1 is the class
+# you just completed. Each rank trains TinyGPT for one step with Adam under DDP and stage 1, in fp32
+# and bf16, and measures the bytes of each model state it holds (`model_state_bytes`: every live
+# tensor's storage, once), beside the paper's formula (`paper_model_state_bytes`). In fp32 the
+# parameters are their own master, so K = 8 and gradients take 4 bytes.
 
 
 # %%
@@ -318,28 +295,18 @@ print(f"TinyGPT, Ψ = {PSI:,}: bytes per rank / Ψ, beside paper_model_state_byt
 lab.show_model_states(lab.model_states(NPROCS, RUNS))
 
 # %% [markdown]
-# Every rank measures the formula: the optimizer states (fp32 masters included) drop from
-# KΨ to KΨ/N, parameters and gradients stay whole. When Ψ does not divide by N the measured
-# figure is a few bytes above the formula: the padding of section 2.
+# Every rank measures the formula: the optimizer states (fp32 masters included) drop from KΨ to
+# KΨ/N; parameters and gradients stay whole. When Ψ does not divide by N the figure is a few bytes
+# above the formula: the padding.
 #
-# **What the formula leaves out.** The paper's 2 + 2 + K counts 16-bit gradients, and minizero keeps
-# them so (the bf16 rows above), as does DeepSpeed with ZeRO (bf16 gradients by default). FSDP2 does
-# not: its default `MixedPrecisionPolicy` reduce-scatters in `param_dtype`, then casts each sharded
-# gradient back to the parameter's dtype before it stores it (`_to_dtype_if_needed(reduce_output,
-# orig_dtype)` in `foreach_reduce`, pytorch/pytorch
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), so with fp32 parameters its stored
-# gradients are fp32 (lesson 04 measures it). Some systems keep them in fp32 on purpose, because
-# bf16's 8-bit mantissa loses small contributions when gradients are accumulated: Megatron-LM's
-# distributed optimizer does (its documented table, `docs/source/api-guide/dist_optimizer.md`,
-# counts 18 bytes per parameter for bf16 parameters with fp32 gradients: 2 + 4 + 12), and
-# `megatron/training/arguments.py` says "bfloat16 requires gradient accumulation and all-reduce to
-# be done in fp32". The fp32 rows above measure that case: the stages divide 4-byte gradients as
-# they divide 2-byte ones.
-#
-# minizero's precision policy uses the field names of FSDP2's `MixedPrecisionPolicy`, so the two
-# can be set side by side: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,
-# and `reduce_dtype=torch.float32` asks for fp32 gradient buckets, reduction and accumulation
-# (fp32 inputs are cast to `param_dtype` as they enter the model, `cast_forward_inputs`). Measured:
+# The formula's 2 + 2 + K counts 16-bit gradients, as minizero and DeepSpeed keep them. Some systems
+# keep fp32 gradients on purpose, because bf16's 8-bit mantissa loses small contributions when
+# gradients are accumulated (Megatron-LM's distributed optimizer, 2 + 4 + 12 bytes; FSDP2 with fp32
+# parameters: [details](../docs/machinery.md#fp32-gradients-in-fsdp2-and-megatron-lm)). The fp32
+# rows above measure that case. minizero's precision policy uses the names of FSDP2's
+# `MixedPrecisionPolicy`: `precision="bf16"` is `minizero.Precision(param_dtype=torch.bfloat16)`,
+# and `reduce_dtype=torch.float32` asks for fp32 gradient buckets, reduction and accumulation.
+# Measured:
 
 # %%
 FP32_GRADS = minizero.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -351,11 +318,9 @@ print(f"formula: DDP 2 + 4 + 12 = 18Ψ; stage 1 2 + 4 + 12/{NPROCS} = {6 + 12 / 
 # ## 5. How it scales with N
 #
 # The formula says stage 1 tends to 4Ψ per rank in mixed precision (the 16-bit parameters and
-# gradients), a 4x saving over DDP's 16Ψ, and reaches most of it at small N. The cell measures
-# it for every N from 1 to `SWEEP` in one launch: for each n, the first n ranks form their own
-# process group (`dist.new_group`) and train on it, the way `parallelize(...,
-# process_group=...)` lets a stage run on a subset of the ranks. On CPUs we start 4 ranks for
-# this, on GPUs one per GPU.
+# gradients), 4x less than DDP's 16Ψ, and gets most of the way at small N. The cell measures every N
+# from 1 to `SWEEP` in one launch: the first n ranks form their own group (`dist.new_group`), as
+# `parallelize(..., process_group=...)` allows.
 
 # %%
 SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
@@ -373,13 +338,12 @@ lab.show_table1("7.5B", world=64, stages=(1, 2, 3))
 # %% [markdown]
 # ## 6. Inside one step
 #
-# `model_state_bytes` is a snapshot of the model states. `MemoryMeter` follows a whole step: at
-# each mark it splits the memory this rank holds into parameters, gradients, optimizer states,
-# communication buffers and everything else (activations), and keeps the peak. On GPUs it reads
-# the caching allocator (`torch.cuda.memory_allocated`); on CPUs it tracks every tensor storage
-# the step creates. A meter is a `with` block around the step, and `meter.mark(label)` takes a
-# reading. `one_step_memory` is what each rank runs, here in bf16, DDP against stage 1; the
-# prediction after the step: optimizer states 12Ψ at stage 0, 12Ψ/N at stage 1.
+# `model_state_bytes` is a snapshot. `MemoryMeter` follows a whole step: at each mark it splits the
+# memory this rank holds into parameters, gradients, optimizer states, communication buffers and the
+# rest (activations), and keeps the peak (the caching allocator on GPUs, every tensor storage on
+# CPUs). A meter is a `with` block around the step; `meter.mark(label)` takes a reading. Each rank
+# runs `one_step_memory`, in bf16, DDP against stage 1; the prediction after the step: optimizer
+# states 12Ψ at stage 0, 12Ψ/N at stage 1.
 
 
 # %%
@@ -408,55 +372,47 @@ lab.plot_memory_per_step(STEPS, "TinyGPT, one bf16 Adam step")
 lab.show_after_step(STEPS)
 
 # %% [markdown]
-# What to read: before the first step the optimizer holds only the fp32 masters (Adam creates
-# its moments in its first step); after it, stage 1 holds 12Ψ/N of optimizer states where DDP
-# holds 12Ψ. The parameters and the gradients are the same size under both: every rank still
-# holds the full 2Ψ of bf16 gradients after backward, although after the reduce-scatter it only
-# ever reads its own chunk of them. Stage 2 (lesson 03) stops keeping the rest. The activations
-# are not model states: ZeRO-DP leaves them alone. (The paper's ZeRO-R partitions activations
-# only across *tensor-parallel* ranks, P_a in §6.1; with pure data parallelism it removes
-# nothing: lesson 06. Activation checkpointing is what shrinks them here.)
+# Before the first step the optimizer holds only the fp32 masters (Adam creates its moments in its
+# first step); after it, stage 1 holds 12Ψ/N of optimizer states where DDP holds 12Ψ. Every rank
+# still holds the full 2Ψ of bf16 gradients, though after the reduce-scatter it reads only its
+# chunk: stage 2 (lesson 03) stops keeping the rest. Activations are not model states, and ZeRO-DP
+# leaves them alone (lesson 06).
 #
 # ## 7. fp16: loss scaling, and a step that every rank skips
 #
-# bf16 has fp32's exponent range; **fp16** does not. Its largest value is 65504, its smallest
-# normal number 2^-14 ≈ 6.1e-5 (below it, down to 2^-24 ≈ 6e-8, subnormal numbers keep fewer
-# significant bits), and anything smaller is 0. Gradients are small, so in fp16 many of them
-# lose bits or vanish. **Loss scaling** (Micikevicius et al., *Mixed Precision Training*, ICLR
-# 2018) multiplies the loss by a scale s before backward, so every gradient is s times larger
-# while it is computed in fp16, and divides s out of the gradients, in fp32, before the step.
-# Too large a scale overflows to inf instead. The cell measures both on one process: TinyGPT's
-# gradients computed in fp16 for several scales, against the same model in fp32.
+# bf16 has fp32's exponent range; **fp16** does not: its largest value is 65504, its smallest normal
+# 2^-14 ≈ 6.1e-5 (subnormals down to 2^-24 keep fewer bits), and smaller is 0. Gradients are small,
+# so in fp16 many lose bits or vanish. **Loss scaling** (Micikevicius et al., *Mixed Precision
+# Training*, ICLR 2018) multiplies the loss by s before backward and divides s out of the gradients,
+# in fp32, before the step. Too large a scale overflows to inf. The cell computes TinyGPT's
+# gradients in fp16 for several scales, against fp32.
 
 # %%
 lab.show_fp16_gradients(lab.fp16_gradients(log2_scales=(0, 8, 12, 15, 16)))
 
 # %% [markdown]
-# At scale 1 some gradient elements are flushed to 0 and many more are subnormal; a larger scale
-# lifts them into fp16's normal range. At 2^16 = 65536 everything is inf *in this cell*, because
-# it computes the loss itself in fp16: the gradient of the loss with respect to itself is
-# already the scale, more than fp16's 65504. Under autocast the loss is fp32, and GradScaler's
-# 2^16 overflows only where a 16-bit gradient does. The largest useful scale
-# depends on the model and changes during training, so the scale is **dynamic**: start high
-# (torch's `GradScaler` and minizero's `LossScaler`, `minizero/precision.py`, start at 2^16);
-# whenever a step's gradients hold an inf or a NaN, **skip the step** and halve the scale; after
-# a long run of good steps, double it again. A skipped step costs one batch; a step taken with
-# an inf destroys the parameters.
+# At scale 1 some gradient elements flush to 0 and many more are subnormal; a larger scale lifts
+# them into fp16's normal range. At 2^16 everything is inf *in this cell*, because it computes the
+# loss itself in fp16 (the loss's gradient with respect to itself is the scale); under autocast the
+# loss is fp32. The useful scale changes during training, so it is **dynamic**: start high (torch's
+# `GradScaler` and minizero's `LossScaler`, `minizero/precision.py`, start at 2^16); when a step's
+# gradients hold an inf or a NaN, **skip the step** and halve the scale; after a long run of good
+# steps, double it. A skipped step costs one batch; a step taken with an inf destroys the
+# parameters.
 #
-# With sharded gradients the skip is a collective decision. Rank r holds only its chunks: if
-# rank 1 finds an inf and rank 0 does not, rank 0 cannot know, and if it stepped while rank 1
-# skipped, the ranks would all-gather chunks from different steps and their models would
-# diverge. So every rank unscales its shards, checks them, and one all-reduce of a found-inf
-# flag tells every rank whether any rank found one.
+# With sharded gradients the skip is a collective decision. If rank 1 finds an inf and rank 0 does
+# not, and rank 0 steps while rank 1 skips, the ranks all-gather chunks from different steps and
+# diverge. So every rank unscales and checks its shards, and one all-reduce of a found-inf flag
+# tells every rank whether any rank found one.
 #
 # ## Exercise 3 — `fp16_step`: skip on every rank, or on none
 #
-# Write `fp16_step(optimizer, masters, scale, group=None)`. `masters` are the (shard,) fp32
-# tensors the optimizer steps, this rank's; each `m.grad` is its gradient shard, still multiplied
-# by `scale`. Divide every gradient by `scale` (in place); count the elements that are not
-# finite (`torch.isfinite`: an inf *or* a NaN) over all shards into one small tensor; sum it
-# over the ranks with **one** `all_reduce(flag, group=group)` (`minizero.collectives`); if the
-# sum is 0, `optimizer.step()` and return `scale`; else skip the step and return `scale / 2`.
+# Write `fp16_step(optimizer, masters, scale, group=None)`. `masters` are this rank's (shard,) fp32
+# tensors the optimizer steps; each `m.grad` is its gradient shard, still multiplied by `scale`.
+# Divide every gradient by `scale` (in place); count the elements that are not finite
+# (`torch.isfinite`) over all shards into one small tensor; sum it over the ranks with **one**
+# `all_reduce(flag, group=group)` (`minizero.collectives`); if the sum is 0, `optimizer.step()` and
+# return `scale`; else skip the step and return `scale / 2`.
 
 
 # %%
@@ -515,53 +471,34 @@ lesson02.check_fp16_step(fp16_step, NPROCS)
 lab.show_step_volume(lab.step_volume(NPROCS, stages=(0, 1)))  # the formula: 2Ψ at both
 
 # %% [markdown]
-# The same volume, split differently: DDP's all-reduce counts 2Ψ, stage 1's reduce-scatter Ψ and
-# all-gather Ψ. The paper counts volume; what it costs in time depends on the backend: gloo
-# carries out a reduce-scatter as an all-reduce of its whole input (lesson 00 measured it),
-# NCCL has a native one.
+# The same volume, split differently: DDP's all-reduce 2Ψ, stage 1's reduce-scatter Ψ and all-gather
+# Ψ. The time depends on the backend: gloo runs a reduce-scatter as an all-reduce (lesson 00), NCCL
+# has a native one.
 #
 # ## 9. PyTorch's stage 1, and the layouts of real systems
 #
-# `torch.distributed.optim.ZeroRedundancyOptimizer` (the check compared your class with it)
-# partitions the optimizer states too, with a different layout: it gives **whole parameter
-# tensors** to ranks, greedily by size, keeps torch DDP's all-reduce for the gradients, and after
-# each step **broadcasts** every parameter from the rank that owns it. No padding and no flat
-# buffers, but the split can only be as even as the tensor sizes allow:
-
+# `torch.distributed.optim.ZeroRedundancyOptimizer` (the check compared your class with it) gives
+# **whole parameter tensors** to ranks, greedily by size, keeps DDP's all-reduce for the gradients,
+# and after each step **broadcasts** every parameter from its owner. No padding, but the split is
+# only as even as the tensor sizes allow:
 
 # %%
 lab.show_optimizer_share(lab.optimizer_share(NPROCS))
 
 # %% [markdown]
-# Flat chunks split every bucket evenly (to within the padding); whole tensors cannot: the MLP's
-# `layers.1.weight` alone is 1,073 of its 1,837 parameters.
+# Flat chunks split every bucket evenly; whole tensors cannot: the MLP's `layers.1.weight` alone is
+# 1,073 of its 1,837 parameters.
 #
-# **How the systems you will read next lay it out.** minizero cuts *every bucket* into N chunks,
-# so rank r owns a slice of each bucket and each bucket is one reduce-scatter. The real systems
-# differ:
+# **How the systems you will read next lay it out.** minizero cuts *every bucket* into N chunks, one
+# reduce-scatter a bucket. **DeepSpeed** stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
+# give rank r one contiguous 1/N of each whole parameter group; with its default
+# `use_multi_rank_bucket_allreduce=True` a gradient bucket ends in a **full all-reduce**, each rank
+# keeping its slice, so a step moves about 3Ψ, not 2Ψ. **`ZeroRedundancyOptimizer`** gives whole
+# tensors and broadcasts (lesson 06 measures that volume). **FSDP2** (`fully_shard`, lesson 04)
+# shards each parameter on its first dimension, as a `DTensor`. The elementwise restriction of
+# section 1 comes from minizero's flat 1-D shards, not from ZeRO: a layout of whole tensors can run
+# any optimizer that updates one tensor at a time.
 #
-# * **DeepSpeed** ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`) flatten each
-#   parameter group into one padded buffer and give rank r **one contiguous 1/N of the whole
-#   group** (`get_data_parallel_partitions`). A gradient bucket then covers the partitions of a
-#   few ranks. With the default `use_multi_rank_bucket_allreduce=True` (DeepSpeed 0.16, the
-#   `DeepSpeedZeroOptimizer` constructor), `allreduce_and_scatter` -> `allreduce_bucket` ends in
-#   **`dist.all_reduce` of the whole bucket**, and each rank then copies out its own slice: the
-#   gradients cost a full all-reduce, 2(N-1)/N x Ψ elements per rank, twice the reduce-scatter's,
-#   so a step moves about 3Ψ, not 2Ψ. Only with `use_multi_rank_bucket_allreduce=False` does it
-#   send each slice to its owner with `dist.reduce`. After the step an all-gather of the
-#   partitions rebuilds the 16-bit parameters.
-# * **`ZeroRedundancyOptimizer`** gives each rank whole tensors (above), all-reduces the
-#   gradients as DDP does, and broadcasts every updated parameter from its owner (lesson 06
-#   measures that volume beside stage 1's 2Ψ).
-# * **FSDP2** (`fully_shard`, lesson 04) shards each parameter on its first dimension, as a
-#   `DTensor`.
-#
-# The elementwise-optimizer restriction of section 1 comes from minizero's flat 1-D shards, not
-# from ZeRO: a layout that hands each rank whole tensors, as `ZeroRedundancyOptimizer` does, can
-# run any optimizer that updates one tensor at a time.
-#
-# **Summary.** Stage 1 keeps DDP's algorithm and DDP's 2Ψ of communication; it only moves the
-# optimizer step between the reduce-scatter and the all-gather that make up the all-reduce, so
-# that each rank steps, and keeps optimizer states for, its 1/N of every bucket. Measured: KΨ
-# becomes KΨ/N on every rank. Next, **lesson 03 — stage 2**: the gradients, which each rank
-# still holds in full.
+# **Summary.** Stage 1 keeps DDP's algorithm and its 2Ψ of communication, and moves the optimizer
+# step between the two halves of the all-reduce, so each rank steps, and keeps states for, its 1/N
+# of every bucket: KΨ becomes KΨ/N. Next, **lesson 03**: the gradients, still held in full.

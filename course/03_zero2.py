@@ -19,9 +19,6 @@
 # You will write the hook that does it, and the gradient clipping that sharded gradients need.
 #
 #     python -m minizero grade my-lessons/03_zero2.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson03 import *  # torch, minizero, hint, lab, lesson03, ZeRO2, ...
@@ -31,10 +28,9 @@ NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurem
 # %% [markdown]
 # ## 1. What stage 1 holds and never reads
 #
-# One bf16 backward of TinyGPT under stage 1, measured on rank 0: the gradient bytes it holds
-# (the formula: the whole gradient, 2Ψ), and the bytes the optimizer then reads (the (shard,)
-# chunks handed to it: 2Ψ/N). Each measurement of this lesson is one function of its lab,
-# `minizero/course/labs/lesson03.py`, and one beside it that shows the result: read them there.
+# One bf16 backward of TinyGPT under stage 1, on rank 0: the gradient bytes it holds (the formula:
+# 2Ψ), and the bytes the optimizer then reads (its (shard,) chunks: 2Ψ/N). Each measurement is one
+# function of `minizero/course/labs/lesson03.py`, with one beside it that shows the result.
 
 
 # %%
@@ -44,42 +40,30 @@ lab.show_stage1_gradients(lab.stage1_gradients(NPROCS), FORMULA)
 # %% [markdown]
 # ## 2. Stage 2: reduce-scatter during backward, keep the chunk
 #
-# `ZeRO2` (`minizero/zero2.py`) is `ZeRO1` with a different life for gradients. The layout is
-# the same (buckets, flat buffers padded to a multiple of N, rank r owns chunk r); what changes
-# is what the gradient hook does. Per bucket `b`:
+# `ZeRO2` (`minizero/zero2.py`) is `ZeRO1` with a different life for gradients. The layout is the
+# same; what changes is the gradient hook. Per bucket `b`:
 #
-# 1. the first gradient of `b` to arrive in backward allocates a zero (padded,) buffer,
-#    `self.filling[b.index]` (None while `b` is not filling), in the policy's reduce dtype
-#    `self.precision.reduce_dtype` (bf16 gradients may be reduced in fp32: then it is not
+# 1. the first gradient of `b` to arrive allocates a zero (padded,) buffer, `self.filling[b.index]`
+#    (None while `b` is not filling), in `self.precision.reduce_dtype` (which may differ from
 #    `p.grad`'s dtype);
-# 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped**
-#    (`p.grad = None`): the full gradient of `p` now lives only in the bucket;
-# 3. `self.pending[b.index]` counts the gradients still to come; when it reaches 0 the bucket
-#    is complete and `self.reduce_bucket(b)` starts its reduce-scatter (asynchronous), **in place**:
-#    the output is chunk r of the bucket's own buffer, `b.chunk(buffer, self.rank)`, a (shard,)
-#    view, so no second buffer is allocated; it remembers
-#    `self.in_flight = (b, work, buffer, output)`;
-# 4. `self.finish_in_flight()` waits for that reduce-scatter, divides the output by N and
-#    **adds** it into `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps; then
-#    forgets the buffer, which frees it. It **adds** so that several backwards before one
-#    step (gradient accumulation) sum up in the chunk.
+# 2. each gradient is copied into its slot `b.view(buffer, p)`, and **`p.grad` is dropped** (`p.grad
+#    = None`): the full gradient of `p` now lives only in the bucket;
+# 3. `self.pending[b.index]` counts the gradients still to come; at 0 `self.reduce_bucket(b)` starts
+#    the bucket's reduce-scatter (asynchronous) **in place**, into `b.chunk(buffer, self.rank)`, and
+#    remembers `self.in_flight = (b, work, buffer, output)`;
+# 4. `self.finish_in_flight()` waits for it, divides the output by N and **adds** it into
+#    `self.grad_shards[b.index]`, the (shard,) gradient this rank keeps (adds, so that several
+#    backwards before one step sum up), then forgets the buffer, which frees it.
 #
-# One exception to "divides the output by N": in fp16, `reduce_bucket` (given) has already divided
-# the buffer by N *before* the sum, so that N loss-scaled fp16 gradients cannot overflow
-# (`minizero.precision.divides_before_sum(out)` is True); dividing again would halve a 2-rank
-# gradient. Every other dtype is divided after the sum: one rounding fewer.
-#
-# `reduce_bucket` (given) first calls `finish_in_flight()`, so at most one reduce-scatter is in
-# flight and the stage keeps at most two full buffers alive: one in flight, one filling (DeepSpeed's
-# stage 2 with `overlap_comm` also alternates two bucket buffers). The backend may add its own:
-# section 3 measures a third on gloo. At the end of backward, `backward_end()` (given) finishes
-# the last one. After that, `before_step()` hands `grad_shards` to the optimizer, and the rest is
-# stage 1: step the chunk, all-gather the parameters.
+# In fp16 `reduce_bucket` has already divided the buffer by N *before* the sum
+# (`minizero.precision.divides_before_sum(out)` is True): do not divide again. `reduce_bucket` first
+# calls `finish_in_flight()`, so at most two full buffers are alive: one in flight, one filling. At
+# the end of backward `backward_end()` (given) finishes the last; then the rest is stage 1.
 #
 # ## Exercise 1 — `MyZeRO2`: the gradient hook of stage 2
 #
-# Write `on_grad_ready(p)` (steps 1–3 above; autograd calls it with the **parameter** once
-# `p.grad` holds this backward's gradient) and `finish_in_flight()` (step 4).
+# Write `on_grad_ready(p)` (steps 1–3; autograd calls it with the **parameter** once `p.grad` holds
+# this backward's gradient) and `finish_in_flight()` (step 4).
 
 
 # %%
@@ -157,20 +141,14 @@ lesson03.check_zero2(MyZeRO2, NPROCS)
 
 # %% [markdown]
 # FSDP2 with `reshard_after_forward=False` is PyTorch's closest relative of stage 2: it
-# reduce-scatters gradients during backward and keeps only its shard of them, and keeps the
-# gathered parameters from forward to backward (it also shards the parameters between steps,
-# which stage 3 does; lesson 04). It shards each parameter on its first dimension rather than
-# flat buckets, so its reduce-scatter runs per group of parameters. DeepSpeed's stage 2 also
-# reduces during backward, bucket by bucket; by default (DeepSpeed 0.16,
-# `use_multi_rank_bucket_allreduce=True`) each bucket is all-reduced whole and each rank keeps the
-# slice its contiguous 1/N of the parameter group owns, which moves twice the reduce-scatter's
-# volume (lesson 02, section 9).
+# reduce-scatters gradients during backward and keeps only its shard, per parameter rather than per
+# flat bucket. DeepSpeed's stage 2 also reduces during backward, bucket by bucket (by default with a
+# whole all-reduce: lesson 02, section 9).
 #
 # ## 3. Memory per rank: measured against the formula
 #
-# The cells below use `minizero.parallelize(model, 2, ...)`, whose stage 2 is minizero's
-# `ZeRO2`: the class you just completed. First the model states after one step, on every rank,
-# stage 1 against stage 2, fp32 and bf16:
+# From here on `minizero.parallelize(model, 2, ...)` is the class you just completed. First the
+# model states after one step, on every rank, stage 1 against stage 2, fp32 and bf16:
 
 
 # %%
@@ -179,12 +157,10 @@ print(f"TinyGPT, Ψ = {PSI:,}: bytes per rank / Ψ, beside paper_model_state_byt
 lab.show_model_states(lab.model_states(NPROCS, RUNS))
 
 # %% [markdown]
-# The gradients that persist between steps, `grad_shards`, are 2Ψ/N (bf16) or 4Ψ/N (fp32), as
-# the formula says. But the formula counts what a rank *keeps*. During backward the bucket
-# buffers hold full gradients for a while; how much depends on the bucket size. The next cell
-# runs one backward per `bucket_cap_mb` and, after every gradient hook, measures the bytes of
-# the full-size buffers alive (`model_state_bytes(..., include_comm=True)["comm"]`: the buckets
-# being filled and in flight), keeping the maximum.
+# The gradients kept between steps, `grad_shards`, are 2Ψ/N (bf16) or 4Ψ/N (fp32), as the formula
+# says. But during backward the buckets hold full gradients for a while. The next cell runs one
+# backward per `bucket_cap_mb` and measures, after every hook, the full-size buffers alive
+# (`model_state_bytes(..., include_comm=True)["comm"]`), keeping the maximum.
 
 # %%
 CAPS = [0.01, 0.03, 0.1, 0.3, 25]  # MiB; 25 holds all of TinyGPT in one bucket
@@ -192,36 +168,28 @@ PEAKS = lab.bucket_peaks(NPROCS, CAPS)  # stage 2, bf16, one backward, rank 0
 lab.plot_bucket_peaks(PEAKS, kept=2 / NPROCS, stage1=2)  # the formula: 2Ψ/N kept; stage 1: 2Ψ
 
 # %% [markdown]
-# With one bucket (25 MiB) the whole gradient is alive at the end of backward, as in stage 1,
-# and then some: the kept chunks (`grad_shards`, 2Ψ/N) come on top, so at its peak stage 2
-# holds *more* than stage 1. With small buckets the temporaries stay small (about two buckets:
-# one filling, one in flight) and the peak approaches the 2Ψ/N of the formula. Smaller buckets
-# mean more, smaller reduce-scatters, each paying a latency (lesson 00): `bucket_cap_mb` trades
-# peak memory for message count, which is why DeepSpeed exposes `reduce_bucket_size`.
+# With one bucket (25 MiB) the whole gradient is alive at the end of backward, plus the kept chunks:
+# at its peak stage 2 holds *more* than stage 1. With small buckets the peak approaches the
+# formula's 2Ψ/N, for more reduce-scatters, each paying a latency: `bucket_cap_mb` trades peak
+# memory for message count (DeepSpeed's `reduce_bucket_size`).
 #
-# **What the backend adds.** The figure counts the buffers the stage holds. Does the
-# reduce-scatter itself need memory? minizero's is in place: the output is chunk r of the
-# bucket, so the stage allocates nothing for it. The backend may still copy. The cell measures
-# one in-place reduce-scatter of a 4 MiB buffer with `MemoryMeter` (on CPUs it sees every
-# storage an operation touches; on GPUs it reads the caching allocator): the memory held
-# before it, at its peak, and after `wait()`.
+# **What the backend adds.** minizero's reduce-scatter is in place, but the backend may still copy.
+# The cell measures one in-place reduce-scatter of a 4 MiB buffer with `MemoryMeter`: before, at its
+# peak, and after `wait()`.
 
 
 # %%
 lab.show_reduce_scatter_memory(lab.reduce_scatter_memory(NPROCS, mib=4))  # fp32, rank 0
 
 # %% [markdown]
-# On **gloo** the extra is a whole copy of the input: PyTorch's gloo backend does not call gloo's
-# own reduce-scatter but all-reduces a clone of the input (lesson 00) and keeps it until the
-# collective completes. So on gloo stage 2 holds **three** full bucket buffers at its worst: the
-# one filling, the one in flight, and the backend's copy of it. **NCCL** reduce-scatters in place
-# in its own kernels; run this notebook on GPUs and the same cell measures the caching
-# allocator there. Either way the extra is per bucket in flight, so small buckets keep it small.
+# On **gloo** the extra is a whole copy of the input (lesson 00), kept until the collective
+# completes: stage 2 holds **three** full bucket buffers at its worst. **NCCL** reduce-scatters in
+# place. Either way the extra is per bucket in flight, so small buckets keep it small.
 #
 # ## 4. One step, mark by mark
 #
-# `MemoryMeter` over one bf16 step of stage 1 and stage 2 (small buckets, 0.03 MiB), on rank 0:
-# `lab.memory_per_step` runs lesson 02's `one_step_memory` (section 6 there) at each stage.
+# `MemoryMeter` over one bf16 step of stages 1 and 2 (0.03 MiB buckets), on rank 0:
+# `lab.memory_per_step` runs lesson 02's `one_step_memory` at each stage.
 
 # %%
 STEPS = lab.memory_per_step(NPROCS, stages=(1, 2), precision="bf16", bucket_cap_mb=0.03)
@@ -229,16 +197,13 @@ lab.plot_memory_per_step(STEPS, "TinyGPT, one bf16 Adam step", cats=lab.MEMORY_C
 lab.show_grads_after_backward(STEPS, formula={1: 2, 2: 2 / NPROCS})  # bf16 gradients / Ψ
 
 # %% [markdown]
-# Parameters, optimizer states and activations are the same under both stages; the gradient
-# bar shrinks from 2Ψ to 2Ψ/N. What every rank still holds in full is the 2Ψ of parameters.
-# The ticks are the peak so far, backend copies included (on gloo, section 3's copy of the
-# bucket in flight).
+# Parameters, optimizer states and activations are the same under both stages; the gradient bar
+# shrinks from 2Ψ to 2Ψ/N. Every rank still holds the 2Ψ of parameters in full.
 #
 # ## 5. Communication: the same 2Ψ, started earlier
 #
-# A `CommLedger` over one step of each stage: the volume per op, and how many reduce-scatters
-# were issued before `optimizer.step()` was called, i.e. during backward (a mark on the ledger's
-# timeline, `minizero.collectives.mark("step")`, separates the two).
+# A `CommLedger` over one step of each stage: volume per op, and how many reduce-scatters were
+# issued during backward, before the mark `minizero.collectives.mark("step")`.
 
 
 # %%
@@ -247,21 +212,17 @@ COMM = lab.reduce_scatters_in_backward(NPROCS, stages=(1, 2), bucket_cap_mb=0.03
 lab.show_reduce_scatters_in_backward(COMM, PAPER)
 
 # %% [markdown]
-# Same volume, Ψ + Ψ. In stage 1 the reduce-scatters wait for `optimizer.step()`; in stage 2
-# they run during backward, where (on GPUs with NCCL) they overlap with computation. On gloo a
-# reduce-scatter is carried out as a full all-reduce, so it costs all-reduce time here.
+# Same volume, Ψ + Ψ. Stage 1's reduce-scatters wait for `optimizer.step()`; stage 2's run during
+# backward, where on GPUs they overlap with computation.
 #
 # ## 6. The price: gradient accumulation communicates every backward
 #
-# With gradient accumulation (several backwards per step), stage 1 and DDP can accumulate full
-# local gradients and communicate once per step (DDP inside `no_sync()`). Stage 2, as built
-# here, keeps no full gradient to accumulate into, so each backward reduce-scatters its gradients
-# into the chunk. That is a choice, not a law: FSDP2's `set_requires_gradient_sync(False)` keeps
-# the full unsharded gradients across micro-batches and reduce-scatters once, paying the full
-# gradient's memory per rank (Ψ elements: 4Ψ bytes in fp32) for 1/k of the communication.
-# minizero's stage 2 offers both: each backward reduce-scatters, unless it runs inside
-# `no_sync()` (or with nanoGPT's `require_backward_grad_sync = False`), which accumulates the full
-# gradient locally, as FSDP2 does. Measured over 4 micro-batches per step, stage 2 both ways:
+# With several backwards per step, DDP and stage 1 accumulate full local gradients and communicate
+# once (DDP inside `no_sync()`). Stage 2 keeps no full gradient, so each backward reduce-scatters
+# into the chunk. FSDP2's `set_requires_gradient_sync(False)` keeps the full gradients across
+# micro-batches instead, paying their memory for 1/k of the communication; minizero's stage 2 does
+# the same inside `no_sync()` (or with nanoGPT's `require_backward_grad_sync = False`). Measured
+# over 4 micro-batches per step, stage 2 both ways:
 
 
 # %%
@@ -274,39 +235,34 @@ FORMULA = {  # (stage, all but the last backward in no_sync()) -> volume per ste
 lab.show_accumulation_volume(lab.accumulation_volume(NPROCS, list(FORMULA), MICRO), FORMULA)
 
 # %% [markdown]
-# Stage 1: one reduce-scatter and one all-gather per step, 2Ψ, however many micro-batches.
-# Stage 2: one reduce-scatter per backward, (micro-batches + 1)Ψ. Stage 2 saves memory and pays
-# for it in communication when gradients are accumulated; with one backward per step the two
-# stages move the same 2Ψ. Inside `no_sync()` stage 2 is back to 2Ψ, holding the full gradient
-# from the first backward to the last, the memory it was built to save.
+# Stage 1: 2Ψ per step, however many micro-batches. Stage 2: one reduce-scatter per backward,
+# (micro-batches + 1)Ψ; inside `no_sync()` back to 2Ψ, holding the full gradient, the memory it was
+# built to save.
 #
 # ## 7. Clipping: a norm no rank can compute alone
 #
-# Clipping by the global norm (`torch.nn.utils.clip_grad_norm_(params, max_norm)`) scales the
-# whole gradient by min(1, max_norm / ‖g‖), where ‖g‖ is the L2 norm of *every* gradient element.
-# After stage 2's backward each rank holds only its chunks. The cell measures, on every rank, the
-# norm of the chunks it holds, and beside it the norm one process computes on the whole batch.
+# Clipping by the global norm (`torch.nn.utils.clip_grad_norm_(params, max_norm)`) scales the whole
+# gradient by min(1, max_norm / ‖g‖), ‖g‖ the L2 norm of *every* element. After stage 2's backward
+# each rank holds only its chunks. The cell measures each rank's norm of its chunks beside one
+# process's norm on the whole batch.
 
 
 # %%
 lab.show_shard_norms(lab.shard_norms(NPROCS))  # fp32, stage 2, one backward
 
 # %% [markdown]
-# No rank's own norm is the norm; the squares add up across ranks. So each rank sums the squares
-# of its chunks, **one** all-reduce adds the ranks' sums, and every rank takes the square root
-# and scales its own chunks by the same coefficient. One subtlety: only the elements that belong
-# to parameters count. minizero's padding is zeros, which add nothing, but nothing guarantees
-# that in general: a buffer allocated with `torch.empty` for speed holds whatever was there
-# before, and a scheme that reuses buffers may leave old values in the padding.
+# No rank's own norm is the norm; the squares add up across ranks. So each rank sums the squares of
+# its chunks, **one** all-reduce adds the sums, and every rank scales its chunks by the same
+# coefficient. Only elements of parameters count: minizero's padding is zeros, but a buffer from
+# `torch.empty` or a reused one may hold anything there.
 #
 # ## Exercise 2 — `clip_grad_norm_` on shards
 #
-# Write `clip_grad_norm_(shards, valid, max_norm, group=None)`: `shards[i]` is this rank's
-# (shard,) chunk of bucket i's averaged gradient; its first `valid[i]` elements are gradient, the
-# rest padding (any value). Sum the squares of the real elements of every shard (in fp32) into
-# one tensor; `all_reduce` it over `group` (`minizero.collectives`), once; the norm is its square
-# root. Multiply every shard in place by `min(1, max_norm / (norm + 1e-6))` (what
-# `torch.nn.utils.clip_grad_norm_` uses), and return the norm, the same on every rank.
+# Write `clip_grad_norm_(shards, valid, max_norm, group=None)`: `shards[i]` is this rank's (shard,)
+# chunk of bucket i's averaged gradient; its first `valid[i]` elements are gradient, the rest
+# padding (any value). Sum the squares of the real elements (in fp32) into one tensor; `all_reduce`
+# it over `group` (`minizero.collectives`), once; the norm is its square root. Multiply every shard
+# in place by `min(1, max_norm / (norm + 1e-6))` (as torch does), and return the norm.
 
 
 # %%
@@ -354,13 +310,9 @@ lesson03.check_clip_grad_norm(clip_grad_norm_, NPROCS)
 
 # %% [markdown]
 # minizero's stages clip the same way in `optimizer.clip_grad_norm_(max_norm)`
-# (`minizero/habits/sharded_grad.py`, `GradNorms`). Only DDP holds the whole averaged gradient
-# and needs no collective for the norm; stage 1 holds the whole *local* gradient, but after its
-# reduce-scatter a rank has only its own chunk averaged, so it needs the same one all-reduce of
-# partial sums as stage 2 (`GradNorms.grad_norm`). In fp16 the gradients must be unscaled
-# first (lesson 02's exercise), or the norm is the scale times too large.
+# (`minizero/habits/sharded_grad.py`). Stage 1 needs the same one all-reduce: after its
+# reduce-scatter a rank has only its own chunk averaged. In fp16, unscale first (lesson 02).
 #
-# **Summary.** Stage 2 keeps each bucket's full gradient only from its first gradient to the
-# end of its reduce-scatter, started from the gradient hook during backward, and keeps just
-# rank r's averaged chunk: gradients go from 2Ψ to 2Ψ/N per rank (measured), the volume stays
-# 2Ψ per step. Next, **lesson 04 — stage 3**: the parameters themselves.
+# **Summary.** Stage 2 keeps a bucket's full gradient only until its reduce-scatter, started from
+# the hook during backward, and keeps rank r's averaged chunk: gradients go from 2Ψ to 2Ψ/N per
+# rank, the volume stays 2Ψ. Next, **lesson 04 — stage 3**: the parameters themselves.

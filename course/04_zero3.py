@@ -25,9 +25,6 @@
 # while the current one computes.
 #
 #     python -m minizero grade my-lessons/04_zero3.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson04 import *  # torch, nn, dist, minizero, hint, lab, lesson04, ZeRO3
@@ -37,38 +34,32 @@ NPROCS, INFO = setup(**{"TinyGPT Ψ": PSI})  # PSI: Ψ of the model the measurem
 # %% [markdown]
 # ## 1. Units: what is gathered together
 #
-# Stage 1 and 2 cut buckets of `bucket_cap_mb`. Stage 3 needs the parameters *of the module
-# about to run*, so minizero's `ZeRO3` (`minizero/zero3.py`) cuts **units** along the model's
-# modules, the way PyTorch's FSDP2 does with `fully_shard(module)`: a unit is a module whose whole
-# subtree's parameters (minus those of units nested inside it) live in one flat buffer with the
-# same layout as a bucket (padded to a multiple of N, rank r owns chunk r). The root module is
-# always a unit and holds what no other unit holds. `minizero/units.py` picks the others; the
-# default is the model's **repeated blocks** (the children of an `nn.ModuleList`, or of an
-# `nn.Sequential` with repeats), so a nanoGPT `Block`, an `nn.TransformerEncoderLayer` or a
-# torchvision `BasicBlock` is one unit with no configuration; `parallelize(model, 3, opt,
-# units=...)` takes module classes or a predicate instead. TinyGPT's units:
+# Stages 1 and 2 cut buckets. Stage 3 needs the parameters *of the module about to run*, so
+# minizero's `ZeRO3` (`minizero/zero3.py`) cuts **units** along the model's modules, as FSDP2's
+# `fully_shard(module)` does: a unit is a module whose subtree's parameters (minus those of units
+# nested in it) live in one flat buffer laid out like a bucket (padded, rank r owns chunk r). The
+# root is always a unit. `minizero/units.py` picks the others: by default the model's **repeated
+# blocks** (the children of an `nn.ModuleList`, or of an `nn.Sequential` with repeats), so a nanoGPT
+# `Block` is one unit with no configuration; `parallelize(model, 3, opt, units=...)` takes module
+# classes or a predicate instead. TinyGPT's units:
 
 # %%
 lab.show_units(lab.units(TinyGPT(GPTConfig.tiny())))
 
 # %% [markdown]
-# Bigger units mean fewer, larger all-gathers (better bandwidth) and more memory held while a
-# unit computes; smaller units the opposite. `lm_head.weight` *is* `wte.weight` (tied): a
-# parameter registered in two places belongs to the unit that reaches it first, and the root's
-# unit holds the embeddings, the final LayerNorm and, through the tie, the output layer. The root's
-# forward *is* the whole forward, so its unit stays gathered from the first layer to the last
-# (section 4 shows it in memory).
+# Bigger units mean fewer, larger all-gathers and more memory held while a unit computes. A
+# parameter registered in two places (`lm_head.weight` *is* `wte.weight`) belongs to the unit that
+# reaches it first: the root's unit holds the embeddings, the final LayerNorm and, through the tie,
+# the output layer. The root's forward *is* the whole forward, so its unit stays gathered from the
+# first layer to the last (section 4).
 #
 # ## 2. Freeing parameters that autograd still needs
 #
-# A freed parameter must keep its shape and identity: the optimizer, the hooks and autograd's
-# saved tensors all refer to the same `Parameter`. So `ZeRO3` frees the **storage** under the
-# flat buffer, `flat.untyped_storage().resize_(0)`, and leaves every view in place. Gathering
-# gives the storage its bytes back and all-gathers into it. The cell shows the trick on one
-# process, with a parameter set up as minizero's stages do it (`p.data = view of the flat
-# buffer`: the `Parameter` object stays, its data lives in the buffer): the parameter survives
-# its storage going to 0 bytes, and autograd's saved copy of it (here `w`, saved by the
-# multiplication) is valid again once the storage is refilled.
+# A freed parameter must keep its shape and identity: the optimizer, the hooks and autograd's saved
+# tensors all refer to the same `Parameter`. So `ZeRO3` frees the **storage** under the flat buffer,
+# `flat.untyped_storage().resize_(0)`, and leaves every view in place; gathering gives the storage
+# its bytes back and all-gathers into it. The cell shows it on one process: the parameter survives
+# its storage going to 0 bytes, and autograd's saved copy (`w`) is valid again once refilled.
 
 # %%
 flat = torch.arange(6.0)  # a flat buffer of 6 float32 elements
@@ -89,21 +80,19 @@ print(f"refilled: storage {flat.untyped_storage().nbytes()} bytes, x.grad = {x.g
 #
 # `ZeRO3` keeps, for unit i:
 #
-# * `self.param_shards[i]`: this rank's chunk of the unit's parameters, (shard,): the only copy
-#   kept between uses;
-# * `self.flat_params[i]`: the unit's flat buffer, (padded,); every parameter of the unit is a
-#   view into it; its storage has 0 bytes while freed;
-# * `self.buckets[i].padded`: the buffer's length; `self.gathered[i]`: whether the storage is
-#   full (or being filled); `self.gather_works[i]`: the asynchronous all-gather in flight, or
-#   None.
+# * `self.param_shards[i]`: this rank's chunk of the unit's parameters, (shard,), the only copy kept
+#   between uses;
+# * `self.flat_params[i]`: the unit's flat buffer, (padded,); every parameter of the unit is a view
+#   into it; its storage has 0 bytes while freed;
+# * `self.buckets[i].padded`: the buffer's length; `self.gathered[i]`: whether the storage is full
+#   (or being filled); `self.gather_works[i]`: the all-gather in flight, or None.
 #
-# Write `gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes
-# and start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait
-# for the all-gather in flight (prefetch calls it with `wait=False`, and the module that needs
-# the unit calls it again with `wait=True`: then the unit is already marked gathered, and the
-# gather a prefetch started must still be waited for). And `free(i)`: wait for an all-gather
-# still in flight (never free memory a collective is writing into), then resize the storage
-# to 0. The check also hands each method an all-gather that has not completed, unit by unit.
+# Write `gather(i, wait=True)`: if the unit is not gathered, give the storage back its bytes and
+# start `all_gather(flat, shard, group=self.group, async_op=True)`; then, if `wait`, wait for the
+# all-gather in flight (prefetch calls it with `wait=False`; the module that needs the unit calls it
+# again with `wait=True`, and must wait for the gather a prefetch started). And `free(i)`: wait for
+# an all-gather still in flight (never free memory a collective is writing into), then resize the
+# storage to 0.
 
 
 # %%
@@ -150,10 +139,9 @@ class MyZeRO3(ZeRO3):
         #       (self.gather_works[i]) must finish first. Then the storage goes to 0 bytes; the
         #       views stay.
         # HINT: if self.gather_works[i] is not None:
-        #           self.gather_works[i].wait()
-        #           self.gather_works[i] = None
-        #       self.flat_params[i].untyped_storage().resize_(0)
-        #       self.gathered[i] = False
+        #           ...  # wait for it, then forget it
+        #       self.flat_params[i].untyped_storage()...  # 0 bytes
+        #       self.gathered[i] = ...
         if self.gather_works[i] is not None:  # never free memory a collective is writing into
             self.gather_works[i].wait()
             self.gather_works[i] = None
@@ -173,43 +161,35 @@ class MyZeRO3(ZeRO3):
 lesson04.check_zero3_gather(MyZeRO3, NPROCS)
 
 # %% [markdown]
-# FSDP2's `fully_shard` is PyTorch's implementation of the same idea (with its default
-# `reshard_after_forward=True`, parameters are freed after forward and gathered again for
-# backward, as here); the check trained it next to your class.
+# FSDP2's `fully_shard` is PyTorch's implementation of the same idea (by default it frees after
+# forward and gathers again for backward, as here); the check trained it next to your class.
 #
 # ## 3. When to gather: hooks, and prefetch
 #
 # `ZeRO3` calls `gather` and `free` from hooks:
 #
 # * a **forward pre-hook** on each module that uses a unit (`pre_forward`): gather its units;
-# * a **forward hook** (`_post_forward`, given): free them again (unless a module still running
-#   uses them: the root's unit stays while the root's forward runs), and register a
-#   hook on the module's output tensor that fires when backward reaches it, i.e. just before the
-#   module's own backward (`pre_backward`): gather the units again;
-# * when all gradients of a unit are in, the stage-2 machinery reduce-scatters them and frees
-#   the unit (`reduce_bucket`, given).
+# * a **forward hook** (`_post_forward`, given): free them (unless a module still running uses them,
+#   as the root does), and hook the module's output tensor, which fires just before the module's own
+#   backward (`pre_backward`): gather the units again;
+# * when all gradients of a unit are in, stage 2's machinery reduce-scatters them and frees the unit
+#   (`reduce_bucket`, given).
 #
-# Gathering on demand makes every module wait for its all-gather. **Prefetch** hides it: the
-# first forward records the order in which the modules ran (`self.order`); from then on,
-# once a module's own units are gathered, the hook *starts* the all-gather of the next
-# module's units (`wait=False`) so that it runs while this module computes; in backward the
-# order is reversed. `self.neighbour(m, k)` gives the units of the module k places after `m`
-# in the recorded order (`k < 0`: before), or `[]` while recording; `self.prefetch` is 1.
-#
-# Backward runs the modules in the reverse of the order in which they *finished* forward
-# (`self.ends`), not the order they started: the root starts first and finishes last, so in
-# backward its hook fires first. One rule remains: a unit whose gradients are all in has been
-# reduce-scattered and freed (`self.started[i]`); nothing in this backward
-# needs it again, so backward never prefetches such a unit (it would gather Ψ/N for nothing; a
-# model that calls one module twice can reach that case).
+# **Prefetch** hides the all-gather: the first forward records the order of the modules
+# (`self.order`); from then on, once a module's own units are gathered, the hook *starts* the gather
+# of the next module's units (`wait=False`), so it runs while this module computes. Backward runs
+# the modules in the reverse of the order they *finished* forward (`self.ends`). `self.neighbour(m,
+# k)` gives the units of the module k places after `m` (`k < 0`: before), or `[]` while recording;
+# `self.prefetch` is 1. A unit already reduce-scattered in this backward (`self.started[i]`) is
+# never prefetched: it would be gathered for nothing.
 #
 # ## Exercise 2 — prefetch
 #
-# Write `pre_forward(m, args)` and `pre_backward(m)`: gather (and wait for) every unit of
-# `m`, `self.units_of[m]`; then start, without waiting, the gathers of the units of the module
-# `self.prefetch` places ahead in the direction of travel (forward: after `m`; backward:
-# before it, skipping units already reduce-scattered). The class is built on minizero's `ZeRO3`,
-# so it does not depend on exercise 1.
+# Write `pre_forward(m, args)` and `pre_backward(m)`: gather (and wait for) every unit of `m`,
+# `self.units_of[m]`; then start, without waiting, the gathers of the units of the module
+# `self.prefetch` places ahead in the direction of travel (forward: after `m`; backward: before it,
+# skipping units already reduce-scattered). The class builds on minizero's `ZeRO3`, not on exercise
+# 1.
 
 
 # %%
@@ -248,8 +228,8 @@ class PrefetchZeRO3(ZeRO3):
         #       (self.started[i]): gathering it again would move Ψ/N for nothing.
         # HINT: for i in self.units_of[m]:
         #           self.gather(i)
-        #       for i in self.neighbour(m, -self.prefetch):
-        #           if not self.started[i]:
+        #       for i in self.neighbour(m, ...):  # backward's direction of travel
+        #           if ...:  # not reduce-scattered yet
         #               self.gather(i, wait=False)
         for i in self.units_of[m]:
             self.gather(i)
@@ -272,11 +252,10 @@ lesson04.check_zero3_prefetch(PrefetchZeRO3, NPROCS)
 # %% [markdown]
 # ## 4. Parameters held during one step
 #
-# The cells below use `minizero.parallelize(model, 3, ...)`, whose stage 3 is minizero's
-# `ZeRO3`: your two exercises together. The cell trains a 6-block TinyGPT in bf16 for two steps
-# (the first records the module order) and, in the second, measures the parameter bytes rank 0
-# holds as each unit's module starts its forward and its backward (after the stage's own hooks
-# have gathered), for stage 2 and stage 3.
+# From here on `minizero.parallelize(model, 3, ...)` is minizero's `ZeRO3`: your two exercises
+# together. The cell trains a 6-block TinyGPT in bf16 for two steps and, in the second, measures the
+# parameter bytes rank 0 holds as each unit's module starts its forward and its backward, for stages
+# 2 and 3.
 
 # %%
 DEEP = GPTConfig.tiny(n_layer=6)  # 6 blocks: more units than prefetch keeps gathered at once
@@ -284,20 +263,17 @@ HELD = lab.params_held(NPROCS, DEEP, stages=(2, 3))
 lab.plot_params_held(HELD, psi=count_params(TinyGPT(DEEP)))
 
 # %% [markdown]
-# Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus whatever is
-# gathered at that moment: the running block's unit and, with prefetch, the next one's. The
-# root's unit lingers: it is gathered for the root's forward, which is the whole forward (the
-# embeddings run first, `ln_f` and the tied `lm_head` last), and again for the whole backward
-# (its gradients are complete only after the embedding's backward, the very last). So between
-# "start" and "end of backward" the orange line never drops back to the shards: it stays at
-# least the root's unit above them. With two blocks instead of six, the root and both blocks are
-# gathered at once and stage 3 would hold more than stage 2 at its peak: units must be small
+# Stage 2 holds all parameters all the time. Stage 3 holds the shards (2Ψ/N) plus what is gathered
+# at that moment: the running block's unit and, with prefetch, the next one's. The root's unit
+# lingers through the whole forward and the whole backward (its gradients are complete only after
+# the embedding's backward, the very last), so the orange line never drops back to the shards. With
+# two blocks instead of six, stage 3 would hold more than stage 2 at its peak: units must be small
 # against the model for stage 3 to pay.
 #
 # ## 5. Memory per rank, every stage, against the formula
 #
-# As in lesson 02, one launch measures every N from 1 to `SWEEP` (the first n ranks form a
-# process group), now for all four stages, in bf16 with Adam (K = 12):
+# As in lesson 02, one launch measures every N from 1 to `SWEEP`, now for all four stages, in bf16
+# with Adam (K = 12):
 
 # %%
 SWEEP = NPROCS if INFO["backend"] == "nccl" else 4
@@ -318,14 +294,10 @@ lab.show_states_at_world(SWEPT, FORMULA)
 # ## 6. The floor: what stage 3 does not divide
 #
 # Model states are what a rank *keeps*. While it computes, a rank also holds the units it has
-# gathered (the running module's, the next one's if prefetched, and the tied `wte` unit through
-# forward), the gradient buckets being reduce-scattered (and, on gloo, the backend's copy of the
-# one in flight: lesson 03), and the activations of its own micro-batch, which ZeRO-DP does not
-# partition at all (the paper's ZeRO-R, P_a, partitions them across tensor-parallel ranks only,
-# §6.1: nothing with pure data parallelism). None of these shrinks with N. The cell
-# measures the peak of one bf16 training step (the second: the first records the module order)
-# with `MemoryMeter`, for N = 1 to `SWEEP`, each rank on its own micro-batch of 8 rows, and
-# splits it into the model states held at that moment and the rest.
+# gathered, the gradient buckets being reduce-scattered, and the activations of its own micro-batch,
+# which ZeRO-DP does not partition (the paper's P_a, §6.1, needs tensor parallelism). None of these
+# shrinks with N. The cell measures the peak of one bf16 step with `MemoryMeter`, for N = 1 to
+# `SWEEP`, and splits it into the model states held at that moment and the rest.
 
 
 # %%
@@ -334,28 +306,23 @@ lab.plot_stage3_floor(FLOOR)
 lab.show_stage3_floor(FLOOR)
 
 # %% [markdown]
-# The model states fall as 16Ψ/N; the rest does not fall at all. That rest is the floor: at
-# large N the peak per rank tends to it, not to 0. Its parts scale with different things:
+# The model states fall as 16Ψ/N; the rest does not fall at all. That rest is the floor, and its
+# parts scale with different things:
 #
-# * **gathered units**: the largest unit, plus the one prefetched beside it, plus the root's unit
-#   (the embeddings and the tied head, gathered through the whole forward and backward): set by
-#   how the model is cut into units, not by N. A model whose embedding is a large share of Ψ
-#   keeps that share gathered all the time.
+# * **gathered units**: the largest unit, the one prefetched, and the root's (embeddings and tied
+#   head): set by how the model is cut into units, not by N;
 # * **gradient buckets**: one filling and one in flight (three on gloo), set by the unit sizes;
-# * **activations**: set by the micro-batch and the sequence length, untouched by ZeRO-DP
-#   (activation checkpointing reduces them; the paper's P_a needs tensor parallelism, §6.1).
+# * **activations**: set by the micro-batch and the sequence length (activation checkpointing
+#   reduces them).
 #
-# So "stage 3 divides memory by N" holds for the model states only; for a large model at large
-# N the floor decides what fits, and lesson 05 budgets it.
+# So "stage 3 divides memory by N" holds for the model states only; at large N the floor decides
+# what fits, and lesson 05 budgets it.
 #
-# **How the systems you will read next shard parameters.** minizero's unit is a flat buffer,
-# cut into N chunks like a bucket, and in mixed precision it keeps a 16-bit shard for the
-# all-gather and a separate fp32 master shard for the optimizer (2 + 12 bytes per parameter, /N).
-# **FSDP2** (`torch.distributed.fsdp.fully_shard`) shards *each parameter* on its first dimension,
-# as a `DTensor`, and all-gathers a unit's parameters into one buffer; with a
-# `MixedPrecisionPolicy` its fp32 shards *are* the masters, cast to 16 bits only on the way to
-# the all-gather, and its sharded gradients are fp32 too. The cell measures its per-rank states
-# on TinyGPT after one Adam step (bf16 compute, fp32 gradient reduction), one unit per block.
+# **How FSDP2 shards parameters.** minizero keeps a 16-bit shard for the all-gather and a separate
+# fp32 master for the optimizer (2 + 12 bytes per parameter, /N). **FSDP2** (`fully_shard`) shards
+# *each parameter* on its first dimension, as a `DTensor`; with a `MixedPrecisionPolicy` its fp32
+# shards *are* the masters, cast to 16 bits on the way to the all-gather, and its sharded gradients
+# are fp32. The cell measures it on TinyGPT after one Adam step, one unit per block.
 
 
 # %%
@@ -364,20 +331,17 @@ lab.show_fsdp2_states(lab.fsdp2_states(NPROCS), OURS)
 
 # %% [markdown]
 # The same 16 bytes per parameter, divided by N, split differently: FSDP2 keeps 4-byte fp32
-# parameter shards (no separate master) and 4-byte gradient shards, minizero 2-byte shards of
-# each plus a 12-byte master and moments. FSDP2's layout pads each parameter's first dimension
-# to a multiple of N, and its optimizer sees one tensor per parameter (a `DTensor`), which is how
-# it supports param groups per parameter. DeepSpeed's stage 3
-# (`deepspeed/runtime/zero/partition_parameters.py`) partitions each parameter's flattened
-# elements into N contiguous pieces, padded, and gathers them per module, with prefetch
-# driven by a recorded trace, as here.
+# parameter and gradient shards, minizero 2-byte shards of each plus a 12-byte master and moments.
+# FSDP2's optimizer sees one tensor per parameter, which is how it supports param groups per
+# parameter. DeepSpeed's stage 3 (`deepspeed/runtime/zero/partition_parameters.py`) cuts each
+# parameter's elements into N padded pieces and gathers per module, with prefetch from a recorded
+# trace, as here.
 #
 # ## 7. Communication: 1.5x
 #
-# A `CommLedger` over each of the first two training steps of TinyGPT, at each stage. The
-# forward's collectives are those issued before the `"backward start"` mark. At stage 3 the cell
-# also counts how often each unit was all-gathered (the tag of a stage-3 all-gather names its
-# unit; the root's unit, with the embeddings and the tied `lm_head`, is unit 0).
+# A `CommLedger` over each of the first two training steps of TinyGPT, at each stage; forward's
+# collectives are those before the `"backward start"` mark. At stage 3 the cell also counts how
+# often each unit was all-gathered (the root's unit is unit 0).
 
 # %%
 PAPER = {0: 2, 1: 2, 2: 2, 3: 3}  # volume per step / Ψ
@@ -386,31 +350,17 @@ lab.plot_step_comm(COMM, PAPER)
 lab.show_step_comm(COMM, root_tag="zero3 params 0")  # the root unit's all-gathers (section 1)
 
 # %% [markdown]
-# Every stage moves what the paper counts: 2Ψ for DDP and stages 1 and 2; 3Ψ for stage 3, Ψ
-# all-gathered in forward, Ψ in backward and Ψ reduce-scattered, every unit gathered once for each
-# pass, the root's included. Stage 3 does so from the first step on. In their first step, stages 1
-# and 2 move more once: at the first `zero_grad()` they cut their buckets again in the order the
-# gradients really arrived, as torch DDP does from its second iteration, and move their fp32
-# masters and Adam's moments to the ranks that own them in the new layout (the all-reduces of
-# step 0; docs/package.md, `bucket_cap_mb`). (TinyGPT's units split evenly over 2,
-# 4 or 8 ranks. A unit that does not is padded, and the ledger counts the padding: the checks'
-# `MLP` moves 3Ψ plus a few elements per step, as exercise 1's check printed.) The first forward
-# records the order in which the modules run, the order prefetch follows from the second step
-# on (PyTorch's FSDP records its first iteration's order the same way for `forward_prefetch`);
-# it changes when an all-gather starts, not how much is moved.
+# Every stage moves what the paper counts: 2Ψ for DDP and stages 1 and 2; 3Ψ for stage 3, Ψ gathered
+# in forward, Ψ in backward and Ψ reduce-scattered, every unit gathered once per pass. Stage 3 does
+# so from the first step on; stages 1 and 2 move more once, in their first step
+# ([why](../docs/machinery.md#stages-1-and-2-rebuild-their-buckets-after-the-first-step)). The
+# recorded order changes when an all-gather starts, not how much is moved.
 #
-# The root's unit is freed at the end of forward and gathered again for backward, as FSDP2 does
-# for every unit but its root: that is what makes stage 3's volume exactly 3Ψ. FSDP2 keeps its
-# root's parameters through to backward (it would be gathered again at once), which saves the
-# root's share of Ψ in volume and costs it in memory between forward and backward;
-# `parallelize(..., reshard_root=False)` does the same here.
+# The root's unit is freed at the end of forward and gathered again for backward, which makes the
+# volume exactly 3Ψ. FSDP2 keeps its root through to backward, saving the root's share of volume for
+# memory; `parallelize(..., reshard_root=False)` does the same here. On gloo, where a reduce-scatter
+# runs as an all-reduce, time would not follow volume (lesson 00).
 #
-# That is volume, the quantity the paper counts; on gloo, where a reduce-scatter runs as an
-# all-reduce, time would not follow it (lesson 00).
-#
-# **Summary.** Stage 3 keeps only a 1/N chunk of every model state and gathers each module's
-# parameters around its forward and its backward: measured memory per rank follows
-# (2 + 2 + K)Ψ/N, for 1.5x the communication of DDP, and prefetch lets the all-gathers run
-# while the previous module computes. That completes ZeRO-DP: the same training, with model
-# states per rank divided by N, above a floor (gathered units, buckets, activations) that does
-# not shrink with N.
+# **Summary.** Stage 3 keeps a 1/N chunk of every model state and gathers each module's parameters
+# around its forward and backward: memory per rank follows (2 + 2 + K)Ψ/N, above a floor that does
+# not shrink with N, for 1.5x DDP's communication, with prefetch overlapping the gathers.

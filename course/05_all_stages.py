@@ -26,9 +26,6 @@
 # arXiv 2205.05198.
 #
 #     python -m minizero grade my-lessons/05_all_stages.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson05 import *  # torch, minizero, budget, hint, lab, the check
@@ -55,14 +52,12 @@ print(f"the question: Ψ = {BIG_PSI:,} parameters, s = {BIG.block_size}, b = {BI
 # | 2: P_os+g | + gradients | 2Ψ | 2Ψ/N | KΨ/N | 2Ψ + (2 + K)Ψ/N |
 # | 3: P_os+g+p | + parameters | 2Ψ/N | 2Ψ/N | KΨ/N | (2 + 2 + K)Ψ/N |
 #
-# The cell below trains TinyGPT (tiny) and a small MLP (`models.MLP` with sizes 32, 64, 64, 16) for
-# a few steps at every stage in bf16 with AdamW, on NPROCS real ranks (`compare.profile_stage` is
-# what each rank runs; read it in `minizero/course/compare.py`). For each stage it keeps the
-# model-state bytes at the end of backward (`model_state_bytes`: the storages the stage holds,
-# hidden flat buffers included), the peak of one step (`MemoryMeter`: every live storage on CPU, the
-# CUDA allocator's count on a GPU), every collective of one step (`CommLedger`), and a few step
-# times. AdamW runs `fused=True`: one kernel per step, without the full-size temporaries of the
-# default (foreach) implementation.
+# The cell trains TinyGPT (tiny) and a small MLP for a few steps at every stage in bf16 with AdamW,
+# on NPROCS real ranks (`compare.profile_stage` is what each rank runs:
+# `minizero/course/compare.py`). For each stage it keeps the model-state bytes at the end of
+# backward (`model_state_bytes`), the peak of one step (`MemoryMeter`), every collective of one step
+# (`CommLedger`), and a few step times. AdamW runs `fused=True`: one kernel, without the default
+# implementation's full-size temporaries.
 
 # %%
 STAGES = (0, 1, 2, 3)
@@ -72,33 +67,26 @@ lab.show_states(GPT)  # beside paper_model_state_bytes: the table above
 lab.plot_memory(GPT, INFO)
 
 # %% [markdown]
-# **Model states** (the coloured part of each left bar) are the formula to the byte here: TinyGPT
-# tiny's tensors split evenly over 2, 4 or 8 ranks. Where a flat buffer does not, a stage pads it
-# with at most N − 1 elements, and the measurement shows that padding too. The **hatched part** is
-# the rest of the step's peak; what it held, measured (on CPU the meter splits the peak; under the
-# CUDA allocator only the total is known):
+# **Model states** (the coloured part of each left bar) are the formula to the byte: TinyGPT tiny's
+# tensors split evenly over 2, 4 or 8 ranks (otherwise the padding shows too). The **hatched part**
+# is the rest of the step's peak; what it held (on CPU the meter splits the peak; under the CUDA
+# allocator only the total is known):
 
 # %%
 lab.show_peak(GPT)
 
 # %% [markdown]
 # The activations and temporaries are the same at every stage: every rank runs the whole model on
-# its own rows. The communication buffers are stage 2's buckets in flight and stage 3's gathered
-# units (§5).
+# its own rows. The communication buffers are buckets in flight and stage 3's gathered units (§5).
 #
 # ## 2. Model states at 6.7B: the stage code on meta tensors (a consistency check)
 #
-# Nothing of 6.7B parameters fits in this machine, but `minizero.simulate` can run the **same stage
-# code** on it: it builds the model on PyTorch's meta device (tensors with a shape, a dtype and a
-# storage size, but no memory), opens a fake process group of N ranks (collectives that return at
-# once), wraps the model with `minizero.parallelize`, runs one training step and reads
-# `model_state_bytes`. Any model with Ψ parameters has the same model states, so it uses a
-# `FlatModel` of Ψ parameters (building the 32-layer GPT on meta tensors takes seconds per stage).
-#
-# This is **not a measurement of memory**: no allocator is involved, only the sizes the stage code
-# asks for. It checks that the code allocates, at 6.7B parameters and N = 8, what the formula
-# says, which the small-scale measurement of §1 (real storages, and the CUDA allocator's count on a
-# GPU) established for the same code at a size that fits.
+# `minizero.simulate` runs the **same stage code** at 6.7B: it builds the model on PyTorch's meta
+# device (tensors with a shape and a dtype but no memory), opens a fake process group of N ranks,
+# wraps the model with `minizero.parallelize`, runs one step and reads `model_state_bytes`. Any
+# model of Ψ parameters has the same model states, so it uses a `FlatModel` of Ψ parameters. This is
+# **not a measurement of memory**, only the sizes the stage code asks for: a check that the code
+# allocates what the formula says, which §1 measured at a size that fits.
 
 # %%
 FORMULA = {s: sum(paper_model_state_bytes(BIG_PSI, BIG_N, s, "bf16").values()) for s in STAGES}
@@ -108,11 +96,9 @@ lab.show_simulated(lab.simulated_states(BIG_PSI, BIG_N, STAGES), FORMULA, BIG_PS
 # DDP holds 107 GB of model states per GPU: more than 80 GB before a single activation. Stage 1
 # brings it to 37 GB, stage 2 to 25 GB, stage 3 to 13 GB.
 #
-# The paper's Table 1 gives the model-state memory per device for 7.5B, 128B and 1T parameters at
-# N_d = 1 … 1024. The same meta-tensor run reproduces every cell (again a consistency check of the
-# code's allocation sizes against the paper's arithmetic). Beside it, per parameter and at
-# N = NPROCS: what the ranks of §1 **measured** on real tensors, what the meta run gives at 7.5B,
-# and the formula.
+# The same meta-tensor run reproduces every cell of the paper's Table 1 (7.5B, 128B and 1T
+# parameters at N_d = 1 … 1024). Beside it, per parameter at N = NPROCS: what §1 **measured**, the
+# meta run at 7.5B, and the formula.
 
 # %%
 rows = table1()  # 3 model sizes x 6 values of N_d x 4 stages, each one step on meta tensors
@@ -126,19 +112,17 @@ lab.show_table1(rows, GPT, NPROCS)  # and its figure
 #
 # **activations per layer = sbh (34 + 5as/h)**
 #
-# The 34 sbh: attention 11 sbh (the input of the QKV projection 2, Q and K 4, V 2, the input of
-# the output projection 2, its dropout mask 1), MLP 19 sbh (input 2, the GeLU's input 8 and output
-# 8, dropout mask 1), two LayerNorm inputs 4 sbh. The 5as²b: the attention scores' softmax output
-# (2 bytes each), its dropout mask (1) and dropout output (2). Without dropout the three masks and
-# the dropout output go: **32 sbh + 2as²b**. A flash-attention kernel (Dao et al. 2022,
-# *FlashAttention*, arXiv 2205.14135) recomputes the scores in backward and keeps none of them:
-# **32 sbh**. PyTorch's `scaled_dot_product_attention`, which TinyGPT calls, picks such a kernel
-# when it can, and falls back to a "math" kernel that stores the scores.
+# The 34 sbh: attention 11 sbh (the QKV projection's input 2, Q and K 4, V 2, the output
+# projection's input 2, its dropout mask 1), MLP 19 sbh (input 2, the GeLU's input 8 and output 8,
+# dropout mask 1), two LayerNorm inputs 4 sbh. The 5as²b: the softmax output (2 bytes a score), its
+# dropout mask (1) and dropout output (2). Without dropout: **32 sbh + 2as²b**. A flash-attention
+# kernel (Dao et al. 2022, arXiv 2205.14135) recomputes the scores in backward and keeps none: **32
+# sbh**. PyTorch's `scaled_dot_product_attention`, which TinyGPT calls, picks such a kernel when it
+# can, else a "math" kernel that stores the scores.
 #
-# The measurement: PyTorch's `MemTracker` (`torch.distributed._tools.mem_tracker`, which tracks
-# every storage an op creates, on CPU and GPU alike) around one forward and backward of a small
-# TinyGPT in bf16, in this process on the CPU; a hook before and after each transformer block
-# reads what the block left alive (`budget.measure_activations`). Dropout is 0, as in TinyGPT.
+# The measurement: PyTorch's `MemTracker` (`torch.distributed._tools.mem_tracker`: every storage an
+# op creates) around one forward and backward of a small TinyGPT in bf16, in this process; a hook
+# around each block reads what it left alive (`budget.measure_activations`). Dropout is 0.
 
 # %%
 SMALL = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # §6 trains it
@@ -149,15 +133,13 @@ ACTS = lab.layer_activations(SMALL, B, lengths=(64, 128), kernels=("default", "m
 lab.show_layer_activations(ACTS, SMALL, B, FORMULA)
 
 # %% [markdown]
-# The default kernel keeps about 32 sbh at both lengths: Korthikanti's 34 less the two dropout
-# masks, plus a few bytes per token of statistics (LayerNorm's mean and inverse deviation, the
-# softmax's log-sum-exp), and no s² term: it is a flash kernel. The math kernel grows with s: it
-# keeps the scores. On the CPU it computes attention in fp32 for bf16 inputs, so each score costs
-# 4 bytes, not the formula's 2, and Q, K, V are kept again in fp32: the formula's structure, with
-# this kernel's byte counts. The formula is a model of an implementation; the measurement decides.
+# The default kernel keeps about 32 sbh at both lengths (Korthikanti's 34 less the two dropout
+# masks, plus a few bytes of statistics per token) and no s² term: it is a flash kernel. The math
+# kernel grows with s: it keeps the scores, here in fp32 (4 bytes, not the formula's 2). The formula
+# models an implementation; the measurement decides.
 #
 # Beyond the layers, the **output layer** keeps the logits (s·b·V) and, at the start of backward,
-# the loss's gradient with respect to them. Measured by widening the vocabulary alone:
+# their gradient. Measured by widening the vocabulary alone:
 
 # %%
 WIDE_V = 1024
@@ -185,18 +167,16 @@ print(f"  formula, scores stored, dropout (eq. 1):   {big['formula_paper'] / GB:
 print(f"  the output layer ({LOGIT_BYTES:.1f} bytes per logit, s·b·V):  {BIG_LOGITS / GB:6.1f} GB")
 
 # %% [markdown]
-# At s = 4096 the 5as/h term is 5 · 32 · 4096 / 4096 = 160 against 34: stored attention scores
-# would be 80% of the activations. With a flash kernel and no dropout the 6.7B model keeps about
-# 17 GB of activations per sequence of 4096 tokens, on **every** rank, whatever the stage.
+# At s = 4096 the 5as/h term is 160 against 34: stored scores would be 80% of the activations. With
+# a flash kernel and no dropout the 6.7B model keeps about 17 GB of activations per sequence of 4096
+# tokens, on **every** rank, whatever the stage.
 #
 # ## 4. Activation checkpointing, measured
 #
-# `torch.utils.checkpoint` runs a block's forward without keeping what it computes, only its input;
-# in backward it runs the block's forward again, just before the block's backward, and keeps that
-# block's activations only until its backward is done (Chen et al. 2016, *Training Deep Nets with
-# Sublinear Memory Cost*, arXiv 1604.06174). Korthikanti et al. count 2sbh per layer for it: the
-# 16-bit input. The price is one more forward per step, about a third more arithmetic.
-# `budget.checkpoint_blocks(model)` wraps each block of a TinyGPT; the same measurement:
+# `torch.utils.checkpoint` runs a block's forward keeping only its input, and runs it again in
+# backward just before the block's backward (Chen et al. 2016, arXiv 1604.06174). Korthikanti et al.
+# count 2sbh per layer: the 16-bit input. The price is one more forward, about a third more
+# arithmetic. `budget.checkpoint_blocks(model)` wraps each block of a TinyGPT; the same measurement:
 
 # %%
 CKPT = budget.measure_activations(SMALL, B, checkpointing=True)
@@ -207,28 +187,21 @@ kept = f"{BIG.n_layer} x 2sbh kept + one layer rebuilt"
 print(f"\n6.7B: {kept} = {ck_big / GB:.1f} GB (instead of {big['measured'] / GB:.1f} GB)")
 
 # %% [markdown]
-# Each checkpointed block keeps exactly 2 sbh, its bf16 output (the next block's input). The peak
-# comes in backward, when one block has been rebuilt: the kept inputs, one layer's activations,
-# and what the output layer holds at that moment. For the 6.7B model that is under 2 GB instead
-# of 17.
+# Each checkpointed block keeps exactly 2 sbh, its bf16 output. The peak comes in backward, when one
+# block has been rebuilt. For the 6.7B model that is under 2 GB instead of 17.
 #
 # ## 5. Buffers, and the ZeRO-3 floor
 #
 # Beyond model states and activations a rank holds, at moments:
 #
-# * **gradient buckets** (stages 0–2): the bucket being filled and the one being reduced. minizero
-#   and PyTorch's DDP default to 25 MiB (`bucket_cap_mb`, first bucket 1 MiB); §1 used small
-#   buckets on purpose.
-#   On gloo a reduce-scatter also clones its input (lesson 03 measured it), one bucket more;
-# * **stage 3's gathered units**: the root's unit (gathered through forward and backward), the
-#   block computing, the prefetched one, and the full gradient of a unit before its
-#   reduce-scatter. minizero's units, like FSDP2's (what you wrap with `fully_shard`), are the
-#   transformer blocks (12h² parameters each) plus the root, which holds the embeddings (V × h,
-#   tied to the output layer); DeepSpeed caps what is gathered with `stage3_max_live_parameters`
-#   and `stage3_prefetch_bucket_size`.
+# * **gradient buckets** (stages 0–2): the one being filled and the one being reduced (25 MiB by
+#   default, `bucket_cap_mb`; §1 used small ones). On gloo a reduce-scatter also clones its input;
+# * **stage 3's gathered units**: the root's (embeddings, tied to the output layer), the block
+#   computing, the prefetched one, and a unit's full gradient before its reduce-scatter. DeepSpeed
+#   caps what is gathered with `stage3_max_live_parameters` and `stage3_prefetch_bucket_size`.
 #
-# These do not shrink with N. Neither do the activations. So stage 3's memory per rank does not go
-# to zero: it goes to a **floor**. Measured in §1 (TinyGPT tiny, at the peak, CPU only):
+# These do not shrink with N, nor do the activations: stage 3's memory per rank goes to a **floor**.
+# Measured in §1 (TinyGPT tiny, at the peak, CPU only):
 
 # %%
 lab.show_comm_at_peak(GPT)
@@ -243,9 +216,9 @@ for n in (8, 64, 1024):
     print(f"stage 3, N = {n:5}: model states {states / GB:6.2f} GB + {rest}")
 
 # %% [markdown]
-# At N = 1024 the 6.7B model's states are 0.1 GB per rank, and the rank still needs about 20 GB:
-# the floor is the activations of one micro-batch, which only checkpointing (or a smaller
-# micro-batch, or model parallelism) reduces.
+# At N = 1024 the 6.7B model's states are 0.1 GB per rank, and the rank still needs about 20 GB: the
+# activations of one micro-batch, which only checkpointing (or a smaller micro-batch, or model
+# parallelism) reduces.
 #
 # ## 6. Exercise: predict the peak, then measure it
 #
@@ -255,20 +228,14 @@ for n in (8, 64, 1024):
 # `case.checkpointing` and `case.world` (N). The step is the one measured above: TinyGPT in bf16,
 # AdamW (K = 12).
 #
-# * `"model_states"`: parameters, gradients and optimizer states at this stage on N ranks. First
-#   derive Ψ(L, h, V) yourself from TinyGPT's definition (`minizero/models.py`: the token
-#   embedding, tied to the output layer; the positions; per block, attention and MLP with their
-#   biases and two LayerNorms; a final LayerNorm), not from a library call;
-# * `"activations"`: everything else alive at the peak, from what §3 and §4 measured (`LAYER`,
-#   `LOGIT_BYTES`, `OTHER`): what a layer keeps, with and without checkpointing; what the output
-#   layer keeps; the rest. Which of these does N divide?
+# * `"model_states"`: first derive Ψ(L, h, V) yourself from TinyGPT's definition
+#   (`minizero/models.py`), not from a library call;
+# * `"activations"`: everything else alive at the peak, from §3 and §4 (`LAYER`, `LOGIT_BYTES`,
+#   `OTHER`). Which of these does N divide?
 #
-# The last configuration has GPT-2's vocabulary, V = 50,257: there the logits (s·b·V) are most
-# of the peak. The check first calls your function on each configuration below, then measures
-# each one on max(NPROCS, 3) real ranks (3 on a CPU, so that a hard-coded N = 2 shows;
-# `measure_peak` in `minizero/course/checks/lesson05.py`: one step under `MemoryMeter`). Your
-# model states must be within 2% of what the ranks held, your total within 15% of the measured
-# peak.
+# The last configuration has GPT-2's vocabulary: there the logits are most of the peak. The check
+# measures each configuration on max(NPROCS, 3) real ranks (`measure_peak` in
+# `minizero/course/checks/lesson05.py`): model states within 2%, total within 15%.
 
 # %%
 CASES = peak_cases(NPROCS, gpu=on_gpus(NPROCS))  # longer micro-batches on GPUs
@@ -318,8 +285,8 @@ check_predict_peak(predict_peak, NPROCS, CASES)
 # %% [markdown]
 # ## 7. The answer: 6.7B on 8 × 80 GB at s = 4096
 #
-# Your function, applied to the question's model (the constants it uses were measured here, with
-# this machine's attention kernel; a GPU's flash kernel keeps about the same 32 sbh):
+# Your function, applied to the question's model (its constants were measured with this machine's
+# attention kernel; a GPU's flash kernel keeps about the same 32 sbh):
 
 # %%
 try:  # in lessons/, until you write it, the table uses minizero.analysis.budget.step_budget instead
@@ -364,27 +331,19 @@ lab.show_answer(STORED, GPU_GB, BIG_N)
 lab.plot_budget(BIG, BIG_N, micro_batch=BIG_B, capacity_gb=GPU_GB, logit_bytes=LOGIT_BYTES)
 
 # %% [markdown]
-# **DDP does not fit**: its model states alone are 107 GB. **Stages 1, 2 and 3 fit**, without
-# checkpointing, as long as attention runs a flash kernel: about 55, 44 and 33 GB. Had the
-# attention scores been stored (Korthikanti's eq. 1 with dropout, over 100 GB of activations at
-# s = 4096), nothing would fit without checkpointing; with it, stage 1 would need about 42 GB.
+# **DDP does not fit**: its model states alone are 107 GB. **Stages 1, 2 and 3 fit** without
+# checkpointing, given a flash kernel: about 55, 44 and 33 GB. Had the scores been stored (over 100
+# GB of activations), nothing would fit without checkpointing.
 #
-# What this budget leaves out, so keep a margin: the CUDA allocator's caching and fragmentation
-# (`torch.cuda.memory_reserved` exceeds `max_memory_allocated`), the CUDA context and NCCL's own
-# buffers, and the gradients' precision: minizero and DeepSpeed's ZeRO keep bf16 gradients (the
-# paper's 16Ψ), but FSDP2's default stores them in the parameters' fp32 (it casts each
-# reduce-scattered shard back, `_to_dtype_if_needed(reduce_output, orig_dtype)` in pytorch/pytorch
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; lesson 04 measures it) and
-# Megatron-LM's distributed optimizer keeps them in fp32 (its table in
-# `docs/source/api-guide/dist_optimizer.md`: 18 bytes per parameter for DDP).
+# Keep a margin for what this budget leaves out: the CUDA allocator's caching and fragmentation, the
+# CUDA context and NCCL's buffers, and fp32 gradients where a system keeps them (FSDP2 with fp32
+# parameters, Megatron-LM: [details](../docs/machinery.md#fp32-gradients-in-fsdp2-and-megatron-lm)).
 #
 # ## 8. A calculator
 #
-# The figure above is `plots_budget.budget_figure`. In JupyterLab or Jupyter Notebook, sliders
-# follow it (the model's shape, s, b, N, the GPU's memory, checkpointing, the attention kernel) and
-# redraw it; in a graded run only the static figure is drawn. In other front ends (VS Code, ...)
-# start the kernel with `MINIZERO_WIDGETS=1`, or call `display(plots_budget.calculator())` in any
-# cell.
+# In JupyterLab or Jupyter Notebook, sliders follow the figure above (the model's shape, s, b, N,
+# the GPU's memory, checkpointing, the attention kernel); in a graded run only the static figure is
+# drawn. In other front ends start the kernel with `MINIZERO_WIDGETS=1`.
 
 # %%
 lab.calculator(BIG, BIG_N, BIG_B, GPU_GB)  # a widget front end only; never in a graded run
@@ -392,51 +351,36 @@ lab.calculator(BIG, BIG_N, BIG_B, GPU_GB)  # a widget front end only; never in a
 # %% [markdown]
 # ## 9. What the stages cost in communication
 #
-# Per step, DDP all-reduces Ψ gradient elements: 2Ψ in the paper's accounting (§7.1; lesson 00).
-# Stages 1 and 2 replace it with a reduce-scatter of the gradients (Ψ) and an all-gather of the
-# updated parameters (Ψ): **2Ψ, the same as DDP** (§7.2.1). Stage 3 all-gathers every layer's
-# parameters in forward (Ψ) and again in backward (Ψ), and reduce-scatters the gradients (Ψ):
-# **3Ψ, 1.5× DDP** (§7.2.2). The ledgers of the step measured in §1, on rank 0:
+# DDP moves 2Ψ per step (§7.1), stages 1 and 2 a reduce-scatter and an all-gather, **2Ψ** (§7.2.1),
+# stage 3 two all-gathers and a reduce-scatter, **3Ψ, 1.5× DDP** (§7.2.2). The ledgers of §1's step,
+# on rank 0:
 
 # %%
 lab.show_volumes(PROFILES)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 
 # %% [markdown]
-# Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3: every stage-3 unit is
-# all-gathered twice, for forward and for backward, and reduce-scattered once, the root's unit
-# (TinyGPT's embeddings and tied head) included (lesson 04). The figure shows volume, the
-# median bus bandwidth of each kind of collective, and the step time. Read the bandwidth with
-# care:
+# Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3 (lesson 04). Read the bandwidths
+# with care:
 #
-# * **PyTorch's gloo emulates reduce-scatter**: its gloo backend runs an all-reduce of a clone of
-#   the whole input and keeps this rank's chunk, so on gloo a reduce-scatter costs what an
-#   all-reduce costs. NCCL has a native one (lesson 00 measured both).
-# * The messages here are KiBs: latency-bound, far below what the link can carry (lesson 00).
-# * A collective's time starts when *this* rank calls it, so it includes waiting for the others.
-# * Asynchronous collectives (DDP's and stage 2's buckets, stage 3's gathers) are timed from issue
-#   to `wait()`, so computation that overlapped them counts in their time.
+# * gloo runs a reduce-scatter as an all-reduce of a clone of its input (lesson 00);
+# * the messages are KiBs: latency-bound;
+# * a collective's time includes waiting for the other ranks, and an asynchronous one is timed from
+#   issue to `wait()`, overlapped computation included.
 
 # %%
 lab.plot_comm(PROFILES)
 
 # %% [markdown]
-# These times come from this machine under whatever else runs on it: compare them with each
-# other, not with another machine's. At scale the payloads dominate, and stage 3's extra Ψ costs
-# up to 1.5× DDP's communication time where the network is the bottleneck, which is why it is
-# overlapped with computation (lesson 04).
+# Compare these times with each other, not with another machine's. At scale stage 3's extra Ψ costs
+# up to 1.5× DDP's communication time where the network is the bottleneck, hence its overlap.
 #
 # ### 2Ψ and 3Ψ are per *backward* at stages 2 and 3
 #
-# §7 fitted the 6.7B model with b = 1 sequence of 4096 tokens per GPU: 8 × 4096 = 32,768 tokens
-# per forward and backward. Real runs step on far larger global batches (Llama 2 used 4M tokens
-# per step: Touvron et al. 2023, §2.2), so each rank accumulates the gradients of many
-# micro-batches before each optimizer step. Stage 1 keeps the full gradient on every rank and
-# reduce-scatters it once per step; stage 2 keeps only its chunk, so every backward must
-# reduce-scatter its gradients; stage 3 also gathers the parameters again for every forward and
-# every backward (lesson 03 §6 measured stage 2; FSDP2's `set_requires_gradient_sync(False)` is
-# the other side of that trade: full gradients kept, memory paid). Measured with the ledger, one
-# optimizer step of TinyGPT tiny on NPROCS ranks, after 1 and after 4 micro-batches (the second
-# step: the first one's `zero_grad()` also cuts stages 1-2's buckets again, lesson 04 §7):
+# Real runs step on large global batches (Llama 2: 4M tokens a step, Touvron et al. 2023, §2.2), so
+# each rank accumulates many micro-batches per step. Stage 1 keeps the full gradient and
+# reduce-scatters once per step; stage 2 keeps only its chunk, so every backward reduce-scatters;
+# stage 3 also gathers the parameters for every forward and backward. Measured, one optimizer step
+# of TinyGPT tiny after 1 and after 4 micro-batches:
 
 
 # %%
@@ -455,19 +399,12 @@ for st in (1, 2, 3):
     print(f"  stage {st}: {moved} = {tb:6.2f} TB per rank per step (paper accounting)")
 
 # %% [markdown]
-# Per optimizer step, stage 1 moves 2Ψ however many micro-batches it accumulates; stage 2 moves
-# about Ψ per micro-batch plus the final all-gather; stage 3 about 3Ψ per micro-batch. At a
-# realistic global batch, the memory stage 2 saves over stage 1 (the gradients: 2Ψ bytes) is paid
-# for with about k/2 times the communication, and stage 3's with about 3k/2 times: which is why
-# such runs pick stage 1 (or stage 2/3 with full gradients kept across micro-batches) when the
-# model states fit, and why stage 3 needs its communication overlapped with computation.
-#
-# These volumes are minizero's. DeepSpeed's differ: its stages 1-2 all-reduce each gradient
-# bucket that spans several ranks' partitions (`use_multi_rank_bucket_allreduce`, on by default
-# in `deepspeed/runtime/zero/config.py`), stage 2 every micro-batch, so about 3Ψ (stage 1) and 9Ψ
-# (stage 2) per step at 4 micro-batches; its stage 3 re-gathers less, keeping recently used
-# parameters gathered (`stage3_max_reuse_distance`) and small ones always
-# (`stage3_param_persistence_threshold`).
+# Per step, stage 1 moves 2Ψ however many micro-batches; stage 2 about Ψ per micro-batch plus the
+# all-gather; stage 3 about 3Ψ per micro-batch. At k micro-batches, the 2Ψ bytes stage 2 saves cost
+# about k/2 times the communication: such runs pick stage 1 when the model states fit, and stage 3
+# needs its communication overlapped. (DeepSpeed's volumes differ: its stages 1-2 all-reduce buckets
+# that span several partitions, about 3Ψ and 9Ψ at 4 micro-batches; its stage 3 keeps recently used
+# parameters gathered, `stage3_max_reuse_distance`.)
 #
 # ## Summary
 #
@@ -480,13 +417,5 @@ for st in (1, 2, 3):
 # | buffers | buckets | buckets | buckets | gathered units + a full gradient | never |
 # | moved per step | 2Ψ | 2Ψ | 2Ψ | 3Ψ | |
 #
-# Per layer, the activations are sbh(34 + 5as/h) with dropout and stored scores, 32 sbh with a
-# flash kernel and no dropout (measured here: about the same), 2 sbh with checkpointing.
-#
 # The 6.7B model at s = 4096 on 8 × 80 GB: not with DDP; with any ZeRO stage, given a flash
-# attention kernel; with room to spare at stage 3 or with checkpointing.
-#
-# Instructors: `compare.compare_stages(NPROCS)` runs every stage and saves §1's and §9's comparison
-# as one figure, `runs/stages.png`.
-#
-# Next: **lesson 06 — myths and facts**, where nine claims about ZeRO meet a measurement.
+# attention kernel. Next: **lesson 06 — myths and facts**.

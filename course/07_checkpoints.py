@@ -23,9 +23,6 @@
 # reads the ranges it owns *now* from pieces that other ranks saved.
 #
 #     python -m minizero grade my-lessons/07_checkpoints.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson07 import *  # torch, dist, minizero, hint, lab, lesson07, TinyGPT

@@ -1,29 +1,24 @@
 # %% [markdown]
 # # Lesson 08 — Beyond one node: what crosses the boundary, and what a step will cost
 #
-# Every lesson so far ran on one machine, where every rank reaches every other over the same
-# link. Real runs span **nodes**: inside a node the GPUs talk over NVLink, between nodes over a
-# network. Both are per-GPU figures on a DGX H100: each GPU sends about 450 GB/s over NVLink
-# (line rate) and has its own 400 Gb/s (50 GB/s) network card, eight NICs a node. The question a
-# practitioner meets next is not "which stage?" but "which stage, sharded over what, and how long
-# will a step take?". This lesson:
+# Every lesson so far ran on one machine. Real runs span **nodes**: inside a node the GPUs talk over
+# NVLink, between nodes over a network. On a DGX H100 each GPU sends about 450 GB/s over NVLink
+# (line rate) and has its own 400 Gb/s (50 GB/s) network card, eight NICs a node. The question
+# becomes "which stage, sharded over what, and how long will a step take?". This lesson:
 #
-# 1. treats blocks of consecutive ranks on this machine as nodes and measures, with the ledger,
-#    which of ZeRO's bytes **cross a node boundary**, and that the cost model's collectives are
-#    the library's, byte for byte (section 1);
+# 1. treats blocks of consecutive ranks as nodes and measures which of ZeRO's bytes **cross a node
+#    boundary**, and that the cost model's collectives are the library's, byte for byte (section 1);
 # 2. builds **hybrid sharding** (HSDP, exercise 1) and ZeRO++'s **qwZ** quantiser (exercise 2)
-#    and measures them beside flat ZeRO-3, FSDP2's HSDP and hpZ (sections 2 and 3);
-# 3. builds a **link model that follows NCCL** (NVLink per GPU, all of a node's NICs), checks it
-#    against measured nccl-tests figures, and has you write the prediction of a step's
-#    time (section 4, exercise 3), checked against this machine's steps (section 5);
-# 4. predicts steps and memory **at scale** (lesson 05's 6.7B model, 64 nodes × 8 GPUs) with a
-#    calculator (sections 6 and 7), and asks you **which configuration you would run**
-#    (exercise 4), and which input, changed by 2×, would change the answer.
+#    beside flat ZeRO-3, FSDP2's HSDP and hpZ (sections 2 and 3);
+# 3. builds a **link model that follows NCCL**, checks it against published nccl-tests figures, and
+#    has you predict a step's time (section 4, exercise 3), checked on this machine (section 5);
+# 4. predicts steps and memory **at scale** (lesson 05's 6.7B model, 64 nodes × 8 GPUs; sections 6
+#    and 7) and asks **which configuration you would run** (exercise 4).
 #
 #     python -m minizero grade my-lessons/08_beyond_one_node.ipynb
 #
-# The ranks here are 4 gloo processes on this machine, whatever it has: "nodes" are a labelling,
-# so every link measured below is the same loopback. The lesson says so wherever it matters.
+# The ranks here are 4 gloo processes on this machine: "nodes" are a labelling, and every link
+# measured below is the same loopback.
 
 # %%
 from minizero.course.labs.lesson08 import *  # torch, dist, C, cost, scenario, hint, lab, lesson08
@@ -34,19 +29,16 @@ NPROCS, INFO = setup(4, node=NODE)  # 4 gloo ranks as 2 "nodes" of 2 (0, 1 | 2, 
 # %% [markdown]
 # ## 1. What crosses a node boundary
 #
-# The ledger counts what each rank *sends* under the ring model (minizero/analysis/topology.py):
-# a group of n ranks is one ring in rank order, and in a ring every rank sends all its bytes to
-# its successor. A rank's bytes cross a node boundary when its successor is on another node. For
-# the flat group of 4 over 2 nodes the ring is 0 → 1 → 2 → 3 → 0: ranks 1 and 3 send everything
-# across, ranks 0 and 2 nothing, so **half the ring's bytes cross**. (How fast they cross is
-# section 4's question: NCCL runs several such rings at once, over all of a node's NICs.)
+# The ledger counts what each rank *sends* under the ring model (minizero/analysis/topology.py): a
+# group of n ranks is one ring in rank order, each rank sending to its successor. A rank's bytes
+# cross a node boundary when its successor is on another node. For 4 ranks over 2 nodes the ring is
+# 0 → 1 → 2 → 3 → 0: ranks 1 and 3 send everything across, 0 and 2 nothing, so **half the ring's
+# bytes cross**.
 #
-# One launch of 4 ranks runs everything this lesson measures (`lab.on_nodes`): each stage, flat,
-# for `MICRO` micro-batches per step under a `CommLedger(node_size=NODE)`, then timed; the
-# layouts of `MORE` (HSDP at stages 1-3, hpZ and hpZ + qwZ, named by `cost.Config`'s options:
-# sections 2 and 3 explain them) the same, untimed; the plain model's forward + backward (the
-# compute) and AdamW's step; and two sweeps for the cost model of section 4, one inside each
-# node, one over all 4 ranks.
+# One launch of 4 ranks runs everything this lesson measures (`lab.on_nodes`): each stage for
+# `MICRO` micro-batches per step under a `CommLedger(node_size=NODE)`, then timed; the layouts of
+# `MORE` (sections 2 and 3) untimed; the plain model's compute and AdamW's step; and two sweeps for
+# section 4's cost model, inside each node and over all 4 ranks.
 
 # %%
 MORE = {  # untimed; cost.Config's options
@@ -67,14 +59,11 @@ lab.show_node_bytes(RUN)
 lab.plot_node_bytes(RUN)
 
 # %% [markdown]
-# Beside the formula: per rank and step, DDP and ZeRO-1 send 2 · (n−1)/n · Ψ elements (one
-# all-reduce, or its two halves), ZeRO-2 reduce-scatters every micro-batch, and ZeRO-3 moves
-# 3 · (n−1)/n · Ψ per micro-batch (gather in forward, gather in backward, reduce-scatter). The
-# cell prints the formula, the model's bytes (minizero.analysis.cost.step_collectives, from the
-# buckets the stages really made, padding included) and the ledger's; then, group by group, the
-# same for the layouts of `MORE`. The model lists the collectives the library issues, so the two
-# agree to the byte (tests/library/test_cost_ledger.py checks every one of these at 1 and 4
-# micro-batches).
+# Per rank and step, DDP and ZeRO-1 send 2 · (n−1)/n · Ψ elements, ZeRO-2 reduce-scatters every
+# micro-batch, and ZeRO-3 moves 3 · (n−1)/n · Ψ per micro-batch. The cell prints the formula, the
+# cost model's bytes (minizero.analysis.cost.step_collectives, from the stages' real buckets,
+# padding included) and the ledger's, then the same for `MORE`. The model lists the collectives the
+# library issues, so the two agree to the byte (tests/library/test_cost_ledger.py).
 
 # %%
 RING = (NPROCS - 1) / NPROCS  # what each rank of a ring sends, per pass over a payload
@@ -85,44 +74,33 @@ lab.show_against_model(RUN, SENT)
 # %% [markdown]
 # ## 2. Hybrid sharding (HSDP): shard inside a node, replicate across
 #
-# Flat ZeRO-3 puts every rank in one ring, so half its ring's hops cross nodes (section 1).
-# **HSDP** (FSDP2's `fully_shard(model, mesh=mesh)` with a 2-D mesh; DeepSpeed calls the same
-# layout MiCS, Zhang et al., arXiv 2205.00119) shards the model states over the ranks of one node
-# only and *replicates* them across nodes. Each gradient is then reduced in two steps:
+# Flat ZeRO-3 puts every rank in one ring, half of whose hops cross nodes. **HSDP** (FSDP2's
+# `fully_shard(model, mesh=mesh)` with a 2-D mesh; DeepSpeed's MiCS, Zhang et al., arXiv 2205.00119)
+# shards the model states over the ranks of one node and *replicates* them across nodes. Each
+# gradient is reduced in two steps:
 #
 # 1. reduce-scatter over the node (the "shard" group, N_s ranks): each rank gets its shard summed
 #    over its node;
-# 2. all-reduce that shard over the "replicate" group (the R ranks, one per node, that hold the
-#    same shard), and divide by R · N_s: the average over every rank.
+# 2. all-reduce that shard over the "replicate" group (the R ranks, one per node, holding the same
+#    shard), and divide by R · N_s: the average over every rank.
 #
-# Only step 2 crosses a node boundary: an all-reduce of Ψ/N_s elements per rank, instead of flat
-# ZeRO-3's three collectives of Ψ. But all N_s ranks of a node run their replicate all-reduces at
-# once, so the node sends about 2Ψ across per reduction, where a flat ring sends about Ψ per
-# collective: section 4 prices both. The price is memory: a rank holds the model states of a
-# world of N_s ranks, (2 + 2 + K)Ψ/N_s at stage 3, not (2 + 2 + K)Ψ/N.
+# Only step 2 crosses nodes: an all-reduce of Ψ/N_s per rank. But all N_s ranks of a node run it at
+# once, so the node sends about 2Ψ across per reduction (section 4 prices it). The price is memory:
+# (2 + 2 + K)Ψ/N_s per rank at stage 3, not (2 + 2 + K)Ψ/N.
 #
-# How often step 2 runs. With several micro-batches per step, minizero's HSDP all-reduces across
-# nodes after **every** backward at stages 2-3 by default (minizero/hsdp.py's
-# `finish_in_flight`, around the stage's, hands each shard to `Replicas`), and once per step at
-# stage 1 (section 1's table: "replicate" carries MICRO times more at stages 2-3). FSDP2 does the
-# same by default and offers the switch, which minizero's HSDP at stages 2-3 takes under the same
-# name: `model.set_requires_all_reduce(False)` on all but the last micro-batch keeps the
-# reduce-scattered shards and all-reduces them once (pytorch/pytorch,
-# `torch/distributed/fsdp/_fully_shard/_fully_shard.py`); DeepSpeed's MiCS all-reduces once, at
-# the accumulation boundary (minizero too, if the switch stays False: the step averages what is
-# held). The cost model prices either (`cost.Config(..., replicate_every_microbatch=False)`), and
-# tests/library/test_cost_ledger.py measures both against the ledger. HSDP at stages 1 and 2 is
-# not new: Megatron-LM's distributed optimizer with `--num-distributed-optimizer-instances`
-# shards the optimizer states within a group and replicates them across groups (stage 1;
-# NVIDIA/Megatron-LM, `megatron/training/arguments.py`), and FSDP1 had
-# `ShardingStrategy._HYBRID_SHARD_ZERO2` (stage 2; pytorch/pytorch,
-# `torch/distributed/fsdp/api.py`). FSDP2 and MiCS shard the parameters too.
+# With several micro-batches, minizero's HSDP all-reduces across nodes after **every** backward at
+# stages 2-3, once per step at stage 1. FSDP2 does the same by default;
+# `model.set_requires_all_reduce(False)` on all but the last micro-batch (the same name in minizero)
+# all-reduces once per step, as MiCS does. The cost model prices both (`cost.Config(...,
+# replicate_every_microbatch=False)`). HSDP is not new at stages 1-2 either: Megatron-LM's
+# `--num-distributed-optimizer-instances` (NVIDIA/Megatron-LM, `megatron/training/arguments.py`) and
+# FSDP1's `ShardingStrategy._HYBRID_SHARD_ZERO2` (pytorch/pytorch, `torch/distributed/fsdp/api.py`).
 #
 # **Exercise 1.** Write that reduction. `grad` is this rank's local gradient, flat, (numel,) with
 # numel divisible by N_s; return this rank's (numel / N_s,) shard of the gradient averaged over
-# every rank. Use `C.reduce_scatter(out, grad, group=...)` and `C.all_reduce(t, group=...)` and
-# take the sizes from the groups (`dist.get_world_size(group)`): the check runs your function on
-# 4 ranks as 2 × 2, 1 × 4 and 4 × 1 (nodes × ranks per node).
+# every rank. Use `C.reduce_scatter(out, grad, group=...)` and `C.all_reduce(t, group=...)` and take
+# the sizes from the groups (`dist.get_world_size(group)`): the check runs it on 4 ranks as 2 × 2, 1
+# × 4 and 4 × 1 (nodes × ranks per node).
 
 
 # %%
@@ -155,37 +133,27 @@ lesson08.check_hsdp_reduce(hsdp_reduce)
 # %% [markdown]
 # `minizero.parallelize(model, stage, optimizer, mesh=mesh)` does exactly this at stages 1-3
 # (minizero/hsdp.py), with `mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate",
-# "shard"))`; stage 3 all-gathers the parameters over "shard" only. Section 3's cell measures it
-# beside flat ZeRO-3, FSDP2's own HSDP and the ZeRO++ options.
+# "shard"))`; stage 3 gathers the parameters over "shard" only.
 #
 # ## 3. ZeRO++: hpZ and qwZ
 #
 # ZeRO++ (Wang et al., arXiv 2306.10209) cuts what crosses nodes at a small cost in memory:
 #
 # * **hpZ** (hierarchical partitioning, §3.2; FSDP2's `reshard_after_forward=k`): after a unit's
-#   forward each rank keeps 1/k of it (k = the ranks of a node: its *secondary shard*, Ψ/k more
-#   elements per rank from forward to backward, 2Ψ/k bytes in bf16), so backward's all-gather
-#   runs inside the node. `reshard_after_forward=False` keeps the whole unit instead (no backward
-#   gather, Ψ more elements). With several micro-batches, minizero drops the secondary shard at
-#   every forward, as FSDP2's integer `reshard_after_forward` does, so every forward gathers
-#   across nodes again; DeepSpeed keeps it until the optimizer step, so only the first
-#   micro-batch's forward crosses (`deepspeed/runtime/zero/partition_parameters.py`, the
-#   `ds_secondary_tensor`). "hpZ = `reshard_after_forward=k`" holds at one micro-batch per step.
-# * **qwZ** (quantised weights, §3.1): the all-gathers carry the weights as int8 in blocks, with
-#   one fp32 scale per block: about Ψ(1 + 4/256) bytes instead of 4Ψ (fp32) or 2Ψ (bf16). Blocks of
-#   256 are minizero's choice; DeepSpeed's quantiser picks groups of up to 8,000 elements
-#   (`CUDAQuantizer.target_group_size` in the same file). Only the gathered copy is quantised;
-#   the shards and the optimizer's fp32 masters are not. With hpZ, minizero quantises the
-#   forward gather only: backward's gather from the secondary shards goes in the working dtype
-#   (minizero/zero3.py's `_all_gather` takes the secondary path first); DeepSpeed quantises that
-#   one too.
-# * **qgZ** (quantised gradients, §3.3) is built too (`quantize_gradients=True`, one hop); its
-#   int4 and hierarchical forms are simulated (`python -m minizero bench zeropp`; README).
+#   forward each rank keeps 1/k of it (k = the ranks of a node: a *secondary shard*, Ψ/k more
+#   elements per rank until backward), so backward's all-gather stays inside the node.
+#   `reshard_after_forward=False` keeps the whole unit (Ψ more, no backward gather). minizero, like
+#   FSDP2, drops the secondary shard at every forward; DeepSpeed keeps it until the optimizer step.
+# * **qwZ** (quantised weights, §3.1): the all-gathers carry int8 weights in blocks, one fp32 scale
+#   per block: about Ψ(1 + 4/256) bytes instead of 2Ψ in bf16 (blocks of 256 are minizero's choice).
+#   Only the gathered copy is quantised, and with hpZ minizero quantises forward's gather only.
+# * **qgZ** (quantised gradients, §3.3) is built too (`quantize_gradients=True`, one hop); its int4
+#   and hierarchical forms are simulated (`python -m minizero bench zeropp`).
 #
-# **Exercise 2.** Write qwZ's quantiser: `x` (n,) float, `block` elements a block (the last one
-# may be shorter). Return `q` (n,) int8 and `scales` (ceil(n / block),) fp32 with
-# x ≈ q · scale of its block: symmetric absmax, scale = max |x| over the block / 127, q the
-# nearest integer to x / scale (an all-zero block: scale 0 and q 0).
+# **Exercise 2.** Write qwZ's quantiser: `x` (n,) float, `block` elements a block (the last may be
+# shorter). Return `q` (n,) int8 and `scales` (ceil(n / block),) fp32 with x ≈ q · scale of its
+# block: symmetric absmax, scale = max |x| over the block / 127, q the nearest integer to x / scale
+# (an all-zero block: scale 0 and q 0).
 
 
 # %%
@@ -219,16 +187,11 @@ def quantize(x, block):
 lesson08.check_quantize(quantize)
 
 # %% [markdown]
-# Now every layout on the same 4 ranks as 2 nodes × 2, TinyGPT for a few steps: flat ZeRO-3; HSDP
-# at stages 1-3; FSDP2's own HSDP (`fully_shard(..., mesh=mesh)`, the reference); hpZ with k = 2
-# and `reshard_after_forward=False`; qwZ. For each: the bytes this rank moves per group in the
-# paper's accounting (an all-reduce of S counts 2S) beside the formula, the bytes it sends inside
-# its node and across (the ring model of section 1), the bytes it holds from forward to backward
-# beyond what it held before forward (`model_state_bytes(model, include_comm=True)`, read at both
-# moments: gathered units, hpZ's secondary shards), and the largest gap between its loss and one
-# process's on the whole batch. (gloo: the ranks share this machine's loopback, so "across" is a
-# label, not a slower link; and gloo's reduce-scatter is an all-reduce that keeps one chunk, see
-# lesson 00.)
+# Now every layout on 4 ranks as 2 nodes × 2, TinyGPT for a few steps: flat ZeRO-3, HSDP at stages
+# 1-3, FSDP2's HSDP (the reference), hpZ with k = 2, `reshard_after_forward=False`, qwZ. For each:
+# the bytes this rank moves per group beside the formula, what it sends inside its node and across,
+# what it holds from forward to backward beyond what it held before (`model_state_bytes(model,
+# include_comm=True)`), and the largest gap between its loss and one process's.
 
 # %%
 STEPS = 4
@@ -272,47 +235,32 @@ lab.plot_layouts(LAY)
 
 # %% [markdown]
 # What to read in it. HSDP's "shard" volume is flat ZeRO's over a world of 2, and its "replicate"
-# volume, Ψ/2 per rank all-reduced (counted 2 · Ψ/2), is all that crosses a node: every rank sends a
-# little across instead of half the ranks sending everything. FSDP2's HSDP trains the same model
-# (its loss matches one process as minizero's does). Its bytes are not in the table or the figure:
-# torch's collectives do not go through minizero/collectives.py, so the ledger cannot see them (an
-# empty bar would read as "sends nothing"). hpZ moves backward's gather into the node ("hpZ", Ψ) and
-# holds Ψ/2 more from forward to backward; no resharding holds Ψ more and gathers nothing in
-# backward. qwZ moves about a quarter of the gather bytes; its loss is off one process's by the
-# quantisation, not by rounding. hpZ + qwZ gathers int8 in forward ("world": Q + Ψ) and full
-# precision in backward ("hpZ": Ψ), as minizero's library does. The cost model prices each of these
-# from the collectives the library issues (section 1 compared them byte for byte).
+# volume is all that crosses a node: every rank sends a little across instead of half the ranks
+# sending everything. FSDP2's HSDP matches one process's loss as minizero's does; its bytes are not
+# shown, since torch's collectives bypass minizero/collectives.py and the ledger cannot see them.
+# hpZ moves backward's gather into the node and holds Ψ/2 more; no resharding holds Ψ more. qwZ
+# moves about a quarter of the gather bytes, and its loss is off by the quantisation.
 #
 # ## 4. A link model that follows NCCL
 #
-# Lesson 00 fitted t = α · rounds + wire / β to one sweep: β is what one rank sends per second.
-# Across nodes there are two links, and both figures are **per GPU**: on a DGX H100 each GPU
-# sends about 450 GB/s over NVLink (line rate) and owns one 400 Gb/s NIC, eight a node. NCCL does
-# not run a cross-node ring at one NIC's speed: it runs several rings at once (its channels),
-# spread over all of the node's NICs, and NVLink carries each GPU's share to the GPU beside the
-# NIC it leaves by. So the model (minizero/analysis/cost.py, its docstring lists the assumptions)
-# keeps one (α, β) per link class, β per GPU for NVLink and per NIC for the network, the number
-# of NICs a node has, and prices a collective by its bottleneck:
+# Lesson 00 fitted t = α · rounds + wire / β to one sweep. Across nodes there are two links, both
+# figures **per GPU**: NVLink, and one NIC per GPU, eight a node. NCCL does not run a cross-node
+# ring at one NIC's speed: it runs several rings at once (its channels) over all of a node's NICs.
+# So the model (minizero/analysis/cost.py lists its assumptions) keeps one (α, β) per link class and
+# the node's NIC count, and prices a collective by its bottleneck:
 #
 #     time = α · rounds + max( gpu_bytes / β_NVLink,  node_bytes / (NICs · β_NIC) )
 #
-# with `gpu_bytes` what one GPU sends over NVLink (its ring bytes, less the hops that leave the
-# node) and `node_bytes` what one node sends to the others: once its ring bytes for a flat ring
-# (each ring leaves each node once), N_s times them for HSDP's replicate groups (N_s all-reduces,
-# one per GPU, at once). Rings only: NCCL's trees, NVLS and CollNet are left out.
+# `gpu_bytes` is what one GPU sends over NVLink, `node_bytes` what one node sends to the others: its
+# ring bytes once for a flat ring, N_s times them for HSDP's replicate groups. Rings only (no trees,
+# NVLS or CollNet, lesson 00).
 #
-# Against measured nccl-tests figures on H100s with 8 NDR 400 Gb/s NICs a node, at sizes large
-# enough that α does not matter. The inputs come from two of them: β_NVLink = 370 GB/s, the
-# ring busbw over NVLink on one node (an NVIDIA engineer in
-# https://github.com/NVIDIA/nccl-tests/issues/212: "about 370 GB/s"; 368.76 GB/s measured with
-# NVLS disabled in https://github.com/NVIDIA/nccl-tests/issues/309), and β_NIC = 47 GB/s, the
-# 46-48 GB/s per NIC of https://github.com/NVIDIA/nccl-tests/issues/290. So the one-node rows
-# restate an input, and every row the table marks "arithmetic" is the inputs multiplied out, with
-# no measurement to hold it. The one prediction a measurement holds is the 4-node ring: issue 309
-# reports 365.84 GB/s of all-reduce busbw on 4 nodes × 8 GPUs, where the model's 8 NICs × 47 GB/s
-# give 376. (On 2 nodes the same issue reports 470 GB/s: NCCL then runs a tree or NVLS-tree, not a
-# ring, which can exceed the NICs' rate; nccl-tests#196, where NCCL's author says so. The model
-# prices rings only.)
+# The inputs come from published nccl-tests figures on H100s with 8 NDR NICs a node: β_NVLink = 370
+# GB/s, the ring busbw on one node (nccl-tests issues 212 and 309:
+# https://github.com/NVIDIA/nccl-tests/issues/309), and β_NIC = 47 GB/s
+# (https://github.com/NVIDIA/nccl-tests/issues/290). Rows marked "arithmetic" are these multiplied
+# out. The one prediction a measurement holds is the 4-node ring: issue 309 reports 365.84 GB/s of
+# all-reduce busbw on 4 × 8 GPUs, the model 8 × 47 = 376.
 
 # %%
 PEAK = cost.Links(intra=cost.Link(0.0, 370e9), inter=cost.Link(0.0, 47e9), nics=8)  # α: none
@@ -333,27 +281,20 @@ VALIDATION = [  # what, model GB/s, measured GB/s (None: none), source (#: nccl-
 lab.show_validation(VALIDATION)
 
 # %% [markdown]
-# Where its assumptions hold (rings, all NICs used, one collective at a time) the model lands
-# within 3% of the one multi-node measurement it can be held to: a ring over 4 nodes runs at
-# about 8 × 47 GB/s a node, not at the 47 GB/s of one NIC (the "old model" row, 8× too slow).
-# HSDP's replicate all-reduces share the NICs, one each. Two rows it does not price:
+# Where its assumptions hold (rings, all NICs, one collective at a time) the model lands within 3%
+# of that measurement; the "old model" row, one NIC per ring, is 8× too slow. Two rows it does not
+# price:
 #
-# - **Trees.** On 2 nodes NCCL picks a tree, measured at 470 GB/s, 25% above the ring the model
-#   prices. The model is pessimistic there.
-# - **NVLS** (NVLink SHARP: the NVSwitch reduces). NVIDIA gives NVLS's algbw as the NVLink
-#   bandwidth times n/(n+1) (sjeaugey in nccl-tests#212 and in nccl-tests#239: "algobw = busbw *
-#   n / (n+1)", busbw there being the links' rate): a GPU moves S(n+1)/n over its NVLink per
-#   all-reduce, so 370 GB/s of NVLink bounds algbw at 370 · 8/9 ≈ 329 GB/s, which nccl-tests
-#   reports as a busbw of 2(n−1)/n · 329 ≈ 575 GB/s (`cost.nvls_busbw`). NCCL's own tuner
-#   scales its NVLS bandwidth on Hopper by an efficiency of 0.85 (`nvlsEfficiency`,
-#   src/graph/tuning.cc), which gives about 490; measured: 476-480. That 0.85 is NCCL's factor,
-#   not a mechanism: nothing from NVIDIA says what sets it. The scale model below prices rings
-#   only: a little pessimistic for one-node all-reduces and for trees.
+# - **Trees.** On 2 nodes NCCL picks a tree, measured at 470 GB/s, 25% above the ring (nccl-tests
+#   #196). The model is pessimistic there.
+# - **NVLS.** NVIDIA gives its algbw as the NVLink rate times n/(n+1) (nccl-tests #212, #239): 370 ·
+#   8/9 ≈ 329 GB/s, a busbw of about 575 (`cost.nvls_busbw`). NCCL's tuner scales it by 0.85 on
+#   Hopper (`nvlsEfficiency`, src/graph/tuning.cc), about 490; measured 476-480.
 #
-# ZeRO++'s own claims (arXiv 2306.10209, §3) are volume claims: per micro-batch, ZeRO-3 sends
-# three fp16 collectives of Ψ across nodes; hpZ removes backward's all-gather, qwZ halves the
-# gathers (int8), qgZ's int4 quarters the gradients, 3 → 0.75 in all. The model, in bytes a node
-# sends across per micro-batch, relative to one fp16 ring collective of Ψ:
+# ZeRO++'s claims (§3) are volume claims: per micro-batch ZeRO-3 sends three fp16 collectives of Ψ
+# across nodes; hpZ removes backward's gather, qwZ halves the gathers, qgZ's int4 quarters the
+# gradients: 3 → 0.75. The model, in bytes a node sends across per micro-batch, relative to one fp16
+# ring collective of Ψ:
 
 # %%
 ZERO_PP = {  # ZeRO++'s claims (§3): bytes across per micro-batch, × one fp16 ring collective of Ψ
@@ -365,43 +306,35 @@ ZERO_PP = {  # ZeRO++'s claims (§3): bytes across per micro-batch, × one fp16 
 lab.show_zeropp(lab.zeropp_across(psi=2**30, nodes=64, gpus=8), ZERO_PP)
 
 # %% [markdown]
-# hpZ and qwZ come out as the paper says, qwZ a little over half for minizero's fp32 scale per 256
-# elements. ZeRO++'s qgZ quarters the gradients because it reduces inside the node first, so
-# each GPU sends only its node-summed Ψ/8, in int4. minizero's qgZ (`quantize_gradients=True`)
-# is the one-hop form: every rank sends its whole int8 gradient to its owners, nearly all of it
-# to other nodes, so a node's 8 GPUs send about 4× what the node sends in the fp16 ring, which
-# sums as it goes: cheaper per byte, dearer in bytes. It is for one node; across nodes, the
-# hierarchical form is the one to use.
+# hpZ and qwZ come out as the paper says. ZeRO++'s qgZ reduces inside the node first, so each GPU
+# sends only its node-summed Ψ/8, in int4. minizero's qgZ is the one-hop form: every rank sends its
+# whole int8 gradient to its owners, mostly across nodes, about 4× the fp16 ring's bytes. It is for
+# one node; across nodes, the hierarchical form is the one to use.
 #
-# This machine, for section 5: the two fits of section 1 as the two link classes, one "NIC" (one
-# loopback). Here both are the same loopback: the fits differ by the ring size and by noise,
-# not by hardware.
+# For section 5, this machine's two fits of section 1 stand for the two link classes, with one
+# "NIC": both are the same loopback.
 
 # %%
 LINKS = lab.fit_links(RUN)  # each node's ring as "intra", the ring over all 4 ranks as "inter"
 lab.show_links(LINKS, RUN)
 
 # %% [markdown]
-# `cost.step_collectives(cfg, [psi])` lists the collectives one rank issues in one optimizer step
-# of a configuration `cfg` (a `cost.Config`: stage, N, node size, HSDP, hpZ, qwZ, micro-batches),
-# as minizero's library issues them (section 1 checked it against the ledger). Each is a `Comm`
-# with `op`, `nbytes` (the payload S), `n` (ranks in its group), `nodes` (nodes the group spans),
-# `group` and `times` (how often it runs per step: stages 2 and 3 pay per micro-batch). Per call,
-# `c.rounds()` is its ring's rounds, `c.gpu_bytes()` what one GPU sends over NVLink and
-# `c.node_bytes()` what one node sends to the others.
+# `cost.step_collectives(cfg, [psi])` lists the collectives one rank issues in one optimizer step of
+# `cfg` (a `cost.Config`: stage, N, node size, HSDP, hpZ, qwZ, micro-batches). Each is a `Comm` with
+# `op`, `nbytes` (the payload S), `n` (ranks in its group), `nodes`, `group` and `times` (how often
+# per step). Per call, `c.rounds()` is its ring's rounds, `c.gpu_bytes()` what one GPU sends over
+# NVLink and `c.node_bytes()` what one node sends to the others.
 #
 # ## Exercise 3 — `predict_step_time`
 #
-# Write `predict_step_time(cfg, links, compute_s, psi)`: the seconds of one optimizer step of
-# `cfg` for a model of `psi` parameters, with `compute_s` the forward + backward of one
-# micro-batch, `links` a `cost.Links` (`links.intra`, `links.inter`: each a `Link` with `alpha`
-# and `beta`; `links.nics`), and **no overlap** (compute, then communication). Each collective
-# costs its latency plus the slower of its NVLink bytes over β_intra and its node's bytes over all
-# the node's NICs, nics · β_inter. The latency is α per round, charged as NCCL's tuner charges a
-# ring (src/graph/tuning.cc: `nInterSteps`): the inter link's α on the rounds whose step crosses
-# nodes, `c.inter_rounds()` (2(k−1) of an all-reduce's 2(n−1) over k nodes, k−1 for the others,
-# none inside a node), the intra link's α on the other `c.rounds() - c.inter_rounds()`. Use
-# `cost.step_collectives`, not `cost.predict` (the check compares with it).
+# Write `predict_step_time(cfg, links, compute_s, psi)`: the seconds of one optimizer step, with
+# `compute_s` the forward + backward of one micro-batch, `links` a `cost.Links` (`links.intra`,
+# `links.inter`: each with `alpha` and `beta`; `links.nics`), and **no overlap**. Each collective
+# costs its latency plus the slower of its NVLink bytes over β_intra and its node's bytes over nics
+# · β_inter. Latency is α per round, as NCCL's tuner charges a ring (src/graph/tuning.cc): the inter
+# link's α on `c.inter_rounds()`, the rounds that cross nodes, the intra link's on the other
+# `c.rounds() - c.inter_rounds()`. Use `cost.step_collectives`, not `cost.predict` (the check
+# compares with it).
 
 # %%
 CFG = cost.Config(stage=3, world=16, node_size=8, micro_batches=2)
@@ -448,27 +381,18 @@ lesson08.check_predict_step_time(predict_step_time)
 # %% [markdown]
 # ## 5. Predicted against measured, on this machine
 #
-# The same model, fed with this machine's fits, its measured compute and the buckets the stages
-# made, against the step times section 1 measured (the slowest rank's; every time in this section
-# is the fastest of 10, each after a barrier: on a shared machine noise only adds). gloo's
-# reduce-scatter is costed as the all-reduce it runs (lesson 00). "no overlap" is exercise 3's
-# prediction: `MICRO` forward + backward passes of the plain model, then the collectives. It
-# leaves out four things a step does, which section 1 measured on every rank at once (4 ranks
-# share this machine's 2 cores, as they do in a step; minizero/analysis/step_parts.py):
+# The same model, fed with this machine's fits, its measured compute and the stages' buckets,
+# against section 1's step times (the slowest rank's, fastest of 10). "no overlap" is exercise 3's
+# prediction. It leaves out what section 1 also measured on every rank at once
+# (minizero/analysis/step_parts.py):
 #
-# - the **optimizer step**: AdamW's `step()` and `zero_grad()` on the rank's share (all of Ψ at
-#   stage 0, Ψ/4 at stages 1-3);
-# - the **wrappers' own work**: copies into and out of flat buffers, hooks, stage 3's per-unit
-#   order check. Measured as the whole step run with every collective replaced by a local
-#   stand-in ("local"), less the plain compute and optimizer;
-# - the **synchronisation**: at every collective each rank waits for the slowest, and with 4
-#   ranks on 2 cores the slowest is the one the scheduler left waiting. Measured as the local
-#   step with a barrier in place of each collective ("sync": that step less the local one, less
-#   the barriers' own latency, which α already prices);
-# - the **contention** itself: compute_s is timed with the other ranks computing too.
+# - the **optimizer step** on the rank's share;
+# - the **wrappers' own work** (copies, hooks): the step with every collective replaced by a local
+#   stand-in ("local"), less compute and optimizer;
+# - the **synchronisation**: each rank waits for the slowest at every collective ("sync": the local
+#   step with a barrier per collective, less the local step and the barriers' latency).
 #
-# "predicted" = local + sync + comm: the model's collectives on top of the measured rest, so its
-# error is what is left: how the bytes and the compute slow each other.
+# "predicted" = local + sync + comm, so its error is how bytes and compute slow each other.
 
 # %%
 PARTS = lab.step_parts(RUN, LINKS)  # per stage: measured, predicted, and the parts measured
@@ -476,49 +400,33 @@ lab.show_step_parts(PARTS)
 lab.plot_step_parts(PARTS)
 
 # %% [markdown]
-# Read the columns as what exercise 3's model leaves out. The optimizer step, the wrappers' work
-# and the synchronisation are not in `compute_s`, and with a model this small they are not small
-# beside it: the "no overlap" line sits far below the measurement (a third to a half, in most of
-# our runs). With them, measured, "predicted" lands within about ±25% of the measurement (on this
-# 2-core machine, with nothing else running, 16 of 16 stage runs were within ±20%). Without
-# "sync" (local + comm) it fell 13-43% short at stages 0-2: a model of a step on shared cores
-# must price the waiting at each collective, which here costs about as much as the bytes. ZeRO-3
-# comes out above its measurement when it misses: it prefetches the next unit's all-gather under
-# the current unit's compute, the overlap this no-overlap model leaves out. Every figure here
-# moves with what else the machine runs: the line under the table gives the load average, and
-# above the core count (other work on the machine) rerun section 1's measuring cell before
-# reading the errors. On a GPU the balance differs: the optimizer and the copies are fast
-# kernels, each rank has its own device (no waiting for a core), and the overlap is real but
-# partial: NCCL's collectives run on their own stream, yet they are kernels on the same SMs and
-# take SMs and memory bandwidth from the compute beside them (lesson 01 measured it), so a real
-# step sits between no overlap and full overlap.
-#
+# With a model this small, the optimizer, the wrappers and the waiting are not small beside
+# `compute_s`: "no overlap" sits at a third to a half of the measurement. With them, "predicted"
+# lands within about ±25% (on a quiet 2-core machine, 16 of 16 stage runs within ±20%); without
+# "sync" it fell 13-43% short at stages 0-2. ZeRO-3 comes out above its measurement when it misses:
+# it prefetches, the overlap this model leaves out. A loaded machine moves every figure: if the load
+# average under the table is above the core count, rerun section 1. On a GPU the optimizer and the
+# copies are fast kernels, and NCCL overlaps only partly (its kernels share the SMs, lesson 01), so
+# a real step sits between no overlap and full overlap.
+
+# %% [markdown]
 # ## 6. At scale: lesson 05's 6.7B model on 64 nodes × 8 GPUs
 #
-# A scenario, not a measurement. The model is lesson 05's (GPT-3 6.7B's shape: L = 32, h = 4096,
-# s = 4096, flash attention); the machines are 64 DGX H100-like nodes: 8 GPUs of 80 GB, NVLink at
-# section 4's 370 GB/s per GPU, 8 NICs of 47 GB/s, an assumed α of 10 µs per ring round on both
-# links (measure yours with `python -m minizero bench collectives`). Each GPU runs 4 sequences of
-# 4096 tokens per micro-batch, 4 micro-batches per step, bf16 weights and gradients, Adam in
-# mixed precision. α is paid on every round of every ring: stages 0-2 reduce in torch DDP's 25
-# MiB buckets (130 here: each of a block's four weight matrices is over 25 MiB and closes a bucket
-# of its own), stage 3 gathers and reduce-scatters per unit (33: a block each and the root's),
-# every micro-batch. A ring of 512 ranks takes 511 rounds for a reduce-scatter or an all-gather and
-# 1,022 for an all-reduce: 5-10 ms of latency per call before its bytes. At this scale NCCL would
-# run its all-reduces as trees, whose rounds grow with log n, which this ring model does not
-# price.
+# A scenario, not a measurement. The model is lesson 05's (L = 32, h = 4096, s = 4096, flash
+# attention); 64 DGX H100-like nodes: 8 GPUs of 80 GB, NVLink at 370 GB/s, 8 NICs of 47 GB/s, an
+# assumed α of 10 µs a ring round (measure yours with `python -m minizero bench collectives`). Each
+# GPU runs 4 sequences per micro-batch, 4 micro-batches a step, bf16 with mixed-precision Adam. α is
+# paid per round of every ring: stages 0-2 reduce in DDP's 25 MiB buckets (130 here), stage 3 per
+# unit (33), every micro-batch. A ring of 512 ranks takes 511 rounds for a reduce-scatter or
+# all-gather: 5-10 ms of latency per call. (NCCL would use trees here, whose rounds grow with log n;
+# the model does not price them.)
 #
-# Memory per rank is lesson 05's budget: model states (`simulate`: the real stage code on meta
-# tensors, plus hpZ's secondary shard), activations (lesson 05 measured about 17 GB per sequence
-# of 4096 tokens at this size, so 4 sequences are about 69 GB), the output layer's logits and
-# stage 3's gathered units (`budget.step_budget`). We keep an assumed 5 GB of the 80 for the CUDA
-# context, NCCL's buffers and the allocator's slack. A configuration that does not fit runs with
-# activation checkpointing (lesson 05 §4: each block keeps only its input and runs its forward
-# again in backward), which costs one more forward. FLOPs per token, as PaLM counts them
-# (arXiv 2204.02311, appendix B): 6Ψ for the weights' matrix products plus 12 · L · s · h for
-# attention's two products with the s × s scores (forward and backward; the full matrix, though
-# a causal kernel skips about half of it), 8Ψ + 16 · L · s · h with checkpointing, at an assumed
-# 300 TFLOP/s achieved.
+# Memory is lesson 05's budget: model states (`simulate`, plus hpZ's secondary shard), activations
+# (about 17 GB a sequence, so 69 GB for 4), logits and stage 3's gathered units
+# (`budget.step_budget`), with an assumed 5 GB kept for the CUDA context, NCCL and the allocator.
+# What does not fit runs with activation checkpointing (lesson 05 §4), one more forward. FLOPs per
+# token as PaLM counts them (arXiv 2204.02311, appendix B): 6Ψ + 12 · L · s · h, or 8Ψ + 16 · L · s
+# · h with checkpointing, at an assumed 300 TFLOP/s.
 
 # %%
 BIG = GPTConfig(vocab_size=50304, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
@@ -542,25 +450,21 @@ lab.show_scale(SCALE, SCENARIO, BIG, CANDIDATES)
 lab.plot_scale(SCALE, SCENARIO)
 
 # %% [markdown]
-# What the table says. Compute is about 10.2 s a step without checkpointing and 13.5 s with it
-# (6Ψ per token alone would give 8.74 s: attention adds 16% at s = h = 4096). Memory decides
-# first: 4 sequences of activations (about 69 GB) leave room only for ZeRO-3's few GB of model
-# states, and even flat ZeRO-3 needs about 76 GB ("no ckpt"), over the 75 GB budget, so every
-# configuration runs with checkpointing and pays its 33% more compute. DDP does not fit even so
-# (107 GB of model states). Among the rest the network decides, and at 512 ranks its cost is
-# latency ("of which α"). Flat ZeRO-1 moves the fewest bytes, about 0.07 s through a node's 8
-# NICs, but each of its 130 buckets pays a reduce-scatter and an all-gather of 511 rounds: 130 ×
-# 1,022 × 10 µs = 1.33 s. ZeRO-1 HSDP sends as many bytes across (N_s replicate all-reduces at
-# once, each with one NIC) and adds the node's two collectives, but its rings are short: 7 rounds
-# in the node twice and 2 × 63 across, 140 a bucket, 0.18 s. That latency is the term HSDP
-# removes, and it wins by about 1.1 s a step. ZeRO-2 reduce-scatters every micro-batch (3.3 s of
-# α), ZeRO-3 issues 3 collectives per unit and micro-batch (2.0 s); HSDP cuts them to 0.70 s and
-# 0.19 s. hpZ moves backward's gather inside the node; qwZ halves the forward's bytes (int8 plus a
-# scale per 256 elements) but sends the scales as collectives of their own, which doubles the
-# forward's α; in minizero backward's hpZ gather stays in bf16. The old model (the last line), a
-# flat ring crossing at one NIC's speed, favoured HSDP too (1.9 s against 0.31), for the wrong
-# reason: with all of a node's NICs the bytes favour the flat ring, which wins only below about
-# 0.5 µs a round.
+# What the table says. Compute is about 10.2 s a step, 13.5 s with checkpointing. Memory decides
+# first: 69 GB of activations leave room only for ZeRO-3's few GB, and even flat ZeRO-3 needs about
+# 76 GB, over the 75 GB budget, so every configuration runs with checkpointing; DDP does not fit
+# even so. Then the network decides, and at 512 ranks its cost is latency ("of which α"). Flat
+# ZeRO-1 moves the fewest bytes (about 0.07 s), but its 130 buckets each pay 1,022 rounds: 130 ×
+# 1,022 × 10 µs = 1.33 s. ZeRO-1 HSDP's rings are short (7 rounds in the node twice, 2 × 63 across):
+# 0.18 s. That latency is the term HSDP removes, and it wins by about 1.1 s a step. ZeRO-2 pays 3.3
+# s of α flat, ZeRO-3 2.0 s; HSDP cuts them to 0.70 s and 0.19 s. qwZ halves forward's bytes but
+# sends its scales as collectives of their own, which doubles forward's α. The old model (last line)
+# favoured HSDP too, for the wrong reason: with all of a node's NICs the bytes favour the flat ring.
+#
+# ## 7. A calculator
+#
+# Change the scenario and read the prediction (a widget in JupyterLab; without one, the cell prints
+# the default scenario).
 #
 # ## 7. A calculator
 #
@@ -616,17 +520,13 @@ if PICK is not None:  # each input halved and doubled: which one changes the ans
     lab.show_sensitivity(scenario.sensitivity(BIG, SCENARIO, CANDIDATES, choose))
 
 # %% [markdown]
-# The model's answer is **ZeRO-1 HSDP, with activation checkpointing**: it fits (about 48 GB per
-# rank), every configuration needs checkpointing anyway, and its short rings pay a seventh of flat
-# ZeRO-1's latency. ("=" in the table: the same answer.) Doubled or halved, the network's figures
-# (NVLink, NIC, NICs, α), the nodes, the compute rate, the micro-batches and the sequences per GPU
-# leave it there: at 5 µs a round flat ZeRO-1 still pays 0.66 s of α against HSDP's 0.09. Memory
-# moves it: half the GPU memory and ZeRO-1 HSDP's 48 GB no longer fits, so ZeRO-3 HSDP (26 GB);
-# half the headroom (2.5 GB) and ZeRO-3 with hpZ (about 77 GB) fits **without** checkpointing,
-# about 11.9 s a step against 13.8 (the calculator shows it). Latency picks the sharding, memory
-# the stage, and the stage sits on a knife edge: measure the headroom your runs really need
-# (lesson 05) before you trust a 77 GB plan on an 80 GB GPU.
+# The model's answer is **ZeRO-1 HSDP, with activation checkpointing**: it fits (about 48 GB), and
+# its short rings pay a seventh of flat ZeRO-1's latency. ("=": the same answer.) Doubled or halved,
+# the network's figures, the nodes, the compute rate, the micro-batches and the sequences leave it
+# there. Memory moves it: half the GPU memory, and ZeRO-3 HSDP (26 GB); half the headroom, and
+# ZeRO-3 with hpZ (about 77 GB) fits **without** checkpointing, 11.9 s a step against 13.8. Latency
+# picks the sharding, memory the stage, and the stage sits on a knife edge: measure the headroom
+# your runs need (lesson 05) before you trust a 77 GB plan on an 80 GB GPU.
 #
-# What does not change is the method: measure the links once, count the collectives of each
-# configuration as the library issues them, and let the memory decide what is allowed before the
-# time decides what is best.
+# The method does not change: measure the links, count each configuration's collectives as the
+# library issues them, and let memory decide what is allowed before time decides what is best.

@@ -17,9 +17,6 @@
 # rank and step time, all from the loop you write: nanoGPT's, at a stage given as an argument.
 #
 #     python -m minizero grade my-lessons/09_capstone.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson09 import *  # torch, dist, all_reduce, hint, lab, lesson09, ...

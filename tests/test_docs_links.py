@@ -55,3 +55,23 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md")}
     orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
     assert not orphans, f"docs pages the README does not link: {orphans}"
+
+
+@pytest.mark.parametrize(
+    "source", sorted((ROOT / "course").glob("[0-9][0-9]_*.py")), ids=lambda p: p.stem
+)
+def test_every_link_of_a_lesson_resolves(source: Path):
+    """A lesson's markdown links, read from where its notebook lies (lessons/, my-lessons/)."""
+    text = "\n".join(line[2:] for line in source.read_text().splitlines() if line.startswith("# "))
+    text = re.sub(r"`[^`\n]*`", "", text)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (ROOT / "lessons" / path).resolve()
+        if not dest.exists():
+            broken.append(f"{target}: no file")
+        elif anchor and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading for #{anchor}")
+    assert not broken, f"{source.name}: broken links: {broken}"

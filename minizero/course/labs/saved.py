@@ -29,7 +29,7 @@ def one_of_each(elements: int) -> CommLedger:
     return ledger
 
 
-# course/00_collectives.py:236 (cell 00_collectives-014)
+# course/00_collectives.py:229 (cell 00_collectives-014)
 def time_collective(op: str, nbytes: int) -> dict:
     """On every rank: ``op`` on S = ``nbytes`` of float32, its median call and nccl-tests' rates."""
     world, dev = dist.get_world_size(), rank_device()
@@ -51,7 +51,7 @@ def time_collective(op: str, nbytes: int) -> dict:
     return dict(op=op, nbytes=4 * n, seconds=t, algbw=algbw, busbw=busbw, info=run_info())
 
 
-# course/01_ddp.py:42 (cell 01_ddp-003)
+# course/01_ddp.py:39 (cell 01_ddp-003)
 def local_gradients(rows_per_rank: int) -> dict:
     """On every rank: the MLP's gradients on this rank's rows of the global batch, nothing sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,7 +62,7 @@ def local_gradients(rows_per_rank: int) -> dict:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-# course/01_ddp.py:60 (cell 01_ddp-005)
+# course/01_ddp.py:57 (cell 01_ddp-005)
 def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
     """Each rank's gradients (``local_gradients``) against one process on the whole batch."""
     local = minizero.launch(local_gradients, nprocs, rows_per_rank, verbose=False)  # per rank
@@ -77,7 +77,7 @@ def gradient_mean(nprocs: int, rows_per_rank: int = 4) -> list[dict]:
     return rows
 
 
-# course/02_zero1.py:55 (cell 02_zero1-003)
+# course/02_zero1.py:52 (cell 02_zero1-003)
 def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
     """Adam on a (numel,) tensor against two Adams, one per half, fed the same gradients."""
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
     return dict(steps=steps, diff=diff, whole=shapes(opt_whole, whole), half=half)
 
 
-# course/02_zero1.py:387 (cell 02_zero1-021)
+# course/02_zero1.py:351 (cell 02_zero1-022)
 def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = None) -> dict:
     """On every rank: TinyGPT through one Adam step at ``stage``, read by a ``MemoryMeter``."""
     torch.manual_seed(0)
