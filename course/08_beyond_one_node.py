@@ -463,11 +463,6 @@ lab.plot_scale(SCALE, SCENARIO)
 #
 # ## 7. A calculator
 #
-# Change the scenario and read the prediction (a widget in JupyterLab; without one, the cell prints
-# the default scenario).
-#
-# ## 7. A calculator
-#
 # Change the scenario and read the prediction (a widget in JupyterLab; where no widget frontend
 # runs, the cell prints the default scenario).
 
