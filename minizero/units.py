@@ -176,16 +176,11 @@ ONE_RANK_FORWARD = (
 )
 
 
-def check_same_module(code: int, names: list[str], group, device: torch.device) -> None:
-    """Stage 3's check that the ranks run the same unit modules: each rank all-gathers its
-    ``code`` (2 * the module's index in ``names`` + 1 if backward starts from it) and all raise
-    a ``RuntimeError`` naming what each rank ran when the codes differ."""
-    SameModule(code, names, group, device).verify()
-
-
 class SameModule:
-    """:func:`check_same_module` in two halves: the all-gather of the codes starts here, so that
-    it can be in flight with the unit's own all-gather; :meth:`verify` waits for it and raises.
+    """Stage 3's check that the ranks run the same unit modules, in two halves: each rank starts
+    the all-gather of its ``code`` (2 * the module's index in ``names`` + 1 if backward starts from
+    it) here, so that it can be in flight with the unit's own all-gather; :meth:`verify` waits
+    for it and, where the codes differ, raises a ``RuntimeError`` naming what each rank ran.
     Verify before anything reads what was gathered after it: ranks that ran different modules
     may have paired their gathers of units of the same size."""
 

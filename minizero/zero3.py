@@ -226,8 +226,7 @@ class ZeRO3(ZeRO2):
         if m is self.module:  # a new forward: nothing of an earlier one (an exception) is running
             self._active = [0] * len(self.buckets)
         if self.check_modules:  # in flight with m's own gathers; verified before m runs
-            check = U.SameModule(2 * self._module_index[m], self._module_names,
-                                 self.same_module_group, self._check_device)  # fmt: skip
+            check = self._module_check(m, backward=False)
             for i in self.units_of[m]:
                 self.gather(i, wait=False)
             check.verify()
@@ -269,7 +268,7 @@ class ZeRO3(ZeRO2):
         if self._accumulating is None:  # once, as a backward pass starts
             self._accumulating = self._accumulators.will_run()
             if self.check_modules:
-                self._check_same_module(m, backward=True)
+                self._module_check(m, backward=True).verify()
             if not self._accumulating:
                 Variable._execution_engine.queue_callback(self._input_grads_end)
         if self._accumulating:
@@ -343,9 +342,9 @@ class ZeRO3(ZeRO2):
             self._last_use = {i: j for j, m in enumerate(self.order) for i in self.units_of[m]}
 
     # -- ranks must run the same modules ---------------------------------------------------------
-    def _check_same_module(self, m: nn.Module, backward: bool) -> None:
+    def _module_check(self, m: nn.Module, backward: bool) -> U.SameModule:
         code = 2 * self._module_index[m] + backward
-        U.check_same_module(code, self._module_names, self.same_module_group, self._check_device)
+        return U.SameModule(code, self._module_names, self.same_module_group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     def summon_full_params(self, writeback: bool = True):

@@ -275,8 +275,8 @@ class ArrivalCheck:
         deadline = time.monotonic() + seconds
         arrived, pause = self.store.add(key, 1), 0.0
         # poll the count (add 0 reads it): store.wait() would cost a FileStore's 10 ms polling
-        # interval at every step (the fork launcher's store), this one round trip when every
-        # rank is there (lesson 08's step parts: the wrapper's own work)
+        # interval at every step (the fork launcher's store); this, one round trip when every
+        # rank is there (docs/results.md, "Where a step's time goes")
         while arrived < self.world:
             if time.monotonic() > deadline:
                 raise RuntimeError(
