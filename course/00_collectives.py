@@ -215,13 +215,16 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 # it computes nccl-tests' algbw and busbw (section 3). The cell after it runs it at sizes from
 # 4 KiB up, on every rank, with a progress bar, and keeps rank 0's rows.
 #
-# **PyTorch's gloo emulates reduce-scatter.** The gloo library (the CPU backend) has a
-# reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch's `ProcessGroupGloo`
-# answers `reduce_scatter_tensor` with an **all-reduce of a clone of the whole input** and copies
-# out this rank's chunk. So on gloo a reduce-scatter costs what an all-reduce costs (its busbw, with
-# the smaller factor, comes out at about half), and the clone costs memory until it completes
-# (lesson 03 measures it). NCCL implements reduce-scatter natively. The last cell prints the ratio
-# measured here.
+# **PyTorch's gloo emulates reduce-scatter; minizero does not.** The gloo library (the CPU
+# backend) has a reduce-scatter of its own (`ReduceScatterHalvingDoubling`), but PyTorch's
+# `ProcessGroupGloo` answers `reduce_scatter_tensor` with an **all-reduce of a clone of the whole
+# input** and copies out this rank's chunk: an all-reduce's bytes, 2(N−1)/N · S sent per rank. So
+# on gloo `minizero.collectives.reduce_scatter` sends chunk j of its input straight to rank j
+# (`all_to_all_single`) and adds up the N chunks it receives: (N−1)/N · S, a reduce-scatter's
+# bytes, the same sums (`tests/library/test_collectives.py` compares them with torch's). Its receive
+# buffer is the size of the input, as the clone was (lesson 03 measures it). NCCL implements
+# reduce-scatter natively, and minizero calls it there. After the sweep, a cell times minizero's,
+# torch's and torch's all-reduce on the same buffers; the last cell prints the ratios.
 
 
 # %%
@@ -252,6 +255,7 @@ OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 SIZES = lab.default_sizes(INFO)  # bytes: 4 KiB to 16 MiB on CPUs, to 256 MiB on GPUs
 rows = lab.bandwidth(NPROCS, OPS, SIZES, time_collective)  # rank 0's row at each (op, size)
 lab.plot_bandwidth(rows)
+lab.show_rs_against_torch(lab.rs_against_torch(NPROCS, SIZES))  # gloo: torch's is an all-reduce
 lab.show_ratios(rows)
 
 # %% [markdown]
@@ -260,9 +264,12 @@ lab.show_ratios(rows)
 # * **Small messages are latency-bound**: below some size the time per call hardly changes with S,
 #   so busbw grows with S. Many small tensors cost a latency each: this is why DDP groups gradients
 #   into buckets (lesson 01).
-# * **The ratio** printed above: on gloo, time(reduce_scatter) / time(all_reduce) is near 1, so RS +
-#   AG costs more than one all-reduce. With NCCL each half of a ring moves half an all-reduce's
-#   bytes, but NCCL has other algorithms than the ring: a **tree** (all-reduce only, its rounds
+# * **torch's reduce-scatter on gloo** is an all-reduce and a copy: set its column beside its
+#   all-reduce's. minizero's sends half the bytes; the "torch / minizero" column says what that
+#   saves on this machine, less where the per-call latency dominates (small S, a busy machine).
+# * **The ratios** printed last, at the largest S: a ring's half moves half an all-reduce's bytes,
+#   but half the bytes is not always half the time (a local sum into a fresh buffer on gloo; on
+#   NCCL, other algorithms than the ring): a **tree** (all-reduce only, its rounds
 #   growing with log N), **NVLS** (NVLink SHARP: the NVSwitch itself reduces) and **CollNet** (the
 #   network's switches reduce). NVLS serves reduce-scatter and all-gather too, and NCCL 2.20 added
 #   CollNet for both (NVIDIA/nccl `src/device/reduce_scatter.h`), so which is faster on a GPU
@@ -290,13 +297,13 @@ lab.show_ratios(rows)
 # wire / t is exactly nccl-tests' busbw, so β is the busbw the largest messages approach, and α
 # is what the smallest ones pay. Two unknowns: `minizero.analysis.cost.fit` finds them by least
 # squares (each row weighted by 1/t, so a 4 KiB call counts as much as a 16 MiB one) on the rows
-# this lesson just measured. On gloo the model costs a reduce-scatter as what gloo runs, an
-# **all-reduce of S** (`emulated_rs=True`, section 4); on NCCL, as the ring reduce-scatter.
+# this lesson just measured. minizero's reduce-scatter moves a reduce-scatter's bytes on both
+# backends (section 4), so the table applies as it is; `emulated_rs=True` would price torch's own
+# on gloo, an all-reduce of S.
 
 # %%
-GLOO = INFO["backend"] == "gloo"
-link = cost.fit(rows, NPROCS, emulated_rs=GLOO)
-model = [cost.collective_time(r["op"], r["nbytes"], NPROCS, link, emulated_rs=GLOO) for r in rows]
+link = cost.fit(rows, NPROCS)
+model = [cost.collective_time(r["op"], r["nbytes"], NPROCS, link) for r in rows]
 lab.show_fit(rows, link, model)
 lab.plot_fit(rows, link, model)
 

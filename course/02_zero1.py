@@ -472,8 +472,8 @@ lab.show_step_volume(lab.step_volume(NPROCS, stages=(0, 1)))  # the formula: 2Ψ
 
 # %% [markdown]
 # The same volume, split differently: DDP's all-reduce 2Ψ, stage 1's reduce-scatter Ψ and all-gather
-# Ψ. The time depends on the backend: gloo runs a reduce-scatter as an all-reduce (lesson 00), NCCL
-# has a native one.
+# Ψ. The time depends on the backend: NCCL has a native reduce-scatter; on gloo, whose own (in
+# PyTorch) is an all-reduce of a clone, minizero sends each chunk straight to its owner (lesson 00).
 #
 # ## 9. PyTorch's stage 1, and the layouts of real systems
 #

@@ -195,7 +195,8 @@ print(f"\n6.7B: {kept} = {ck_big / GB:.1f} GB (instead of {big['measured'] / GB:
 # Beyond model states and activations a rank holds, at moments:
 #
 # * **gradient buckets** (stages 0–2): the one being filled and the one being reduced (25 MiB by
-#   default, `bucket_cap_mb`; §1 used small ones). On gloo a reduce-scatter also clones its input;
+#   default, `bucket_cap_mb`; §1 used small ones). On gloo a reduce-scatter also receives into a
+#   buffer the size of its input (lesson 03);
 # * **stage 3's gathered units**: the root's (embeddings, tied to the output layer), the block
 #   computing, the prefetched one, and a unit's full gradient before its reduce-scatter. DeepSpeed
 #   caps what is gathered with `stage3_max_live_parameters` and `stage3_prefetch_bucket_size`.
@@ -362,7 +363,8 @@ lab.show_volumes(PROFILES)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 # Both models move **exactly** 2Ψ at stages 0–2 and 3Ψ at stage 3 (lesson 04). Read the bandwidths
 # with care:
 #
-# * gloo runs a reduce-scatter as an all-reduce of a clone of its input (lesson 00);
+# * on gloo minizero's reduce-scatter is an all-to-all and a local sum (lesson 00), with its own
+#   costs: torch's there is an all-reduce of a clone;
 # * the messages are KiBs: latency-bound;
 # * a collective's time includes waiting for the other ranks, and an asynchronous one is timed from
 #   issue to `wait()`, overlapped computation included.

@@ -305,8 +305,9 @@ lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figur
 # and backward, and at the end of backward both its 16-bit copy and its full gradient until the
 # reduce-scatter, while stage 2 never gathers anything. (With L = 2 they never cross: the root
 # and both blocks, all of Ψ, are gathered at once at stage 3's peak. Units must be small
-# against the model for stage 3 to pay.) These peaks were measured on gloo, whose reduce-scatter
-# clones its input (lesson 03): a bucket more for stage 2, a unit's gradient more for stage 3;
+# against the model for stage 3 to pay.) These peaks were measured on gloo, where a reduce-scatter
+# receives into a buffer the size of its input (lesson 03): a bucket more for stage 2, a unit's
+# gradient more for stage 3;
 # NCCL's does not. At N = 1,
 # stage 3 has nothing to partition: its shards are whole copies, and every gathered unit is a
 # second one. Real systems bound this working set: FSDP2 gathers one `fully_shard` unit at a time

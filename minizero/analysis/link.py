@@ -14,8 +14,11 @@ model, and the bytes each rank sends, ``wire``):
 with S the full payload in bytes (nccl-tests' size), α the latency of one round (seconds) and β
 the bytes per second one rank sends. ``wire / time`` is nccl-tests' *busbw*, so β is the busbw
 the largest messages approach. PyTorch's gloo backend does not call gloo's own reduce-scatter
-(``ReduceScatterHalvingDoubling``): ``ProcessGroupGloo`` all-reduces a clone of the whole input
-(lesson 00 measures it), so ``emulated_rs=True`` costs a reduce-scatter as an all-reduce of S.
+(``ReduceScatterHalvingDoubling``): ``ProcessGroupGloo`` all-reduces a clone of the whole input,
+which ``emulated_rs=True`` prices (an all-reduce of S). minizero's reduce-scatter on gloo is an
+all-to-all of the chunks to their owners and a local sum, a reduce-scatter's rounds and bytes, so
+rows measured through minizero.collectives fit and predict with ``emulated_rs=False`` on every
+backend (lesson 00 measures both).
 
 :func:`fit` recovers α and β by least squares from (op, S, seconds) rows: the output of
 ``python -m minizero bench collectives`` (its JSON rows) or :func:`sweep` (lesson 00's).

@@ -18,9 +18,11 @@ A rank's ring bytes cross a node boundary when its successor is on another node:
 over k > 1 nodes in rank order, k of the ring's n hops cross (k-1 between nodes, 1 closing the
 ring), so a ring over 2 nodes x 2 ranks sends half its bytes across. Bytes are floats: S/n need
 not be whole (minizero's sharded buffers are padded so that it is). What this leaves out: NCCL's
-trees, NVLS and CollNet algorithms, and gloo's reduce-scatter, an all-reduce of the whole input
-(``emulated_rs``; lesson 00 measures it). minizero/collectives.py keeps nccl-tests' busbw
-factors, which define a measurement; this file is the model.
+trees, NVLS and CollNet algorithms. minizero's reduce-scatter on gloo sends each chunk straight to
+its owner (an all-to-all's bytes; ``CommLedger.node_bytes`` counts it so); PyTorch's own gloo
+``reduce_scatter_tensor`` is an all-reduce of the whole input (``emulated_rs``; lesson 00 measures
+both). minizero/analysis/ledger.py keeps nccl-tests' busbw factors, which define a measurement;
+this file is the model.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ RING_STEPS = {  # rounds of one collective on a ring of n ranks (S/n bytes a rou
 
 def ring(op: str, nbytes: float, n: int, *, emulated_rs: bool = False) -> tuple[int, float]:
     """(rounds, bytes each rank sends) of ``op`` with payload ``nbytes`` (S) on a ring of ``n``
-    (a broadcast: what every rank but the chain's last sends). ``emulated_rs``: gloo's
-    reduce-scatter, an all-reduce of S."""
+    (a broadcast: what every rank but the chain's last sends). ``emulated_rs``: PyTorch's gloo
+    ``reduce_scatter_tensor``, an all-reduce of S (minizero's on gloo is not: lesson 00)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not isinstance(n, int) or n < 1:

@@ -182,8 +182,9 @@ def bench_collectives(argv: list[str]) -> int:
           "latency, so their busbw says little about the link's bandwidth")  # fmt: skip
     for op in ops:
         gloo_rs = op == "reduce_scatter" and where["backend"] == "gloo"
-        print(f"\n# {op}" + ("   (gloo: reduce-scatter is built on all-reduce, so it costs about "
-                            "as much as an all-reduce of S)" if gloo_rs else ""))  # fmt: skip
+        note = ("   (gloo: minizero's is an all-to-all and a local sum, (n-1)/n of S sent; "
+                "torch's, an all-reduce of a clone of S)")  # fmt: skip
+        print(f"\n# {op}" + (note if gloo_rs else ""))
         print(f"{'size(B)':>12}{'count':>12}{'type':>10}{'time(us)':>11}{'algbw(GB/s)':>13}"
               f"{'busbw(GB/s)':>13}{'torch(us)':>11}{'minizero/torch':>16}")  # fmt: skip
         for r in (r for r in rows if r["op"] == op):

@@ -13,7 +13,7 @@ import pytest
 from minizero.bucket import make_buckets, trainable_parameters
 from minizero.course.labs import lesson03 as lab
 from minizero.course.labs.common import GPT, PSI
-from minizero.course.plots import GLOO_EMULATION
+from minizero.course.plots import GLOO_RS_BUFFER
 from minizero.models import TinyGPT
 
 N = 2  # ranks
@@ -42,7 +42,7 @@ def test_bucket_peaks_one_bucket_holds_the_whole_gradient(capsys):
     assert small["buckets"] == 7 and small["peak"] < whole["peak"]  # a few buckets at a time
     lab.plot_bucket_peaks(peaks, kept=2 / N, stage1=2)
     title = plt.gca().get_title()
-    assert len(plt.gca().containers) == 2 and GLOO_EMULATION in title
+    assert len(plt.gca().containers) == 2 and GLOO_RS_BUFFER in title
     plt.close("all")
     out = capsys.readouterr().out
     assert "25 MiB,  1 bucket: at most 2.00Ψ in buckets + 1.00Ψ kept (formula 1Ψ)" in out
@@ -56,7 +56,7 @@ def test_reduce_scatter_memory_on_gloo_clones_the_input(capsys):
     lab.show_reduce_scatter_memory(m)
     out = capsys.readouterr().out
     assert (
-        "peak 2 MiB" in out and "the backend held 1.0x the buffer" in out and GLOO_EMULATION in out
+        "peak 2 MiB" in out and "the backend held 1.0x the buffer" in out and GLOO_RS_BUFFER in out
     )
 
 
@@ -65,7 +65,7 @@ def test_grads_after_backward_are_the_chunks(capsys):
     after = next(m for m in runs[2]["marks"] if m["label"] == "after backward")
     assert after["grads"] == 2 * padded(0.03) // N
     lab.plot_memory_per_step(runs, "title", cats=lab.MEMORY_CATS)
-    assert GLOO_EMULATION in plt.gcf()._suptitle.get_text()
+    assert GLOO_RS_BUFFER in plt.gcf()._suptitle.get_text()
     plt.close("all")
     lab.show_grads_after_backward(runs, formula={2: 2 / N})
     assert "stage 2: gradients held after backward 1.00Ψ (formula 1.00Ψ)" in capsys.readouterr().out

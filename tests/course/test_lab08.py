@@ -74,12 +74,12 @@ def test_step_parts_are_the_prediction_and_the_measured_parts(run, capsys):
             dict(
                 op=op,
                 nbytes=s,
-                seconds=cost.collective_time(op, s, n, truth[key], emulated_rs=True),
+                seconds=cost.collective_time(op, s, n, truth[key]),
             )
             for op in ("all_reduce", "all_gather")
             for s in (2**12, 2**16, 2**20)
         ]
-    links = lab.fit_links(fitted)  # gloo: a reduce-scatter costed as an all-reduce
+    links = lab.fit_links(fitted)
     for key in truth:
         assert getattr(links, key).alpha == pytest.approx(truth[key].alpha, rel=1e-6)
         assert getattr(links, key).beta == pytest.approx(truth[key].beta, rel=1e-6)
@@ -93,7 +93,6 @@ def test_step_parts_are_the_prediction_and_the_measured_parts(run, capsys):
             links,
             compute_s=0.0,
             sizes=run["ranks"][0]["stages"][s]["sizes"],
-            emulated_rs=True,
         ).comm_total_s
         assert row["comm"] == comm and row["no_overlap"] == MICRO * compute + comm
         assert row["wrappers"] == pytest.approx(row["local"] - MICRO * compute - row["optimizer"])

@@ -66,7 +66,11 @@ def test_states_per_rank_follow_the_papers_formula(runs, capsys):
     assert all(step > 0 for _, step in measured.values())
     lab.show_states(runs, paper)
     out = capsys.readouterr().out
-    assert f"Ψ = {runs.psi:,}" in out and "ZeRO-3 (P_os+g+p)" in out and "gloo emulates" in out
+    assert (
+        f"Ψ = {runs.psi:,}" in out
+        and "ZeRO-3 (P_os+g+p)" in out
+        and "on gloo minizero's reduce-scatter receives" in out
+    )
     lab.plot_states(runs, paper)
     assert len(plt.gcf().axes) == 2 and len(plt.gcf().axes[0].patches) == len(STAGES)
     plt.close("all")

@@ -123,6 +123,76 @@ def test_subgroup():
         assert res["n"] == 2
 
 
+# -- gloo's reduce-scatter: an all-to-all and a local fold, against torch's --------------------
+_TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reduce_scatter_vs_torch(group_ranks=None):
+    """On every rank: minizero's reduce-scatter (out of place, blocking; in place, async) and
+    torch's ``reduce_scatter_tensor`` on the same data, per dtype, op, size and data (random
+    floats, integers), with what a ledger recorded; then both given an input that is not N x the
+    output. Per case: (name, max |ours - torch's| out of place, in place, torch's max |value|)."""
+    group = dist.new_group(group_ranks) if group_ranks is not None else None
+    if group_ranks is not None and dist.get_rank() not in group_ranks:
+        return None
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    cases, rows = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in (C.ReduceOp.SUM, C.ReduceOp.AVG, C.ReduceOp.MAX):
+            for shard in (1, 7, 40_000):  # 40,000: gloo's all-reduce splits it along its ring
+                for data in ("random", "integers"):
+                    x = torch.randn(n * shard, generator=g) * 4
+                    x = (x.round() if data == "integers" else x).to(dtype)
+                    theirs, ours = torch.empty(shard, dtype=dtype), torch.empty(shard, dtype=dtype)
+                    _TORCH_RS(theirs, x.clone(), op=op, group=group)
+                    with CommLedger() as ledger:
+                        C.reduce_scatter(ours, x.clone(), op=op, group=group)
+                        inplace = x.clone()  # (n * shard,) chunk `me` gets the result, in place
+                        mine = inplace[me * shard : (me + 1) * shard]
+                        C.reduce_scatter(mine, inplace, op=op, group=group, async_op=True).wait()
+                    rows += [(r.op, r.numel, r.world, r.backend) for r in ledger.records]
+                    diff = lambda a: (a.float() - theirs.float()).abs().max().item()  # noqa: B023
+                    name = (str(dtype), str(op), shard, data)
+                    cases.append((name, diff(ours), diff(mine), theirs.float().abs().max().item()))
+    refused = []
+    for fn in (_TORCH_RS, C.reduce_scatter):
+        try:  # 2n + 1 elements into 2: neither runs it (before anything is sent: no hang)
+            fn(torch.empty(2), torch.ones(2 * n + 1), group=group)
+        except (RuntimeError, ValueError) as e:
+            refused.append(type(e).__name__)
+    return dict(n=n, cases=cases, rows=rows, refused=refused)
+
+
+@pytest.mark.parametrize("world,group_ranks", [(2, None), (3, None), (3, [0, 2])])
+def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
+    """gloo's ``reduce_scatter_tensor`` all-reduces a clone of the input; minizero's sends each
+    chunk to its owner (``all_to_all_single``) and folds the N chunks it gets. Against torch's, on
+    the world and on a subgroup, fp32 and bf16, SUM, AVG and MAX, out of place and in place (the
+    output a chunk of the input): equal on 2 ranks (one addition: the order cannot matter), equal
+    on integers on 3; on 3 ranks' random floats the order of the two additions may differ from
+    gloo's ring (whose chunks are its own), so within a rounding of the result. The ledger records
+    each as one reduce-scatter of the full input; an input that is not N x the output is refused
+    by both."""
+    results = run(reduce_scatter_vs_torch, world, group_ranks)
+    for rank, res in enumerate(results):
+        if group_ranks is not None and rank not in group_ranks:
+            assert res is None
+            continue
+        n = res["n"]
+        assert n == (len(group_ranks) if group_ranks else world) and len(res["cases"]) == 36
+        for name, out, inplace, scale in res["cases"]:
+            if n == 2 or name[3] == "integers" or "MAX" in name[1]:
+                assert out == inplace == 0, (rank, name)
+            else:  # one rounding of the result's magnitude: 2^-23 (fp32), 2^-8 (bf16)
+                ulp = 2.0**-23 if name[0] == "torch.float32" else 2.0**-8
+                assert max(out, inplace) <= 2 * ulp * scale, (rank, name, out, inplace)
+        shards = [shard for _dtype in (0, 1) for _op in (0, 1, 2)
+                  for shard in (1, 7, 40_000) for _data in (0, 1) for _call in (0, 1)]  # fmt: skip
+        assert res["rows"] == [("reduce_scatter", n * s, n, "gloo") for s in shards]
+        assert res["refused"] == ["RuntimeError", "ValueError"]
+
+
 # -- the ledger records only while open ------------------------------------------------------------
 def ledger_scopes():
     t = torch.ones(4)
@@ -190,9 +260,11 @@ def test_records_name_their_group_and_split_bytes_at_node_boundaries():
             {"ranks [0, 3]": 16} if extra else {}
         )
     # The ring over the world is 0 -> 1 -> 2 -> 3 -> 0: ranks 1 and 3 send across, 0 and 2 inside.
-    # all-reduce 2(n-1)/n * 32 = 48 bytes; reduce-scatter and all-gather (n-1)/n * 32 = 24 each;
-    # broadcast from 0 along the chain 0 -> 1 -> 2 -> 3: 32 bytes from every rank but 3.
-    world = [(48 + 24 + 24 + 32, 0), (0, 48 + 24 + 24 + 32), (48 + 24 + 24 + 32, 0), (0, 96)]
+    # all-reduce 2(n-1)/n * 32 = 48 bytes; all-gather (n-1)/n * 32 = 24; broadcast from 0 along
+    # the chain 0 -> 1 -> 2 -> 3: 32 bytes from every rank but 3. The reduce-scatter, on gloo an
+    # all-to-all, sends each rank's 32/4 = 8-byte chunk straight to its owner: 8 bytes to the
+    # other rank of the node, 16 to the other node's two, from every rank.
+    world = [(48 + 8 + 24 + 32, 16), (8, 48 + 16 + 24 + 32), (48 + 8 + 24 + 32, 16), (8, 88)]
     for rank, r in enumerate(res):
         nb = r["node_bytes"]
         assert (nb["world"]["inside"], nb["world"]["across"]) == world[rank], rank
@@ -236,6 +308,7 @@ def stage1_step_bytes():
             rebuild=sorted({r.group for r in rebuild.records}),
             ops=sorted({(r.op, r.group) for r in ledger.records}),
             nbytes=sum(r.nbytes for r in ledger.records),
+            rs_bytes=sum(r.nbytes for r in ledger.records if r.op == "reduce_scatter"),
             node_bytes=ledger.node_bytes()["total"],
         )
     return out
@@ -243,13 +316,15 @@ def stage1_step_bytes():
 
 def test_a_zero1_step_on_a_named_group_stays_inside_the_node():
     for rank, r in enumerate(run(stage1_step_bytes, 4)):
-        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each; the ring 0-1-2-3-0
-        # sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside
+        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each. The all-gathers' ring
+        # 0-1-2-3-0 sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside; the
+        # reduce-scatters (on gloo, all-to-alls) send S/4 to the node's other rank, 2S/4 across
         w = r["world"]
         assert w["ops"] == [("all_gather", "world"), ("reduce_scatter", "world")]
         assert w["rebuild"] == ["world"] and r["shard"]["rebuild"] == ["shard"]
-        sent = 3 * w["nbytes"] / 4
-        want = {"inside": sent, "across": 0} if rank % 2 == 0 else {"inside": 0, "across": sent}
+        rs, ring = w["rs_bytes"], 3 * (w["nbytes"] - w["rs_bytes"]) / 4
+        want = {"inside": rs / 4 + ring, "across": rs / 2} if rank % 2 == 0 else {
+            "inside": rs / 4, "across": rs / 2 + ring}  # fmt: skip
         assert w["node_bytes"] == want, rank
         # the node's own group: (2-1)/2 = 1/2 of S each, nothing leaves the node
         s = r["shard"]

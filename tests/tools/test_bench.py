@@ -30,7 +30,9 @@ def test_bench_collectives_json(tmp_path, capsys):
         "ranks, 2 timed calls each\n"
     )  # printed before the ranks start
     assert "collectives: 100%" in err and "8/8" in err  # the progress bar reached every row
-    assert "2 ranks, gloo on" in text and "gloo: reduce-scatter is built on all-reduce" in text
+    assert (
+        "2 ranks, gloo on" in text and "gloo: minizero's is an all-to-all and a local sum" in text
+    )
     assert "rows marked ~ are under 1 MiB" in text
     assert "        1024         256   float32" in text
     data = json.loads(out.read_text())

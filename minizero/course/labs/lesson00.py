@@ -3,6 +3,7 @@
 ``volumes`` (section 3) the paper's volume of each collective: the lesson's ``one_of_each``;
 ``ledger_cost`` (section 3) what the ledger's own timing costs per call;
 ``bandwidth`` (section 4) the lesson's ``time_collective`` over ops and message sizes;
+``rs_against_torch`` (section 4) minizero's reduce-scatter beside torch's own and its all-reduce;
 ``show_fit`` / ``plot_fit`` (section 5) those rows beside the α-β model fitted to them.
 """
 
@@ -114,7 +115,56 @@ def bandwidth(nprocs: int, ops: list[str], sizes: list[int], time_one=time_colle
 
 def _gloo_note(rows: list[dict]) -> str:
     gloo = rows[0]["info"]["backend"] == "gloo"
-    return " (gloo: reduce_scatter = all-reduce + copy)" if gloo else ""
+    return " (gloo: minizero's reduce_scatter = all-to-all + local sum)" if gloo else ""
+
+
+_TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _rs_against_torch(sizes: list[int], repeats: int) -> dict:
+    world, dev, rows = dist.get_world_size(), rank_device(), []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)  # float32 elements, a multiple of N
+        full = torch.zeros(n, device=dev)  # (S,) zeros: the all-reduces leave it 0
+        shard = torch.empty(n // world, device=dev)  # (S/N,)
+        calls = {"minizero": lambda: C.reduce_scatter(shard, full),  # noqa: B023
+                 "torch": lambda: _TORCH_RS(shard, full),  # noqa: B023
+                 "torch all_reduce": lambda: dist.all_reduce(full)}  # noqa: B023  # fmt: skip
+        times = {k: [] for k in calls}
+        for i in range(repeats + 1):  # interleaved, call by call; the first round warms up
+            for name, call in calls.items():
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                call()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        rows.append(dict(nbytes=4 * n, **{k: statistics.median(v) for k, v in times.items()}))
+    return dict(rows=rows, info=run_info())
+
+
+def rs_against_torch(nprocs: int, sizes: list[int], repeats: int = 9) -> dict:
+    """Section 4: at each size (bytes, fp32) the median of ``repeats`` calls of minizero's
+    reduce-scatter, of torch's ``reduce_scatter_tensor`` and of torch's ``all_reduce`` on the same
+    buffers, interleaved call by call; rank 0's rows and ``info``."""
+    return minizero.launch(_rs_against_torch, nprocs, sizes, repeats, verbose=False)[0]
+
+
+def show_rs_against_torch(r: dict) -> None:
+    gloo = r["info"]["backend"] == "gloo"
+    how = "an all-to-all and a local sum" if gloo else "torch's own call: the columns are one call"
+    print(
+        f"reduce-scatter on {describe(r['info'])}, median µs per call, rank 0 (minizero's: {how})"
+    )
+    print(f"{'S (bytes)':>11}{'minizero':>10}{'torch':>10}{'torch AR':>10}"
+          f"{'torch / minizero':>18}{'torch / torch AR':>18}")  # fmt: skip
+    for row in r["rows"]:
+        mz, rs, ar = (row[k] * 1e6 for k in ("minizero", "torch", "torch all_reduce"))
+        print(
+            f"{row['nbytes']:>11}{mz:>10.0f}{rs:>10.0f}{ar:>10.0f}{rs / mz:>18.2f}{rs / ar:>18.2f}"
+        )
 
 
 def plot_bandwidth(rows: list[dict]) -> None:
@@ -153,7 +203,7 @@ def show_fit(rows: list[dict], link: cost.Link, model: dict[str, float]) -> None
     gloo = rows[0]["info"]["backend"] == "gloo"
     print(
         f"fitted on {describe(rows[0]['info'])}: α = {link.alpha * 1e6:.1f} µs per round, "
-        f"β = {link.beta / 1e9:.3f} GB/s" + ("  (gloo: reduce_scatter costed as all-reduce)" * gloo)
+        f"β = {link.beta / 1e9:.3f} GB/s" + ("  (gloo: minizero's reduce_scatter)" * gloo)
     )
     print(f"{'op':<16}{'S (bytes)':>11}{'measured µs':>13}{'model µs':>10}{'error':>8}")
     for r, m in zip(rows, model):

@@ -31,7 +31,7 @@ from minizero.course.labs.common import model_states as model_states  # section 
 from minizero.course.labs.common import plot_memory_per_step as plot_memory_per_step
 from minizero.course.labs.common import show_model_states as show_model_states
 from minizero.course.labs.lesson02 import memory_per_step as memory_per_step  # section 4
-from minizero.course.plots import GLOO_EMULATION
+from minizero.course.plots import GLOO_RS_BUFFER
 from minizero.models import TinyGPT, synthetic_batch
 from minizero.precision import divides_before_sum
 from minizero.zero2 import ZeRO2
@@ -118,7 +118,7 @@ def plot_bucket_peaks(peaks: dict, kept: float, stage1: float, psi: int = PSI) -
     ax.legend(fontsize=8, loc="upper left")
     where = describe(peaks["info"])
     gloo = peaks["info"]["backend"] == "gloo"
-    note = f"\nthe stage's buffers only, not the backend's\n({GLOO_EMULATION})" if gloo else ""
+    note = f"\nthe stage's buffers only, not the backend's\n({GLOO_RS_BUFFER})" if gloo else ""
     ax.set_title(f"TinyGPT, ZeRO stage 2, one backward: {where}{note}", fontsize=9)
     plt.show()
     for r in rows:
@@ -156,7 +156,7 @@ def show_reduce_scatter_memory(m: dict) -> None:
         f"backend held {(m['peak'] - m['before']) / m['before']:.1f}x the buffer on top of it"
     )
     if m["info"]["backend"] == "gloo":
-        print(f"({GLOO_EMULATION}: one buffer more than NCCL)")
+        print(f"({GLOO_RS_BUFFER}: one buffer more than NCCL)")
 
 
 def show_grads_after_backward(runs: dict[int, dict], formula: dict[int, float], psi=PSI) -> None:

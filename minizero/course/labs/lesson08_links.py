@@ -86,13 +86,11 @@ def show_zeropp(model: dict[str, float], paper: dict[str, float | None]) -> None
 
 def fit_links(run: dict) -> cost.Links:
     """Section 4: this machine's two link classes, fitted to rank 0's sweeps (each node's ring as
-    "intra", the ring over every rank as "inter", one "NIC"); gloo's reduce-scatter costed as the
-    all-reduce it runs."""
-    gloo = run["info"]["backend"] == "gloo"
+    "intra", the ring over every rank as "inter", one "NIC")."""
     rank0 = run["ranks"][0]
     return cost.Links(
-        intra=cost.fit(rank0["intra"], run["node"], emulated_rs=gloo),
-        inter=cost.fit(rank0["inter"], run["world"], emulated_rs=gloo),
+        intra=cost.fit(rank0["intra"], run["node"]),
+        inter=cost.fit(rank0["inter"], run["world"]),
         nics=1,
     )
 
@@ -121,12 +119,8 @@ def step_parts(run: dict, links: cost.Links) -> dict:
         local = max(m["local_s"] for m in stage)
         optimizer = max(r["optimizer_s"]["all" if s == 0 else "shard"] for r in ranks)
         sync = max(m["synced_s"] for m in stage) - local - stage[0]["syncs"] * barrier_s
-        comm = cost.predict(
-            config(run, stage=s),
-            links,
-            compute_s=0.0,
-            sizes=stage[0]["sizes"],
-            emulated_rs=run["info"]["backend"] == "gloo",
+        comm = cost.predict(  # minizero's reduce-scatter: a reduce-scatter's bytes, gloo too
+            config(run, stage=s), links, compute_s=0.0, sizes=stage[0]["sizes"]
         ).comm_total_s
         rows[s] = dict(
             measured=max(m["step_s"] for m in stage),

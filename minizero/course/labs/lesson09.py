@@ -187,8 +187,8 @@ def show_states(runs: StageRuns, paper: dict[int, float]) -> None:
         print(f"{STAGE_NAMES[s]:<22}{row}{1e3 * step_s:>12.1f} ms")
     if runs.where["backend"] == "gloo":
         print(
-            "(gloo emulates reduce-scatter with an all-reduce that clones its input: the stages' "
-            "communication buffers, not counted here, are larger on gloo than on NCCL)"
+            "(on gloo minizero's reduce-scatter receives into a buffer the size of its input: "
+            "the stages' communication buffers, not counted here, are larger on gloo than on NCCL)"
         )
 
 
