@@ -64,7 +64,6 @@ class CommRecord:
     ranks: tuple[int, ...] = ()  # the group's global ranks in group-rank order; () = 0..world-1
     rank: int = 0  # this rank's global rank
     src: int = 0  # broadcast: the source's group rank
-    backend: str = ""  # the group's: on "gloo" a reduce-scatter is an all-to-all (collectives.py)
     # Timeline position at completion: the call (blocking) or its wait() (async) returned after
     # every ledger entry (record or mark) with index < waited_at and before those >= waited_at.
     # None while an async op has not been waited on. A blocking call: index + 1.
@@ -157,15 +156,14 @@ class CommLedger:
         """Bytes this rank sent that stay inside its node and that cross a node boundary, per group
         and in all (``"total"``): ``{group: {"inside": b, "across": b}}``. Needs ``node_size``;
         nodes are blocks of ``node_size`` consecutive global ranks. The ring model and its
-        formulas: :func:`minizero.analysis.topology.ring_bytes`; a reduce-scatter on gloo sends
-        each chunk straight to its owner, as an all-to-all does (minizero/collectives.py)."""
+        formulas: :func:`minizero.analysis.topology.ring_bytes` (on gloo a reduce-scatter sends its
+        chunks to their owners directly: the same bytes, counted here as the ring splits them)."""
         if self.node_size is None:
             raise ValueError("node_bytes needs the node size: CommLedger(node_size=k)")
         out: dict[str, dict[str, float]] = {"total": {"inside": 0.0, "across": 0.0}}
         for r in self.records:
             ranks = r.ranks or tuple(range(r.world))
-            op = "all_to_all" if (r.op, r.backend) == ("reduce_scatter", "gloo") else r.op
-            inside, across = ring_bytes(op, r.nbytes, ranks, r.rank, self.node_size, r.src)
+            inside, across = ring_bytes(r.op, r.nbytes, ranks, r.rank, self.node_size, r.src)
             for key in (r.group, "total"):
                 row = out.setdefault(key, {"inside": 0.0, "across": 0.0})
                 row["inside"] += inside
@@ -290,8 +288,7 @@ class OpenLedgers:
         _check_group(op, group, tag)
         world = dist.get_world_size(group)
         ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
-        where = dict(group=group_label(group), ranks=ranks, rank=dist.get_rank(), src=src,
-                     backend=dist.get_backend(group))  # fmt: skip
+        where = dict(group=group_label(group), ranks=ranks, rank=dist.get_rank(), src=src)
         recs = []
         for ledger in _open_ledgers:
             rec = CommRecord(

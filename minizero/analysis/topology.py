@@ -18,9 +18,10 @@ A rank's ring bytes cross a node boundary when its successor is on another node:
 over k > 1 nodes in rank order, k of the ring's n hops cross (k-1 between nodes, 1 closing the
 ring), so a ring over 2 nodes x 2 ranks sends half its bytes across. Bytes are floats: S/n need
 not be whole (minizero's sharded buffers are padded so that it is). What this leaves out: NCCL's
-trees, NVLS and CollNet algorithms. minizero's reduce-scatter on gloo sends each chunk straight to
-its owner (an all-to-all's bytes; ``CommLedger.node_bytes`` counts it so); PyTorch's own gloo
-``reduce_scatter_tensor`` is an all-reduce of the whole input (``emulated_rs``; lesson 00 measures
+trees, NVLS and CollNet algorithms; minizero's reduce-scatter on gloo, which sends each chunk
+straight to its owner (the ring's bytes in all, split over node boundaries as an all-to-all's; the
+model, and ``CommLedger.node_bytes``, count the ring's split); PyTorch's own gloo
+``reduce_scatter_tensor``, an all-reduce of the whole input (``emulated_rs``; lesson 00 measures
 both). minizero/analysis/ledger.py keeps nccl-tests' busbw factors, which define a measurement;
 this file is the model.
 """

@@ -151,7 +151,7 @@ def reduce_scatter_vs_torch(group_ranks=None):
                         inplace = x.clone()  # (n * shard,) chunk `me` gets the result, in place
                         mine = inplace[me * shard : (me + 1) * shard]
                         C.reduce_scatter(mine, inplace, op=op, group=group, async_op=True).wait()
-                    rows += [(r.op, r.numel, r.world, r.backend) for r in ledger.records]
+                    rows += [(r.op, r.numel, r.world, r.volume_elements) for r in ledger.records]
                     diff = lambda a: (a.float() - theirs.float()).abs().max().item()  # noqa: B023
                     name = (str(dtype), str(op), shard, data)
                     cases.append((name, diff(ours), diff(mine), theirs.float().abs().max().item()))
@@ -189,7 +189,7 @@ def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
                 assert max(out, inplace) <= 2 * ulp * scale, (rank, name, out, inplace)
         shards = [shard for _dtype in (0, 1) for _op in (0, 1, 2)
                   for shard in (1, 7, 40_000) for _data in (0, 1) for _call in (0, 1)]  # fmt: skip
-        assert res["rows"] == [("reduce_scatter", n * s, n, "gloo") for s in shards]
+        assert res["rows"] == [("reduce_scatter", n * s, n, n * s) for s in shards]
         assert res["refused"] == ["RuntimeError", "ValueError"]
 
 
@@ -260,11 +260,10 @@ def test_records_name_their_group_and_split_bytes_at_node_boundaries():
             {"ranks [0, 3]": 16} if extra else {}
         )
     # The ring over the world is 0 -> 1 -> 2 -> 3 -> 0: ranks 1 and 3 send across, 0 and 2 inside.
-    # all-reduce 2(n-1)/n * 32 = 48 bytes; all-gather (n-1)/n * 32 = 24; broadcast from 0 along
-    # the chain 0 -> 1 -> 2 -> 3: 32 bytes from every rank but 3. The reduce-scatter, on gloo an
-    # all-to-all, sends each rank's 32/4 = 8-byte chunk straight to its owner: 8 bytes to the
-    # other rank of the node, 16 to the other node's two, from every rank.
-    world = [(48 + 8 + 24 + 32, 16), (8, 48 + 16 + 24 + 32), (48 + 8 + 24 + 32, 16), (8, 88)]
+    # all-reduce 2(n-1)/n * 32 = 48 bytes; reduce-scatter and all-gather (n-1)/n * 32 = 24 each;
+    # broadcast from 0 along the chain 0 -> 1 -> 2 -> 3: 32 bytes from every rank but 3. (The ring
+    # model's split: on gloo minizero's reduce-scatter sends its 24 bytes to the owners directly.)
+    world = [(48 + 24 + 24 + 32, 0), (0, 48 + 24 + 24 + 32), (48 + 24 + 24 + 32, 0), (0, 96)]
     for rank, r in enumerate(res):
         nb = r["node_bytes"]
         assert (nb["world"]["inside"], nb["world"]["across"]) == world[rank], rank
@@ -308,7 +307,6 @@ def stage1_step_bytes():
             rebuild=sorted({r.group for r in rebuild.records}),
             ops=sorted({(r.op, r.group) for r in ledger.records}),
             nbytes=sum(r.nbytes for r in ledger.records),
-            rs_bytes=sum(r.nbytes for r in ledger.records if r.op == "reduce_scatter"),
             node_bytes=ledger.node_bytes()["total"],
         )
     return out
@@ -316,15 +314,13 @@ def stage1_step_bytes():
 
 def test_a_zero1_step_on_a_named_group_stays_inside_the_node():
     for rank, r in enumerate(run(stage1_step_bytes, 4)):
-        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each. The all-gathers' ring
-        # 0-1-2-3-0 sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside; the
-        # reduce-scatters (on gloo, all-to-alls) send S/4 to the node's other rank, 2S/4 across
+        # world: reduce-scatters and all-gathers, (n-1)/n = 3/4 of S each; the ring 0-1-2-3-0
+        # sends ranks 1 and 3's bytes across the boundary, ranks 0 and 2's inside
         w = r["world"]
         assert w["ops"] == [("all_gather", "world"), ("reduce_scatter", "world")]
         assert w["rebuild"] == ["world"] and r["shard"]["rebuild"] == ["shard"]
-        rs, ring = w["rs_bytes"], 3 * (w["nbytes"] - w["rs_bytes"]) / 4
-        want = {"inside": rs / 4 + ring, "across": rs / 2} if rank % 2 == 0 else {
-            "inside": rs / 4, "across": rs / 2 + ring}  # fmt: skip
+        sent = 3 * w["nbytes"] / 4
+        want = {"inside": sent, "across": 0} if rank % 2 == 0 else {"inside": 0, "across": sent}
         assert w["node_bytes"] == want, rank
         # the node's own group: (2-1)/2 = 1/2 of S each, nothing leaves the node
         s = r["shard"]
