@@ -48,11 +48,11 @@ def test_bucket_peaks_one_bucket_holds_the_whole_gradient(capsys):
     assert "25 MiB,  1 bucket: at most 2.00Ψ in buckets + 1.00Ψ kept (formula 1Ψ)" in out
 
 
-def test_reduce_scatter_memory_on_gloo_clones_the_input(capsys):
+def test_reduce_scatter_memory_on_gloo_holds_an_input_sized_buffer(capsys):
     m = lab.reduce_scatter_memory(N, mib=1)
     assert m["before"] == 2**20  # the bucket, fp32
-    assert m["peak"] == 2 * 2**20  # gloo: the all-reduce's clone of it on top
-    assert m["after"] in (2**20, 2 * 2**20)  # the clone dies once gloo's callback is done
+    assert m["peak"] == 2 * 2**20  # gloo: the buffer that receives every rank's chunk r on top
+    assert m["after"] in (2**20, 2 * 2**20)  # it dies once gloo's worker lets go of it
     lab.show_reduce_scatter_memory(m)
     out = capsys.readouterr().out
     assert (

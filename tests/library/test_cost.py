@@ -275,12 +275,12 @@ def test_predicted_collectives_are_the_ledgers(stage):
         assert sum(c.wire() for c in predicted) == r["wire"]
     r0 = results[0]
     try:  # what follows is printed, not asserted: timings on a busy machine may not fit a line
-        link = cost.fit(r0["sweep"], world, emulated_rs=True)
+        link = cost.fit(r0["sweep"], world)  # minizero's reduce-scatter: a ring's bytes, gloo too
     except ValueError as e:
         print(f"\nstage {stage}: no α-β fit from this run's timings ({e})")
         return
     p = cost.predict(cfg, cost.Links(intra=link, inter=link), compute_s=r0["compute_s"],
-                     sizes=r0["sizes"], emulated_rs=True)  # fmt: skip
+                     sizes=r0["sizes"])  # fmt: skip
     print(
         f"\nstage {stage}, gloo {world} ranks: α = {link.alpha * 1e6:.1f} µs, "
         f"β = {link.beta / 1e9:.2f} GB/s; step predicted {p.step_s * 1e3:.2f} ms "
