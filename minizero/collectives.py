@@ -81,7 +81,7 @@ class ReleasedWork:
         return out
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.work is None or (self.work.is_completed() and bool(self.wait()))  # + then()
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["work"], name)

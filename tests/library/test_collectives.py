@@ -2,6 +2,8 @@
 torch.distributed, nccl-tests' sizes and bus-bandwidth factors, the ZeRO paper's volumes, and a
 ledger that records only while it is open."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,6 +157,12 @@ def reduce_scatter_vs_torch(group_ranks=None):
                     diff = lambda a: (a.float() - theirs.float()).abs().max().item()  # noqa: B023
                     name = (str(dtype), str(op), shard, data)
                     cases.append((name, diff(ours), diff(mine), theirs.float().abs().max().item()))
+    x, polled, theirs = torch.randn(n * 5, generator=g), torch.empty(5), torch.empty(5)
+    work = C.reduce_scatter(polled, x.clone(), group=group, async_op=True)
+    while not work.is_completed():  # complete: the chunks arrived and were summed, no wait()
+        time.sleep(0)
+    _TORCH_RS(theirs, x.clone(), group=group)
+    cases.append((("polled",), (polled - theirs).abs().max().item(), 0.0, 1.0))
     refused = []
     for fn in (_TORCH_RS, C.reduce_scatter):
         try:  # 2n + 1 elements into 2: neither runs it (before anything is sent: no hang)
@@ -173,15 +181,16 @@ def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
     on integers on 3; on 3 ranks' random floats the order of the two additions may differ from
     gloo's ring (whose chunks are its own), so within a rounding of the result. The ledger records
     each as one reduce-scatter of the full input; an input that is not N x the output is refused
-    by both."""
+    by both; an async one that ``is_completed()`` says is done holds the sum, without ``wait()``."""
     results = run(reduce_scatter_vs_torch, world, group_ranks)
     for rank, res in enumerate(results):
         if group_ranks is not None and rank not in group_ranks:
             assert res is None
             continue
         n = res["n"]
-        assert n == (len(group_ranks) if group_ranks else world) and len(res["cases"]) == 36
-        for name, out, inplace, scale in res["cases"]:
+        assert n == (len(group_ranks) if group_ranks else world) and len(res["cases"]) == 37
+        assert res["cases"][-1][1] <= (0 if n == 2 else 2 * 2.0**-23 * 16), res["cases"][-1]
+        for name, out, inplace, scale in res["cases"][:-1]:
             if n == 2 or name[3] == "integers" or "MAX" in name[1]:
                 assert out == inplace == 0, (rank, name)
             else:  # one rounding of the result's magnitude: 2^-23 (fp32), 2^-8 (bf16)
