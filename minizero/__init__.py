@@ -34,7 +34,7 @@ CommLedger, name_group  minizero/analysis/ledger.py     00_collectives
 ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
-Extension               minizero/extension.py           the seam to minizero/habits/
+Face, Extension         minizero/seams.py               what is read of a stage; the seam to habits/
 DDP                     minizero/ddp.py                 01_ddp
 NaiveDDP                minizero/naive_ddp.py           01_ddp
 Rebuild                 minizero/optimizer_state.py     01_ddp (buckets cut in ready order)

@@ -7,7 +7,8 @@ the collectives they issue from backward to the end of ``optimizer.step()``. One
 communication and the optimizer (lesson 02): flat buckets, rank r owning a range of each (all of
 it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per parameter and range.
 The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
-:class:`~minizero.extension.Extension` (extension.py).
+:class:`~minizero.seams.Extension`; what the rest of minizero reads of a wrapper is its
+:class:`~minizero.seams.Face` (seams.py).
 
 The shape, a decision: a dozen methods are defined 3+ times along the chain, because each stage
 is the one before with one more state partitioned (the paper's chain), overriding the moments that
@@ -19,39 +20,14 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.extension import Extension
 from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
-
-
-@dataclass(frozen=True, eq=False)
-class Fragment:
-    """Elements [start, end) of ``param`` (flattened) that this rank owns, at [offset, offset +
-    numel) of its range of bucket ``bucket``; ``tensor``: what the optimizer steps for them, a
-    (numel,) view of the fp32 masters, or (fp32 DDP) the parameter itself."""
-
-    name: str
-    param: nn.Parameter
-    bucket: int
-    start: int
-    end: int
-    offset: int
-    tensor: torch.Tensor
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    @property
-    def is_master(self) -> bool:
-        """True when the optimizer steps a master view (not the parameter itself)."""
-        return self.tensor is not self.param
+from minizero.seams import Extension, Fragment, Sharded
 
 
 class DataParallel(nn.Module):
@@ -67,6 +43,8 @@ class DataParallel(nn.Module):
     (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
+    sharded = Sharded()  # nothing: every rank holds the whole model states
+    rebuilds_buckets = False
     rebuild = None  # DDP's Rebuild (optimizer_state.py): cuts the buckets again in ready order
 
     def __init__(
@@ -137,6 +115,18 @@ class DataParallel(nn.Module):
                     f = Fragment(self.param_names[id(p)], p, b.index, s - o, e - o, s - lo, t)
                     self.fragments.append(f)
                     self.fragments_of.setdefault(id(p), []).append(f)
+
+    @property
+    def separate_masters(self) -> bool:  # (fp32 ZeRO: views of the flat working copy)
+        return self.sharded.state or self.precision.master
+
+    def fragment_values(self, f: Fragment) -> torch.Tensor:
+        return f.param.detach().reshape(-1)[f.start : f.end]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "comm": []}  # fmt: skip
 
     def optimizer_params(self) -> list[torch.Tensor]:
         """The tensors this rank's optimizer steps: one per fragment (or the parameters)."""
@@ -225,6 +215,16 @@ class DataParallel(nn.Module):
         bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
 
+    def holds_unsynced_grads(self) -> bool:
+        return False  # (stages 2-3: the bucket buffers that no_sync() backwards fill)
+
+    @property
+    def has_step_grads(self) -> bool:
+        return self.averaged is not None
+
+    def forget_step_grads(self) -> None:
+        self.averaged = self.grads_ok = None
+
     def step_grads(self) -> list[torch.Tensor | None]:
         """This step's fp32 gradients, per bucket (owned,), unscaled; made once a step."""
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
@@ -259,13 +259,13 @@ class DataParallel(nn.Module):
         for f in self.fragments:
             if f.is_master:
                 f.tensor.grad = None
-        self.averaged = self.grads_ok = None
+        self.forget_step_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.habits.zero_grad(set_to_none)
         if self.rebuild is not None:  # before reset_grads: it clears the new buffers
             self.rebuild.when_due(forward=False)
-        self.averaged = self.grads_ok = None
+        self.forget_step_grads()
         self.reset_grads(set_to_none)
 
     def reset_grads(self, set_to_none: bool) -> None:

@@ -88,6 +88,9 @@ class DDP(DataParallel):
             return None
         return b.flatten([p.detach() for p in b.params], torch.float32)  # (numel,) fp32
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().held_tensors(), "grads": list(self.grad_buffers)}
+
     def init_grads(self) -> None:
         dtype = self.precision.reduce_dtype
         # (padded,) flat gradient buffer per bucket in the reduce dtype; p.grad views into it

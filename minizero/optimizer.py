@@ -22,30 +22,14 @@ from __future__ import annotations
 import hashlib
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from minizero import optimizer_state as S
-from minizero.extension import Extension
-from minizero.optimizer_state import Rebuild, regroup
+from minizero.optimizer_state import regroup
+from minizero.seams import Face as Wrapper  # what the optimizer reads of a stage
 
 __all__ = ["ADOPTED", "Adopted", "StageStep", "attach", "regroup", "shard_record", "wrapper_of"]
-
-
-class Wrapper(Protocol):
-    """What the optimizer needs of the wrapper (data_parallel.DataParallel)."""
-
-    fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
-    habits: Extension  # the seam to minizero/habits/: clip_grad_norm_, zero_grad_of
-    rebuild: Rebuild | None  # DDP's bucket rebuild (optimizer_state.py): order, rebuild_as
-    optimizers: weakref.WeakKeyDictionary  # the optimizers attach()ed -> their Adopted records
-    params: list  # the parameters it trains
-
-    def before_step(self) -> bool: ...
-    def after_step(self) -> None: ...
-    def end_step(self) -> None: ...
-    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -134,7 +118,7 @@ class StageStep:
                 record.trains |= {id(p) for p in params}
             if record.params is not None:
                 record.params.append(list(params))  # as built (optimizer_state.py)
-            if any(f.is_master for f in wrapper.fragments):
+            if wrapper.separate_masters:
                 frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
                 frozen = [p for p in params if not p.requires_grad]  # no fragments: as they are
@@ -156,9 +140,8 @@ class StageStep:
             return full
         sd = super().state_dict()
         sd["minizero_shard"] = shard_record(self._wrapper)
-        if ADOPTED[self].params is not None and any(
-            f.is_master for f in self._wrapper.fragments
-        ):  # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
+        if ADOPTED[self].params is not None and self._wrapper.separate_masters:
+            # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
             sd = S.shard_state_dict(self, sd)
         if sd["minizero_shard"]["sharded"]:
             S.warn_shard(self, sd)
@@ -196,9 +179,7 @@ class StageStep:
         if numbering == "parameters":  # this rank's shard, as state_dict() wrote it
             state_dict = S.unshard_state_dict(self, state_dict)
         elif (
-            saved is None
-            and S.plain_params(self) is not None
-            and any(f.is_master for f in self._wrapper.fragments)
+            saved is None and S.plain_params(self) is not None and self._wrapper.separate_masters
         ):  # a whole one (torch DDP's, a plain optimizer's, consolidated): cut to this rank's
             state_dict = S.shard_whole_state_dict(self, state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "minizero_shard"}
@@ -218,7 +199,7 @@ def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Op
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     record = wrapper.optimizers[optimizer] = ADOPTED.setdefault(optimizer, Adopted())
     record.wrapper = wrapper  # (a rebuild of the buckets moves the states of wrapper.optimizers)
-    record.closure_through = not any(f.is_master for f in wrapper.fragments)
+    record.closure_through = not wrapper.separate_masters
     return optimizer
 
 
@@ -229,6 +210,6 @@ def shard_record(wrapper) -> dict:
     return {
         "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
         "ready": wrapper.rebuild.order() if wrapper.rebuild else None,  # DDP's buckets' order
-        "sharded": wrapper.stage > 0,  # stage 0: every rank holds the same, whole states
+        "sharded": wrapper.sharded.state,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip

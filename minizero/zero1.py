@@ -27,6 +27,7 @@ from minizero import collectives as C
 from minizero.bucket import Bucket, buckets_in_order
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
+from minizero.seams import Sharded
 
 
 class ZeRO1(DDP):
@@ -50,6 +51,7 @@ class ZeRO1(DDP):
     """
 
     stage = 1
+    sharded = Sharded(state=True)
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
     def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
@@ -74,6 +76,10 @@ class ZeRO1(DDP):
         # separate fp32 copy of that chunk (the K in KΨ/N includes it)
         chunk = b.chunk(self.flat_params[b.index], self.rank)
         return chunk.float().clone() if self.precision.master else chunk
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        return {**held, "params": self.flat_params + held["params"]}
 
     def cast_working(self) -> None:
         dtype = self.precision.param_dtype

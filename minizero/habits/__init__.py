@@ -15,7 +15,7 @@ that names the habit and says what works instead.
                      (parallelize asks it through Extension; adopted after wrapping)
 
 The core (data_parallel.py, the stages, the optimizer, checkpoints) imports none of this: it calls
-the methods of :class:`~minizero.extension.Extension`, one per moment, on ``wrapper.habits``.
+the methods of :class:`~minizero.seams.Extension`, one per moment, on ``wrapper.habits``.
 :class:`Habits` implements them; ``parallelize`` composes it (``extension=Habits``), and a wrapper
 built directly gets it only when its constructor is told so. Importing this package changes
 nothing.
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 
 from minizero.data_parallel import DataParallel
-from minizero.extension import Extension
 from minizero.habits import autograd, module
 from minizero.habits import optimizer as optimizer_habits
 from minizero.habits.guards import GradGuards
 from minizero.habits.sharded_grad import GradNorms
 from minizero.precision import full_dtype
+from minizero.seams import Extension
 
 
 class Habits(Extension):

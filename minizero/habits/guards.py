@@ -44,7 +44,7 @@ class GradGuards:
                         f"on rank {w.rank}. If some parameters are unused in some steps, pass "
                         f"find_unused_parameters=True to minizero.parallelize (as with torch DDP)."
                     )
-        if w.stage > 0 or w.precision.loss_scale:  # no whole averaged p.grad on any rank
+        if w.sharded.state or w.precision.loss_scale:  # no whole averaged p.grad on any rank
             for p in w.params:
                 p.grad = ShardedGrad(p, self.norms) if id(p) in self.used else None
             self.hidden = True

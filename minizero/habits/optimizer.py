@@ -186,9 +186,9 @@ def adopt(optimizer: torch.optim.Optimizer, wrapper) -> bool:
             "parameters (its shards, at stages 1-3). Build one optimizer per wrapped model, over "
             "its model.parameters() or param groups of them"
         )
-    refuse_optimizer(optimizer, sharded=wrapper.stage > 0 or wrapper.precision.master)
+    refuse_optimizer(optimizer, sharded=wrapper.sharded.state or wrapper.precision.master)
     check_optimizer(optimizer, wrapper.module)
-    if any(f.is_master for f in wrapper.fragments):
+    if wrapper.separate_masters:
         regroup(optimizer, wrapper)
     keep_scheduler_step(attach(optimizer, wrapper))
     return True
