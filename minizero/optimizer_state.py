@@ -166,7 +166,7 @@ class Rebuild:
         held = any(p.grad is not None for p in w.params)
         held = held or w.holds_unsynced_grads()  # stages 2-3: no_sync() buffers
         if not forward or (torch.is_grad_enabled() and w.require_sync and not held):
-            self.rebuild(list(seen.values()))
+            self.cut(list(seen.values()))
 
     def order(self) -> list[str] | None:
         """The names the buckets are cut over, in order (None where they are not rebuilt)."""
@@ -177,9 +177,9 @@ class Rebuild:
         """Cut the buckets over a saved run's order (names), where it is another."""
         named = {self.wrapper.param_names[id(p)]: p for p in self.wrapper.params}
         if self.on and names != self.order() and sorted(names) == sorted(named):
-            self.rebuild([named[n] for n in names])
+            self.cut([named[n] for n in names])
 
-    def rebuild(self, ready: list[nn.Parameter]) -> None:
+    def cut(self, ready: list[nn.Parameter]) -> None:
         """Cut the buckets again over rank 0's ``ready`` (fp32 DDP: nothing else moves)."""
         w, self.seen = self.wrapper, None
         index = {id(p): i for i, p in enumerate(w.params)}

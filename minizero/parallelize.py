@@ -18,7 +18,7 @@ parallelize's arguments:
 - ``precision``: "fp32", "bf16", "fp16" or a :class:`minizero.Precision`.
 - ``bucket_cap_mb``: torch DDP's, in MiB (stages 0-2); ``mesh``: HSDP (hsdp.py); ``process_group``,
   ``broadcast_buffers``, ``find_unused_parameters``: as torch DDP's.
-- stage 3's options: :func:`stage3_class`.
+- stage 3's options: :func:`class_for_options`.
 
 Under NCCL the model moves to this rank's GPU.
 """
@@ -85,7 +85,7 @@ def parallelize(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     cls = STAGE_CLASSES[stage]
     if stage_options or (bucket_cap_mb is not None and stage == 3):
-        cls = stage3_class(stage, stage_options, bucket_cap_mb)
+        cls = class_for_options(stage, stage_options, bucket_cap_mb)
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
     if mesh is not None:  # HSDP: shard inside a node, replicate across nodes (hsdp.py)
@@ -119,11 +119,12 @@ def parallelize(
     return wrapped, wrapped.habits.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
-def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
-    """The class stage 3's options build. ``units`` (module classes or a predicate; default: the
-    repeated blocks), ``prefetch``, ``reshard_root``, ``check_modules`` (minizero/zero3.py); with
-    ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines
-    it), ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
+def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
+    """The class that ``options`` (beyond the ones every stage takes) build; only stage 3 takes
+    any: ``units`` (module classes or a predicate; default: the repeated blocks), ``prefetch``,
+    ``reshard_root``, ``check_modules`` (minizero/zero3.py); with ZeRO++'s
+    ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines it),
+    ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
     minizero/zeropp.py's ZeROPlusPlus. Refuses, with what to do instead, an option that is not
     stage 3's, and ``bucket_cap_mb`` at stage 3."""
     unknown = sorted(set(options) - STAGE3_OPTIONS)
