@@ -37,11 +37,11 @@ DataParallel            minizero/data_parallel.py       what every stage shares 
 Face, Extension         minizero/seams.py               what is read of a stage; the seam to habits/
 DDP                     minizero/ddp.py                 01_ddp
 NaiveDDP                minizero/naive_ddp.py           01_ddp
-Rebuild                 minizero/optimizer_state.py     01_ddp (buckets cut in ready order)
+Rebuild                 minizero/optimizer/state.py     01_ddp (buckets cut in ready order)
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1
-attach                  minizero/optimizer.py           the optimizer around a stage (02 ..)
+attach                  minizero/optimizer/__init__.py  the optimizer around a stage (02 ..)
 ZeRO2                   minizero/zero2.py               03_zero2
 ShardedGrad             minizero/habits/sharded_grad.py 03_zero2
 ZeRO3                   minizero/zero3.py               04_zero3

@@ -4,7 +4,7 @@ Every stage of minizero moves data in buckets. A bucket holds a few parameters, 
 gradients become ready in backward, laid end to end in one flat buffer. One collective per bucket
 replaces one collective per parameter. Two cuts, by torch DDP's size rule: :func:`make_buckets`
 over a predicted order (the reverse of registration order), then :func:`buckets_in_order` over the
-order the first backward made them ready (minizero/optimizer_state.py), as torch DDP does.
+order the first backward made them ready (minizero/optimizer/state.py), as torch DDP does.
 
 For ZeRO the flat buffer is padded to a multiple of the world size ``n`` (not counted against the
 cap) and cut into ``n`` equal chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter

@@ -6,7 +6,7 @@ the user's model as ``.module`` and run it unchanged; they differ only in what t
 the collectives they issue from backward to the end of ``optimizer.step()``. One layout serves
 communication and the optimizer (lesson 02): flat buckets, rank r owning a range of each (all of
 it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per parameter and range.
-The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
+The habits of a PyTorch loop are not here: the core calls them through ``self.extension``, an
 :class:`~minizero.seams.Extension`; what the rest of minizero reads of a wrapper is its
 :class:`~minizero.seams.Face` (seams.py).
 
@@ -45,7 +45,7 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
-    rebuild = None  # DDP's Rebuild (optimizer_state.py): cuts the buckets again in ready order
+    rebuild = None  # DDP's Rebuild (optimizer/state.py): cuts the buckets again in ready order
 
     def __init__(
         self,
@@ -80,7 +80,7 @@ class DataParallel(nn.Module):
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
         self.optimizers = weakref.WeakKeyDictionary()  # attach()ed ones -> optimizer.Adopted
-        self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
+        self.extension = extension(self)  # before any hook of the stage (minizero/habits/)
         for t in list(module.parameters()) + list(module.buffers()):  # rank 0's, on every rank
             self.broadcast_from_rank0(t.data, "initial state")
 
@@ -88,9 +88,9 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules (nn.Module's)
         except AttributeError:
-            if "habits" not in self.__dict__:
+            if "extension" not in self.__dict__:
                 raise
-        return self.habits.missing_attribute(name)  # (outside the except: no chained error)
+        return self.extension.missing_attribute(name)  # (outside the except: no chained error)
 
     def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
         """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes too, hsdp.py)."""
@@ -135,7 +135,7 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self.rebuild is not None:  # first: p.grad still says whether gradients are held
             self.rebuild.when_due(forward=True)
-        self.habits.before_forward()
+        self.extension.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
@@ -172,11 +172,11 @@ class DataParallel(nn.Module):
         """Every per-parameter hook, in the order they run: ``habits.before_accumulate()``, then
         :meth:`grad_accumulated`: the habits', the rebuild's, the stage's ``on_grad_ready``."""
         for p in params:
-            p.register_hook(lambda grad: self.habits.before_accumulate())  # (deepcopy drops it)
+            p.register_hook(lambda grad: self.extension.before_accumulate())  # (deepcopy drops it)
             p.register_post_accumulate_grad_hook(self.grad_accumulated)
 
     def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
-        self.habits.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
+        self.extension.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
         if self.rebuild is not None:
             self.rebuild.note(p)
         self.on_grad_ready(p)
@@ -196,7 +196,7 @@ class DataParallel(nn.Module):
         C.mark("backward end")
         self.backward_end()
         if self.require_sync:
-            self.habits.after_backward()
+            self.extension.after_backward()
 
     def backward_end(self) -> None:
         """Runs once when backward is over: finish this backward's collectives."""
@@ -236,7 +236,7 @@ class DataParallel(nn.Module):
 
     def before_step(self) -> bool:
         """Hand each fragment its range of the averaged gradient; False: skip the update (fp16)."""
-        skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
+        skip = self.extension.params_without_grad()  # id(p): no gradient anywhere, no step
         if skip is None:  # no backward since zero_grad(): no fragment gets a gradient, and
             self.end_step()  # torch's optimizers skip a parameter without one
             return True
@@ -262,7 +262,7 @@ class DataParallel(nn.Module):
         self.forget_step_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.habits.zero_grad(set_to_none)
+        self.extension.zero_grad(set_to_none)
         if self.rebuild is not None:  # before reset_grads: it clears the new buffers
             self.rebuild.when_due(forward=False)
         self.forget_step_grads()
@@ -274,10 +274,10 @@ class DataParallel(nn.Module):
 
     # -- state dicts: what the habits make them (a full fp32 one, under the model's keys) -------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self.habits.state_dict(destination, prefix)
+        return self.extension.state_dict(destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.habits.load_state_dict(state_dict, strict)
+        return self.extension.load_state_dict(state_dict, strict)
 
     full_state_dict = state_dict  # the name FSDP-era code knows
 

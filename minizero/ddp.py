@@ -15,7 +15,7 @@ The moments it overrides (data_parallel.py lists them all), and the bucket momen
 
 Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
 reduce_bucket(b), finish_in_flight(). ``rebuild`` (parallelize composes
-optimizer_state.Rebuild) cuts the buckets again once, in the order the first backward made the
+optimizer.state.Rebuild) cuts the buckets again once, in the order the first backward made the
 gradients ready.
 """
 
@@ -42,14 +42,15 @@ class DDP(DataParallel):
     The layout every later stage keeps: :meth:`lay_out` (and :meth:`init_grads`) sets it.
     """
 
-    rebuilds_buckets = True  # cut again in ready order, as torch DDP (optimizer_state.py)
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (optimizer/state.py)
 
     def __init__(
         self,
         module: nn.Module,
         *,
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
-        rebuild: Callable[[DDP], Any] | None = None,  # cuts again in ready order: optimizer_state
+        rebuild: Callable[[DDP], Any]
+        | None = None,  # cuts again in ready order: optimizer/state.py
         **options,  # precision, process_group, broadcast_buffers, ...: see DataParallel
     ):
         super().__init__(module, **options)

@@ -38,7 +38,7 @@ from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.optimizer import attach
-from minizero.optimizer_state import Rebuild, regroup
+from minizero.optimizer.state import Rebuild, regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
@@ -105,18 +105,18 @@ def parallelize(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
-        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (optimizer_state.py)
+        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (optimizer/state.py)
         **stage_options,
     )
-    wrapped.habits.adopt_on_first_step()  # an optimizer built after wrapping, over its parameters
+    wrapped.extension.adopt_on_first_step()  # an optimizer built after wrapping, over its params
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
     if built is None:
         return wrapped
-    wrapped.habits.check_optimizer(built)  # its parameters are the model's, once each
+    wrapped.extension.check_optimizer(built)  # its parameters are the model's, once each
     if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
-    return wrapped, wrapped.habits.attached(attach(built, wrapped))  # (a scheduler built before)
+    return wrapped, wrapped.extension.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
 def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
@@ -205,7 +205,7 @@ def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, t
             f"consolidate_state_dict takes the model minizero.parallelize returned, got "
             f"{type(model).__name__}"
         )
-    if optimizer not in model.optimizers and not model.habits.adopt(optimizer):
+    if optimizer not in model.optimizers and not model.extension.adopt(optimizer):
         raise ValueError(
             "this optimizer holds none of the model's parameters: pass the optimizer built "
             "over model.parameters()"

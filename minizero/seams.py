@@ -1,7 +1,7 @@
 """A stage's two seams: the face it shows, and the extension it calls.
 
 **The face** (:class:`Face`, with :class:`Sharded` and :class:`Fragment`): all that the modules
-around the stages (the habits, the optimizer, optimizer_state.py, checkpoint/, analysis/, HSDP,
+around the stages (the habits, the optimizer, optimizer/state.py, checkpoint/, analysis/, HSDP,
 ZeRO++) read of a wrapper, beside nn.Module's own: what is sharded, the fragments and what each
 rank owns, the gradients the step reads, the tensors it holds, a fragment's range read and
 written. docs/design.md's table says who reads which field; tests/library/test_layout.py fails
@@ -10,7 +10,7 @@ and on a ``hasattr`` probe of a wrapper.
 
 **The extension** (:class:`Extension`), the seam between the core and minizero/habits/, one
 method per moment. The core (data_parallel.py, the stages, the optimizer, checkpoints,
-parallelize) calls the habits only as ``wrapper.habits.<method>(...)``, a method of
+parallelize) calls the habits only as ``wrapper.extension.<method>(...)``, a method of
 :class:`Extension`, at the moment its docstring names; this class is the plain behaviour (nothing,
 or torch's own). ``parallelize`` composes ``minizero.habits.Habits``; a wrapper built directly gets
 its constructor's ``extension=`` (this class by default). Importing a module composes nothing
@@ -66,7 +66,7 @@ class Sharded:
 
 class Face(Protocol):
     """A stage's face: all that the modules around the stages (the habits, the optimizer,
-    optimizer_state, the checkpoint, analysis/, HSDP, ZeRO++) read of a wrapper, beside
+    optimizer/state.py, the checkpoint, analysis/, HSDP, ZeRO++) read of a wrapper, beside
     nn.Module's own. docs/design.md's table says who reads which; tests/library/test_layout.py
     fails on any other wrapper attribute read outside the stage files."""
 
@@ -88,8 +88,8 @@ class Face(Protocol):
     fragments_of: dict[int, list[Fragment]]  # id(param) -> its fragments on this rank
     buckets: list  # bucket.Bucket (stage 3: its units), which the fragments index
     # what is composed around it
-    habits: Extension  # the seam to minizero/habits/ (below)
-    rebuild: object | None  # DDP's bucket rebuild (optimizer_state.Rebuild)
+    extension: Extension  # the seam to minizero/habits/ (below)
+    rebuild: object | None  # DDP's bucket rebuild (optimizer.state.Rebuild)
     rebuilds_buckets: bool  # whether its buckets are cut again in ready order
     optimizers: weakref.WeakKeyDictionary  # attach()ed optimizers -> optimizer.Adopted
 
@@ -143,7 +143,7 @@ class Face(Protocol):
 
 
 class Extension:
-    """Every call the core makes on ``wrapper.habits``, each with its plain behaviour."""
+    """Every call the core makes on ``wrapper.extension``, each with its plain behaviour."""
 
     def __init__(self, wrapper: nn.Module) -> None:  # a data_parallel.DataParallel
         """At construction, before any hook of the stage: may refuse the model."""

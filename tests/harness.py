@@ -26,7 +26,7 @@ from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.naive_ddp import NaiveDDP
-from minizero.optimizer_state import Rebuild
+from minizero.optimizer.state import Rebuild
 
 LAUNCH_TIMEOUT = 180  # seconds per launch (a test needs < 30): a hang fails the test, with stacks
 

@@ -249,7 +249,7 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and wrapper_of(optimizer) is None:
-        model.habits.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
+        model.extension.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
     if wrapper_of(optimizer) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:

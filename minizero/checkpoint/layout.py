@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from minizero.data_parallel import DataParallel
-from minizero.optimizer_state import per_element
+from minizero.optimizer.state import per_element
 
 # key -> (numel of the whole flattened tensor, the element where this rank's piece of it starts);
 # the piece's length is the saved tensor's. (A range, elsewhere here, is (start, end).)

@@ -15,7 +15,7 @@ that names the habit and says what works instead.
                      (parallelize asks it through Extension; adopted after wrapping)
 
 The core (data_parallel.py, the stages, the optimizer, checkpoints) imports none of this: it calls
-the methods of :class:`~minizero.seams.Extension`, one per moment, on ``wrapper.habits``.
+the methods of :class:`~minizero.seams.Extension`, one per moment, on ``wrapper.extension``.
 :class:`Habits` implements them; ``parallelize`` composes it (``extension=Habits``), and a wrapper
 built directly gets it only when its constructor is told so. Importing this package changes
 nothing.

@@ -109,7 +109,7 @@ def forward_attribute(wrapper, name: str):
 def expect_every_rank(wrapper, what: str, how: str) -> None:
     """Before a collective one might call on rank 0 only: every rank arrives, or an error."""
     why = f"at ZeRO stage {wrapper.stage} (a rank holds only its shard)"
-    wrapper.habits.arrival.expect(what, why, how)
+    wrapper.extension.arrival.expect(what, why, how)
 
 
 def full_state_dict(wrapper, destination: dict | None, prefix: str) -> dict:

@@ -89,7 +89,7 @@ class ShardedGrad(torch.Tensor):
             f"{name or func}: at ZeRO stage 1-3 no rank holds the full averaged gradient of a "
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
-            f"model.habits.norms.grad_fragments(p) for this rank's ranges of the averaged "
+            f"model.extension.norms.grad_fragments(p) for this rank's ranges of the averaged "
             f"gradient (fp32 views). An update written by hand cannot step shards: use a "
             f"torch.optim optimizer (minizero adopts one built over model.parameters() at its "
             f"first step)."

@@ -185,13 +185,13 @@ def test_layers_point_one_way_as_the_package_docstring_says():
 def test_the_top_of_the_package_is_the_library_a_student_reads():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     # one concept a file: the chain, what it shares, naive DDP, its bucket, collectives, units,
-    # precision, HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models, the
-    # seam to the habits (extension), the bucket rebuild, the optimizer's sharded state dict
-    assert len(top) <= 17, f"{len(top)} modules at the top of minizero/: {top}"
+    # precision, HSDP and ZeRO++ beside the stages, parallelize, the models, the stage's seams
+    # (its face, its extension); the optimizer and its state between layouts: optimizer/
+    assert len(top) <= 16, f"{len(top)} modules at the top of minizero/: {top}"
     for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
         assert stage in top, stage
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
-    want = ["analysis", "checkpoint", "course", "habits", "launcher", "tools"]
+    want = ["analysis", "checkpoint", "course", "habits", "launcher", "optimizer", "tools"]
     assert subpackages == want, subpackages
 
 
@@ -205,13 +205,13 @@ def module_path(module: str) -> Path:
 
 
 def habits_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, name) of every ``<x>.habits.<name>`` and ``Habits.<name>`` in ``tree``, and of every
-    import from ``minizero.habits`` ("import <module>: <names>")."""
+    """(line, name) of every ``<x>.extension.<name>`` and ``Habits.<name>`` in ``tree``, and of
+    every import from ``minizero.habits`` ("import <module>: <names>")."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             v = node.value
-            if (isinstance(v, ast.Attribute) and v.attr == "habits") or (
+            if (isinstance(v, ast.Attribute) and v.attr == "extension") or (
                 isinstance(v, ast.Name) and v.id == "Habits"
             ):
                 out.append((node.lineno, node.attr))
@@ -262,7 +262,7 @@ def test_the_core_reaches_the_habits_only_through_extension():
                 allowed = m == "minizero.parallelize" and name == habits
                 assert allowed, f"{m}:{line} {name}: the core composes Habits only in parallelize"
             else:
-                assert name in points, f"{m}:{line} .habits.{name}: not a method of Extension"
+                assert name in points, f"{m}:{line} .extension.{name}: not a method of Extension"
                 called.add(name)
     for name in points - {"__init__"}:
         assert name in called, f"Extension.{name}: no moment of the core calls it"
@@ -276,7 +276,7 @@ def test_the_core_reaches_the_habits_only_through_extension():
     for path in sorted(PACKAGE.rglob("*.py")):
         patches += import_time_patches(ast.parse(path.read_text()), module_name(path))
     assert not patches, f"importing these changes another module: {patches}"
-    leak = ast.parse("self._wrapper.habits.grads.zero_grad_of(ids)\nfrom minizero.habits import x")
+    leak = ast.parse("self._w.extension.grads.zero_grad_of(ids)\nfrom minizero.habits import x")
     assert sorted(habits_uses(leak)) == [(1, "grads"), (2, "import minizero.habits: ['x']")]
     patch = ast.parse("from minizero.data_parallel import DataParallel\nDataParallel.e = 1\n")
     assert import_time_patches(patch, "m") == ["m:2 DataParallel.e = ..."]
@@ -298,12 +298,12 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
     habits around the core (``Extension``), and the instruments (the ledger, the ring model)
     watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild is
-    composed by parallelize (optimizer_state.py). zero2.py's import closure stays what a reader
+    composed by parallelize (optimizer/state.py). zero2.py's import closure stays what a reader
     can follow: at most 1,450 lines, counted by tools/closure.py (it was 2,666 in 13 files; 1,299
     before issue 40 gave the stages a face, seams.py's ``Face``, and their methods)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
-            "minizero.optimizer_state")  # fmt: skip
+            "minizero.optimizer")  # fmt: skip
     for stage in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
         closure = import_closure(f"minizero.{stage}", graph)
         bad = sorted(m for m in closure if m.startswith(away))
@@ -324,7 +324,7 @@ def test_one_step_calls_at_most_860_lines_at_ddp_and_1110_at_stage_2():
     1,103; 505 and 707 of them outside the habits)."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 860, f"DDP's call closure is {ddp} lines: {by_file}"
-    assert "minizero/optimizer_state.py" in by_file and "minizero/ddp.py" in by_file  # traced
+    assert "minizero/optimizer/state.py" in by_file and "minizero/ddp.py" in by_file  # traced
     assert "minizero/habits/guards.py" in by_file  # the habits count
     stage2, by_file = CLOSURE.call_closure(2)
     assert stage2 <= 1110, f"stage 2's call closure is {stage2} lines: {by_file}"
@@ -618,7 +618,7 @@ def test_minizero_writes_none_of_its_attributes_on_objects_it_does_not_own():
 
 
 def test_one_predicate_says_which_optimizer_states_are_per_element():
-    """One implementation moves optimizer state between layouts (minizero/optimizer_state.py),
+    """One implementation moves optimizer state between layouts (minizero/optimizer/state.py),
     with one predicate: no twin of ``per_element`` (``_elementwise``, ``_per_element``) anywhere
     in the library, and the callers use the one."""
     defined = {}
@@ -627,9 +627,9 @@ def test_one_predicate_says_which_optimizer_states_are_per_element():
             if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(per_element|elementwise)",
                                                                   node.name):  # fmt: skip
                 defined.setdefault(node.name, []).append(p.relative_to(ROOT).as_posix())
-    assert defined == {"per_element": ["minizero/optimizer_state.py"]}, defined
-    assert not (PACKAGE / "rebuild.py").exists(), "the state mover is optimizer_state.py's alone"
-    for user in ("checkpoint/layout.py", "optimizer_state.py"):
+    assert defined == {"per_element": ["minizero/optimizer/state.py"]}, defined
+    assert not (PACKAGE / "rebuild.py").exists(), "the state mover is optimizer/state.py's alone"
+    for user in ("checkpoint/layout.py", "optimizer/state.py"):
         assert "per_element(" in (PACKAGE / user).read_text(), user
 
 
@@ -707,7 +707,7 @@ def face_crossings(tree: ast.AST, private: set[str], me: str) -> list[str]:
 
 
 def test_outside_the_stage_files_a_wrapper_is_read_only_through_its_face():
-    """The habits, the optimizer, optimizer_state, checkpoint/, analysis/, HSDP and ZeRO++ read of
+    """The habits, optimizer/, checkpoint/, analysis/, HSDP and ZeRO++ read of
     a wrapper only what ``minizero.seams.Face`` names (nn.Module's own aside): no other attribute
     of the chain's classes, no switch on a stage's number, no ``hasattr`` probe. The stage files
     and parallelize (which composes them) are the chain's inside."""

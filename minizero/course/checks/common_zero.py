@@ -43,7 +43,7 @@ from minizero.course.checks.compare_zero import compare
 from minizero.habits import Habits
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
-from minizero.optimizer_state import Rebuild
+from minizero.optimizer.state import Rebuild
 from minizero.precision import POLICIES, Precision
 from minizero.zero3 import ZeRO3
 

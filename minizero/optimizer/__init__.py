@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minizero import optimizer_state as S
-from minizero.optimizer_state import regroup
+from minizero.optimizer import state as S
+from minizero.optimizer.state import regroup
 from minizero.seams import Face as Wrapper  # what the optimizer reads of a stage
 
 __all__ = ["ADOPTED", "Adopted", "StageStep", "attach", "regroup", "shard_record", "wrapper_of"]
@@ -102,7 +102,7 @@ class StageStep:
         """As torch's: the gradients of this optimizer's parameters (the others keep theirs)."""
         w, trains = ADOPTED[self].wrapper, ADOPTED[self].trains  # id(param) of the groups' params
         if trains is not None and any(id(p) not in trains for p in w.params):
-            return w.habits.zero_grad_of(trains, set_to_none)  # some: the others keep theirs
+            return w.extension.zero_grad_of(trains, set_to_none)  # some: the others keep theirs
         w.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -117,7 +117,7 @@ class StageStep:
             if record.trains is not None:
                 record.trains |= {id(p) for p in params}
             if record.params is not None:
-                record.params.append(list(params))  # as built (optimizer_state.py)
+                record.params.append(list(params))  # as built (optimizer/state.py)
             if wrapper.separate_masters:
                 frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
@@ -127,14 +127,14 @@ class StageStep:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        return self._wrapper.habits.clip_grad_norm_(max_norm, norm_type)
+        return self._wrapper.extension.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
         """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
         (and in mixed precision) it holds only this rank's fragments, so only the same rank of the
         same layout may load it back (see ``load_state_dict``); at stages 1-3 a warning says so,
         and how to write the whole one. After ``consolidate_state_dict(to=r)`` on every rank, and
-        until the next step, rank r's is the whole one (minizero/optimizer_state.py)."""
+        until the next step, rank r's is the whole one (minizero/optimizer/state.py)."""
         full = ADOPTED[self].full
         if full is not None:
             return full
@@ -158,7 +158,7 @@ class StageStep:
         """Refuse an optimizer state dict saved by another rank or another layout: its states
         belong to other elements (torch would load it without a word when the counts match)."""
         saved = state_dict.get("minizero_shard")
-        numbering = (saved or {}).get("numbering")  # "parameters": optimizer_state.py's form
+        numbering = (saved or {}).get("numbering")  # "parameters": optimizer/state.py's form
         saved = None if saved is None else {k: v for k, v in saved.items() if k != "numbering"}
         here = shard_record(self._wrapper)
         if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
