@@ -12,9 +12,9 @@ cli. A module imports its own layer and those below, never above, and no import 
   overrides. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages.
 * habits: ``minizero/habits/``, the habits of a PyTorch loop a wrapper must notice (a parameter
   without gradient, ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's
-  attributes, ...). The core calls them only through ``extension.Extension``'s methods.
-* parallelize: ``parallelize.py``, the one module that composes them (``extension=Habits``,
-  ``rebuild=Rebuild``); importing a module composes nothing.
+  attributes, ...). The core calls them only through ``seams.Extension``'s methods.
+* parallelize: ``parallelize.py``, the one module that composes them (``extension=Habits``, the
+  bucket rebuild among the habits); importing a module composes nothing.
 * analysis: ``minizero/analysis/`` (the ledger of collectives, memory meters, a step's memory
   budget, the timeline, ZeRO's Table 1 simulated); it watches the collectives
   (``collectives.recorder``), and the core imports none of it.

@@ -45,7 +45,6 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
-    rebuild = None  # DDP's Rebuild (optimizer/state.py): cuts the buckets again in ready order
 
     def __init__(
         self,
@@ -133,8 +132,6 @@ class DataParallel(nn.Module):
         return [f.tensor for f in self.fragments]
 
     def forward(self, *args, **kwargs):
-        if self.rebuild is not None:  # first: p.grad still says whether gradients are held
-            self.rebuild.when_due(forward=True)
         self.extension.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
@@ -169,16 +166,15 @@ class DataParallel(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
-        """Every per-parameter hook, in the order they run: ``habits.before_accumulate()``, then
-        :meth:`grad_accumulated`: the habits', the rebuild's, the stage's ``on_grad_ready``."""
+        """Every per-parameter hook, in the order they run: ``extension.before_accumulate()``,
+        then :meth:`grad_accumulated`: the extension's (the habits', the bucket rebuild's), the
+        stage's ``on_grad_ready``."""
         for p in params:
             p.register_hook(lambda grad: self.extension.before_accumulate())  # (deepcopy drops it)
             p.register_post_accumulate_grad_hook(self.grad_accumulated)
 
     def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
         self.extension.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
-        if self.rebuild is not None:
-            self.rebuild.note(p)
         self.on_grad_ready(p)
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
@@ -262,9 +258,7 @@ class DataParallel(nn.Module):
         self.forget_step_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.extension.zero_grad(set_to_none)
-        if self.rebuild is not None:  # before reset_grads: it clears the new buffers
-            self.rebuild.when_due(forward=False)
+        self.extension.zero_grad(set_to_none)  # (the bucket rebuild too: before reset_grads)
         self.forget_step_grads()
         self.reset_grads(set_to_none)
 

@@ -14,15 +14,11 @@ The moments it overrides (data_parallel.py lists them all), and the bucket momen
     visible_grad(p), clear_grad(p), full_params(): the bucket view of p, the masters
 
 Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
-reduce_bucket(b), finish_in_flight(). ``rebuild`` (parallelize composes
-optimizer.state.Rebuild) cuts the buckets again once, in the order the first backward made the
-gradients ready.
+reduce_bucket(b), finish_in_flight(). The bucket rebuild (optimizer.state.Rebuild, in the habits
+parallelize composes) cuts them again once, in the order the first backward made gradients ready.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -49,8 +45,6 @@ class DDP(DataParallel):
         module: nn.Module,
         *,
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
-        rebuild: Callable[[DDP], Any]
-        | None = None,  # cuts again in ready order: optimizer/state.py
         **options,  # precision, process_group, broadcast_buffers, ...: see DataParallel
     ):
         super().__init__(module, **options)
@@ -58,7 +52,6 @@ class DDP(DataParallel):
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        self.rebuild = rebuild(self) if rebuild is not None else None
         self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:

@@ -38,7 +38,7 @@ from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.optimizer import attach
-from minizero.optimizer.state import Rebuild, regroup
+from minizero.optimizer.state import regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
@@ -105,7 +105,6 @@ def parallelize(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
-        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (optimizer/state.py)
         **stage_options,
     )
     wrapped.extension.adopt_on_first_step()  # an optimizer built after wrapping, over its params

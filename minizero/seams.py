@@ -89,7 +89,6 @@ class Face(Protocol):
     buckets: list  # bucket.Bucket (stage 3: its units), which the fragments index
     # what is composed around it
     extension: Extension  # the seam to minizero/habits/ (below)
-    rebuild: object | None  # DDP's bucket rebuild (optimizer.state.Rebuild)
     rebuilds_buckets: bool  # whether its buckets are cut again in ready order
     optimizers: weakref.WeakKeyDictionary  # attach()ed optimizers -> optimizer.Adopted
 
@@ -170,8 +169,17 @@ class Extension:
         """``parallelize``, once wrapped: adopt an optimizer built afterwards at its first step
         (FSDP2's order). Here: none."""
 
+    def bucket_order(self) -> list[str] | None:
+        """The names the buckets are cut over, where they are cut again in ready order (a
+        checkpoint and an optimizer state dict record it). Here: None, they never are."""
+        return None
+
+    def cut_as(self, names: list[str]) -> None:
+        """Loading a checkpoint or an optimizer state dict: cut the buckets over the saved run's
+        ``bucket_order()``. Here: nothing."""
+
     def before_forward(self) -> None:
-        """At the start of every forward, after the bucket rebuild's moment."""
+        """At the start of every forward."""
 
     def before_accumulate(self) -> None:
         """A gradient reaches a parameter, before autograd adds it into ``p.grad``."""

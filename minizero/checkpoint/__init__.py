@@ -129,7 +129,7 @@ def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
         "params": {names[id(p)]: info(p) for p in module.parameters()},
         "scaler": model.scaler.state_dict() if model.scaler is not None else None,
         "extra": extra is not None,
-        "ready": model.rebuild.order() if model.rebuild else None,  # DDP's buckets' order
+        "ready": model.extension.bucket_order(),  # DDP's buckets' order (None: not cut again)
     }  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     group, rank, world = model.group, model.rank, model.world
     ready = _everywhere(lambda: open_checkpoint(path)[1].get("ready"), group, "load_checkpoint")
     if ready is not None:  # cut DDP's buckets as the saved run had cut them
-        model.rebuild.rebuild_as(ready)
+        model.extension.cut_as(ready)
 
     def validate():
         where, record = open_checkpoint(path)

@@ -162,7 +162,7 @@ class StageStep:
         saved = None if saved is None else {k: v for k, v in saved.items() if k != "numbering"}
         here = shard_record(self._wrapper)
         if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
-            self._wrapper.rebuild.rebuild_as(saved["ready"])  # cut here as there
+            self._wrapper.extension.cut_as(saved["ready"])  # cut here as there
             here = shard_record(self._wrapper)
         if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
             other = "" if saved["layout"] == here["layout"] else " with another layout"
@@ -209,7 +209,7 @@ def shard_record(wrapper) -> dict:
     frags = [(f.name, f.start, f.end) for f in wrapper.fragments]
     return {
         "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
-        "ready": wrapper.rebuild.order() if wrapper.rebuild else None,  # DDP's buckets' order
+        "ready": wrapper.extension.bucket_order(),  # DDP's buckets' order (None: not cut again)
         "sharded": wrapper.sharded.state,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip
