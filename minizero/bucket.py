@@ -42,6 +42,18 @@ class Bucket:
         i = self._slot[id(p)]
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
+    def hold_grad(self, flat: torch.Tensor, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view of the gradient buffer ``flat`` (the first backward since
+        zero_grad moves it in); a 16-bit ``p.grad`` reduced in fp32 is added, and dropped."""
+        if p.grad._base is not flat:
+            view = self.view(flat, p)
+            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
+                view.copy_(p.grad)
+                p.grad = view
+            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
+                view.add_(p.grad)
+                p.grad = None
+
     def chunk(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Chunk ``rank`` of ``flat`` (padded,): a (shard,) view."""
         return flat[rank * self.shard : (rank + 1) * self.shard]

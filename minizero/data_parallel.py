@@ -45,6 +45,7 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
+    replicate_group = None  # HSDP's: the group over the nodes (hsdp.py)
 
     def __init__(
         self,

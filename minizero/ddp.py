@@ -94,25 +94,12 @@ class DDP(DataParallel):
         self.works: list = []  # all-reduces in flight
 
     # -- backward: fill the bucket, start its all-reduce once full ----------------------------
-    def accumulate(self, p: nn.Parameter) -> None:
-        """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
-        b = self.bucket_of(p)
-        buf = self.grad_buffers[b.index]
-        if p.grad._base is not buf:
-            view = b.view(buf, p)
-            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
-                view.copy_(p.grad)
-                p.grad = view
-            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
-                view.add_(p.grad)
-                p.grad = None
-
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
-        self.accumulate(p)
+        b = self.bucket_of(p)
+        b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
         if not self.require_sync:
             return
         self.queue_backward_end()
-        b = self.bucket_of(p)
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
             self.reduce_in_order(b)

@@ -72,14 +72,6 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mesh.get_group("shard"), mesh.get_group("replicate")  # ledgers: "shard", "replicate"
 
 
-def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: str) -> None:
-    """``t`` combined with ``op`` over every rank in place: over ``group``, then over
-    ``replicate_group`` (when there is one)."""
-    C.all_reduce(t, op=op, group=group, tag=tag)
-    if replicate_group is not None:
-        C.all_reduce(t, op=op, group=replicate_group, tag=tag)
-
-
 def on_mesh(
     stage: type[DataParallel], mesh, process_group: dist.ProcessGroup | None, options: dict
 ) -> tuple[type[DataParallel], dist.ProcessGroup | None, dict]:
@@ -143,11 +135,6 @@ class HSDP:
 
 
 _HYBRIDS: dict[type, type] = {}  # stage class -> its HSDP class, made once
-
-
-def replicate_group(wrapper: DataParallel) -> dist.ProcessGroup | None:
-    """The wrapper's replicate group: None without a mesh."""
-    return wrapper.replicate_group if isinstance(wrapper, HSDP) else None
 
 
 class Replicas:

@@ -75,6 +75,7 @@ class Face(Protocol):
     params: list[nn.Parameter]  # trainable, registration order
     param_names: dict[int, str]  # id(param) -> its first name
     group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None  # HSDP: the same shard on every node (else None)
     world: int
     rank: int
     stage: int  # a label, for messages and records: what differs is read from ``sharded``

@@ -98,7 +98,8 @@ class ZeRO1(DDP):
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
             # unaveraged gradients without a word) and checks that every parameter got one
             self.queue_backward_end()
-        self.accumulate(p)
+        b = self.bucket_of(p)
+        b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
 
     def backward_end(self) -> None:
         pass  # stage 1 communicates in optimizer.step()

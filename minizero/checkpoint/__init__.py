@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero import hsdp
 from minizero.checkpoint import files as F
 from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
@@ -254,7 +253,7 @@ def _check_pair(model, optimizer, what: str) -> None:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")
-    if hsdp.replicate_group(model) is not None:  # HSDP: every node holds the shards
+    if model.replicate_group is not None:  # HSDP: every node holds the shards
         raise NotImplementedError(
             f"{what} does not take a model parallelized with a mesh (HSDP) yet: save "
             f"model.state_dict() (full, fp32; call it on every rank, save on rank 0) instead"

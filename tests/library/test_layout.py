@@ -297,8 +297,8 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     """A reader of a stage opens only the stages before it and what they share (issue 23):
     HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
     habits around the core (``Extension``), and the instruments (the ledger, the ring model)
-    watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild is
-    composed by parallelize (optimizer/state.py). zero2.py's import closure stays what a reader
+    watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild
+    (optimizer/state.py) is part of the habits. zero2.py's import closure stays what a reader
     can follow: at most 1,450 lines, counted by tools/closure.py (it was 2,666 in 13 files; 1,299
     before issue 40 gave the stages a face, seams.py's ``Face``, and their methods)."""
     graph = import_graph()
@@ -320,8 +320,8 @@ def test_one_step_calls_at_most_860_lines_at_ddp_and_1110_at_stage_2():
     """The call closure of ``parallelize(MLP, stage, AdamW)`` and two steps, on rank 0 of 2 gloo
     ranks (tools/closure.py: every minizero function that ran, whole, and its class's header, the
     habits that run in the step included; the models and the launcher left out): what a reader
-    follows through one step. docs/design.md gives the counts (issue 40: DDP 858, stage 2
-    1,103; 505 and 707 of them outside the habits)."""
+    follows through one step. docs/design.md gives the counts (issue 40: DDP 855, stage 2
+    1,101; 496 and 699 of them outside the habits)."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 860, f"DDP's call closure is {ddp} lines: {by_file}"
     assert "minizero/optimizer/state.py" in by_file and "minizero/ddp.py" in by_file  # traced
@@ -734,3 +734,30 @@ def test_outside_the_stage_files_a_wrapper_is_read_only_through_its_face():
     )
     found = face_crossings(caught, {"grad_shards", "averaged", "in_flight", "reduce_scatter"}, "m")
     assert [c.split(" ", 1)[0] for c in found] == ["m:1", "m:3", "m:4", "m:5", "m:8"], found
+
+
+def test_nothing_is_inherited_by_accident():
+    """Stages 2-3 never make DDP's ``grad_buffers``: no method they inherit from DDP or ZeRO1
+    reads them (DDP's ``accumulate`` once did: it is the bucket's ``hold_grad`` now). HSDP
+    overrides only the moments docs/design.md names ("Two ways to extend a stage"), none of a
+    stage's internals (it once carried a copy of ZeRO2's ``finish_in_flight``)."""
+    from minizero.ddp import DDP
+    from minizero.hsdp import HSDP
+    from minizero.zero1 import ZeRO1
+    from minizero.zero2 import ZeRO2
+    from minizero.zero3 import ZeRO3
+
+    for cls in (ZeRO2, ZeRO3):
+        for name in dir(cls):
+            owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+            value = vars(owner)[name] if owner is not None else None
+            if owner in (DDP, ZeRO1) and inspect.isfunction(value):
+                read = "grad_buffers" in inspect.getsource(value)
+                assert not read, f"{cls.__name__} inherits {owner.__name__}.{name}"
+    chain = set().union(*(vars(c) for c in (DataParallel, DDP, ZeRO1, ZeRO2, ZeRO3)))
+    overrides = {n for n in vars(HSDP) if n in chain and not n.startswith("__")}
+    moments = {"broadcast_from_rank0", "add_to_shard", "reduce_gradients", "reset_grads",
+               "module_check_group"}  # fmt: skip
+    assert overrides == moments, overrides
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert all(f"`{m}`" in design for m in moments)
