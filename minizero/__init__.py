@@ -12,9 +12,9 @@ cli. A module imports its own layer and those below, never above, and no import 
   overrides. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages.
 * habits: ``minizero/habits/``, the habits of a PyTorch loop a wrapper must notice (a parameter
   without gradient, ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's
-  attributes, ...). The core calls them only through ``extension.Extension``'s methods.
-* parallelize: ``parallelize.py``, the one module that composes them (``extension=Habits``,
-  ``rebuild=Rebuild``); importing a module composes nothing.
+  attributes, ...). The core calls them only through ``seams.Extension``'s methods.
+* parallelize: ``parallelize.py``, the one module that composes them (``extension=Habits``, the
+  bucket rebuild among the habits); importing a module composes nothing.
 * analysis: ``minizero/analysis/`` (the ledger of collectives, memory meters, a step's memory
   budget, the timeline, ZeRO's Table 1 simulated); it watches the collectives
   (``collectives.recorder``), and the core imports none of it.
@@ -34,14 +34,14 @@ CommLedger, name_group  minizero/analysis/ledger.py     00_collectives
 ring_bytes              minizero/analysis/topology.py   08_beyond_one_node (nodes, rings)
 Bucket                  minizero/bucket.py              01_ddp
 DataParallel            minizero/data_parallel.py       what every stage shares (01 .. 04)
-Extension               minizero/extension.py           the seam to minizero/habits/
+Face, Extension         minizero/seams.py               what is read of a stage; the seam to habits/
 DDP                     minizero/ddp.py                 01_ddp
 NaiveDDP                minizero/naive_ddp.py           01_ddp
-Rebuild                 minizero/optimizer_state.py     01_ddp (buckets cut in ready order)
+Rebuild                 minizero/optimizer/state.py     01_ddp (buckets cut in ready order)
 profile_step            minizero/analysis/timeline.py   01_ddp
 ZeRO1                   minizero/zero1.py               02_zero1
 Precision               minizero/precision.py           02_zero1
-attach                  minizero/optimizer.py           the optimizer around a stage (02 ..)
+attach                  minizero/optimizer/__init__.py  the optimizer around a stage (02 ..)
 ZeRO2                   minizero/zero2.py               03_zero2
 ShardedGrad             minizero/habits/sharded_grad.py 03_zero2
 ZeRO3                   minizero/zero3.py               04_zero3

@@ -4,7 +4,7 @@ Every stage of minizero moves data in buckets. A bucket holds a few parameters, 
 gradients become ready in backward, laid end to end in one flat buffer. One collective per bucket
 replaces one collective per parameter. Two cuts, by torch DDP's size rule: :func:`make_buckets`
 over a predicted order (the reverse of registration order), then :func:`buckets_in_order` over the
-order the first backward made them ready (minizero/optimizer_state.py), as torch DDP does.
+order the first backward made them ready (minizero/optimizer/state.py), as torch DDP does.
 
 For ZeRO the flat buffer is padded to a multiple of the world size ``n`` (not counted against the
 cap) and cut into ``n`` equal chunks: rank ``r`` owns chunk ``r`` of every bucket. A reduce-scatter
@@ -41,6 +41,18 @@ class Bucket:
         """The view of ``flat`` (padded,) that belongs to ``p``, shaped like ``p``."""
         i = self._slot[id(p)]
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+
+    def hold_grad(self, flat: torch.Tensor, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view of the gradient buffer ``flat`` (the first backward since
+        zero_grad moves it in); a 16-bit ``p.grad`` reduced in fp32 is added, and dropped."""
+        if p.grad._base is not flat:
+            view = self.view(flat, p)
+            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
+                view.copy_(p.grad)
+                p.grad = view
+            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
+                view.add_(p.grad)
+                p.grad = None
 
     def chunk(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Chunk ``rank`` of ``flat`` (padded,): a (shard,) view."""

@@ -6,8 +6,9 @@ the user's model as ``.module`` and run it unchanged; they differ only in what t
 the collectives they issue from backward to the end of ``optimizer.step()``. One layout serves
 communication and the optimizer (lesson 02): flat buckets, rank r owning a range of each (all of
 it for DDP, chunk r for ZeRO); the optimizer steps one :class:`Fragment` per parameter and range.
-The habits of a PyTorch loop are not here: the core calls them through ``self.habits``, an
-:class:`~minizero.extension.Extension` (extension.py).
+The habits of a PyTorch loop are not here: the core calls them through ``self.extension``, an
+:class:`~minizero.seams.Extension`; what the rest of minizero reads of a wrapper is its
+:class:`~minizero.seams.Face` (seams.py).
 
 The shape, a decision: a dozen methods are defined 3+ times along the chain, because each stage
 is the one before with one more state partitioned (the paper's chain), overriding the moments that
@@ -19,39 +20,14 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
-from minizero.extension import Extension
 from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
-
-
-@dataclass(frozen=True, eq=False)
-class Fragment:
-    """Elements [start, end) of ``param`` (flattened) that this rank owns, at [offset, offset +
-    numel) of its range of bucket ``bucket``; ``tensor``: what the optimizer steps for them, a
-    (numel,) view of the fp32 masters, or (fp32 DDP) the parameter itself."""
-
-    name: str
-    param: nn.Parameter
-    bucket: int
-    start: int
-    end: int
-    offset: int
-    tensor: torch.Tensor
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    @property
-    def is_master(self) -> bool:
-        """True when the optimizer steps a master view (not the parameter itself)."""
-        return self.tensor is not self.param
+from minizero.seams import Extension, Fragment, Sharded
 
 
 class DataParallel(nn.Module):
@@ -67,7 +43,9 @@ class DataParallel(nn.Module):
     (:meth:`build_fragments`), calls :meth:`register_hooks`; DDP adds bucket moments (ddp.py)."""
 
     stage = 0
-    rebuild = None  # DDP's Rebuild (optimizer_state.py): cuts the buckets again in ready order
+    sharded = Sharded()  # nothing: every rank holds the whole model states
+    rebuilds_buckets = False
+    replicate_group = None  # HSDP's: the group over the nodes (hsdp.py)
 
     def __init__(
         self,
@@ -102,7 +80,7 @@ class DataParallel(nn.Module):
         self.fragments: list[Fragment] = []  # what the optimizer steps, one per fragment
         self.fragments_of: dict[int, list[Fragment]] = {}  # id(param) -> its fragments here
         self.optimizers = weakref.WeakKeyDictionary()  # attach()ed ones -> optimizer.Adopted
-        self.habits = extension(self)  # before any hook of the stage (minizero/habits/)
+        self.extension = extension(self)  # before any hook of the stage (minizero/habits/)
         for t in list(module.parameters()) + list(module.buffers()):  # rank 0's, on every rank
             self.broadcast_from_rank0(t.data, "initial state")
 
@@ -110,9 +88,9 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules (nn.Module's)
         except AttributeError:
-            if "habits" not in self.__dict__:
+            if "extension" not in self.__dict__:
                 raise
-        return self.habits.missing_attribute(name)  # (outside the except: no chained error)
+        return self.extension.missing_attribute(name)  # (outside the except: no chained error)
 
     def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
         """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes too, hsdp.py)."""
@@ -138,14 +116,24 @@ class DataParallel(nn.Module):
                     self.fragments.append(f)
                     self.fragments_of.setdefault(id(p), []).append(f)
 
+    @property
+    def separate_masters(self) -> bool:  # (fp32 ZeRO: views of the flat working copy)
+        return self.sharded.state or self.precision.master
+
+    def fragment_values(self, f: Fragment) -> torch.Tensor:
+        return f.param.detach().reshape(-1)[f.start : f.end]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "comm": []}  # fmt: skip
+
     def optimizer_params(self) -> list[torch.Tensor]:
         """The tensors this rank's optimizer steps: one per fragment (or the parameters)."""
         return [f.tensor for f in self.fragments]
 
     def forward(self, *args, **kwargs):
-        if self.rebuild is not None:  # first: p.grad still says whether gradients are held
-            self.rebuild.when_due(forward=True)
-        self.habits.before_forward()
+        self.extension.before_forward()
         if self.broadcast_buffers and self.sync_buffers:  # torch DDP's rule: rank 0's buffers
             with torch.no_grad():  # before any forward that follows a synchronised training one
                 for buf in self.module.buffers():
@@ -179,16 +167,15 @@ class DataParallel(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
-        """Every per-parameter hook, in the order they run: ``habits.before_accumulate()``, then
-        :meth:`grad_accumulated`: the habits', the rebuild's, the stage's ``on_grad_ready``."""
+        """Every per-parameter hook, in the order they run: ``extension.before_accumulate()``,
+        then :meth:`grad_accumulated`: the extension's (the habits', the bucket rebuild's), the
+        stage's ``on_grad_ready``."""
         for p in params:
-            p.register_hook(lambda grad: self.habits.before_accumulate())  # (deepcopy drops it)
+            p.register_hook(lambda grad: self.extension.before_accumulate())  # (deepcopy drops it)
             p.register_post_accumulate_grad_hook(self.grad_accumulated)
 
     def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
-        self.habits.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
-        if self.rebuild is not None:
-            self.rebuild.note(p)
+        self.extension.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
         self.on_grad_ready(p)
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
@@ -206,7 +193,7 @@ class DataParallel(nn.Module):
         C.mark("backward end")
         self.backward_end()
         if self.require_sync:
-            self.habits.after_backward()
+            self.extension.after_backward()
 
     def backward_end(self) -> None:
         """Runs once when backward is over: finish this backward's collectives."""
@@ -225,6 +212,16 @@ class DataParallel(nn.Module):
         bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
 
+    def holds_unsynced_grads(self) -> bool:
+        return False  # (stages 2-3: the bucket buffers that no_sync() backwards fill)
+
+    @property
+    def has_step_grads(self) -> bool:
+        return self.averaged is not None
+
+    def forget_step_grads(self) -> None:
+        self.averaged = self.grads_ok = None
+
     def step_grads(self) -> list[torch.Tensor | None]:
         """This step's fp32 gradients, per bucket (owned,), unscaled; made once a step."""
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
@@ -236,7 +233,7 @@ class DataParallel(nn.Module):
 
     def before_step(self) -> bool:
         """Hand each fragment its range of the averaged gradient; False: skip the update (fp16)."""
-        skip = self.habits.params_without_grad()  # id(p): no gradient anywhere, no step
+        skip = self.extension.params_without_grad()  # id(p): no gradient anywhere, no step
         if skip is None:  # no backward since zero_grad(): no fragment gets a gradient, and
             self.end_step()  # torch's optimizers skip a parameter without one
             return True
@@ -259,13 +256,11 @@ class DataParallel(nn.Module):
         for f in self.fragments:
             if f.is_master:
                 f.tensor.grad = None
-        self.averaged = self.grads_ok = None
+        self.forget_step_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.habits.zero_grad(set_to_none)
-        if self.rebuild is not None:  # before reset_grads: it clears the new buffers
-            self.rebuild.when_due(forward=False)
-        self.averaged = self.grads_ok = None
+        self.extension.zero_grad(set_to_none)  # (the bucket rebuild too: before reset_grads)
+        self.forget_step_grads()
         self.reset_grads(set_to_none)
 
     def reset_grads(self, set_to_none: bool) -> None:
@@ -274,10 +269,10 @@ class DataParallel(nn.Module):
 
     # -- state dicts: what the habits make them (a full fp32 one, under the model's keys) -------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self.habits.state_dict(destination, prefix)
+        return self.extension.state_dict(destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.habits.load_state_dict(state_dict, strict)
+        return self.extension.load_state_dict(state_dict, strict)
 
     full_state_dict = state_dict  # the name FSDP-era code knows
 

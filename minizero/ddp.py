@@ -14,15 +14,11 @@ The moments it overrides (data_parallel.py lists them all), and the bucket momen
     visible_grad(p), clear_grad(p), full_params(): the bucket view of p, the masters
 
 Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
-reduce_bucket(b), finish_in_flight(). ``rebuild`` (parallelize composes
-optimizer_state.Rebuild) cuts the buckets again once, in the order the first backward made the
-gradients ready.
+reduce_bucket(b), finish_in_flight(). The bucket rebuild (optimizer.state.Rebuild, in the habits
+parallelize composes) cuts them again once, in the order the first backward made gradients ready.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,14 +38,13 @@ class DDP(DataParallel):
     The layout every later stage keeps: :meth:`lay_out` (and :meth:`init_grads`) sets it.
     """
 
-    rebuilds_buckets = True  # cut again in ready order, as torch DDP (optimizer_state.py)
+    rebuilds_buckets = True  # cut again in ready order, as torch DDP (optimizer/state.py)
 
     def __init__(
         self,
         module: nn.Module,
         *,
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
-        rebuild: Callable[[DDP], Any] | None = None,  # cuts again in ready order: optimizer_state
         **options,  # precision, process_group, broadcast_buffers, ...: see DataParallel
     ):
         super().__init__(module, **options)
@@ -57,7 +52,6 @@ class DDP(DataParallel):
         self.bucket_cap_mb = bucket_cap_mb
         self.lay_out(list(reversed(self.params)))  # the predicted ready order (bucket.py)
         self.cast_working()  # once the fp32 masters are taken
-        self.rebuild = rebuild(self) if rebuild is not None else None
         self.register_hooks(self.params)  # every per-parameter hook (data_parallel.py)
 
     def lay_out(self, ready: list[nn.Parameter]) -> None:
@@ -88,6 +82,9 @@ class DDP(DataParallel):
             return None
         return b.flatten([p.detach() for p in b.params], torch.float32)  # (numel,) fp32
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().held_tensors(), "grads": list(self.grad_buffers)}
+
     def init_grads(self) -> None:
         dtype = self.precision.reduce_dtype
         # (padded,) flat gradient buffer per bucket in the reduce dtype; p.grad views into it
@@ -97,25 +94,12 @@ class DDP(DataParallel):
         self.works: list = []  # all-reduces in flight
 
     # -- backward: fill the bucket, start its all-reduce once full ----------------------------
-    def accumulate(self, p: nn.Parameter) -> None:
-        """Make ``p.grad`` its view of the bucket (the first backward since zero_grad)."""
-        b = self.bucket_of(p)
-        buf = self.grad_buffers[b.index]
-        if p.grad._base is not buf:
-            view = b.view(buf, p)
-            if view.dtype == p.dtype:  # p.grad holds the whole local sum: it moves in
-                view.copy_(p.grad)
-                p.grad = view
-            else:  # fp32 reduction of 16-bit grads: the (zeroed) bucket sums micro-batches
-                view.add_(p.grad)
-                p.grad = None
-
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
-        self.accumulate(p)
+        b = self.bucket_of(p)
+        b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
         if not self.require_sync:
             return
         self.queue_backward_end()
-        b = self.bucket_of(p)
         self.pending[b.index] -= 1
         if self.pending[b.index] == 0:
             self.reduce_in_order(b)

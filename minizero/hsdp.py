@@ -37,6 +37,8 @@ all-reduce. Checkpoints (minizero.checkpoint) refuse a mesh: save ``model.state_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -70,14 +72,6 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mesh.get_group("shard"), mesh.get_group("replicate")  # ledgers: "shard", "replicate"
 
 
-def all_reduce(t: torch.Tensor, group, replicate_group, op: dist.ReduceOp, tag: str) -> None:
-    """``t`` combined with ``op`` over every rank in place: over ``group``, then over
-    ``replicate_group`` (when there is one)."""
-    C.all_reduce(t, op=op, group=group, tag=tag)
-    if replicate_group is not None:
-        C.all_reduce(t, op=op, group=replicate_group, tag=tag)
-
-
 def on_mesh(
     stage: type[DataParallel], mesh, process_group: dist.ProcessGroup | None, options: dict
 ) -> tuple[type[DataParallel], dist.ProcessGroup | None, dict]:
@@ -86,7 +80,7 @@ def on_mesh(
     if process_group is not None:
         raise TypeError("pass a mesh (HSDP) or a process_group (one dimension), not both")
     shard, replicate = mesh_groups(mesh)
-    if stage.stage == 0:
+    if not stage.sharded.state:
         return stage, None, options
     return hybrid(stage), shard, {**options, "replicate_group": replicate}
 
@@ -106,7 +100,10 @@ class HSDP:
         self.replicate_group = replicate_group  # before the stage broadcasts the initial state
         self.replicas = Replicas(replicate_group)
         super().__init__(module, **options)
-        self.same_module_group = None  # stage 3: the ranks of every node run the same modules
+
+    def module_check_group(self) -> None:
+        """Stage 3: the ranks of every node run the same modules (the world)."""
+        return None
 
     def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
         """Over ``replicate_group`` first (the first node's values to the same shard rank on
@@ -114,21 +111,14 @@ class HSDP:
         C.broadcast(t, src=0, group=self.replicate_group, tag=tag)
         super().broadcast_from_rank0(t, tag)
 
-    def finish_in_flight(self) -> None:
-        """Stages 2-3: the chunk of the reduce-scatter in flight, averaged over this node, is
-        averaged over the nodes (now, or once later: :class:`Replicas`) into the shard."""
-        if self.in_flight is None:
-            return
-        b, work, _buf, chunk = self.in_flight
-        work.wait()
-        if not divides_before_sum(chunk):
-            chunk.div_(self.world)
-        self.replicas.add(self.grad_shards, b.index, chunk, f"zero2 replicas {b.index}")
-        self.in_flight = None
+    def add_to_shard(self, i: int, out: torch.Tensor) -> None:
+        """Stages 2-3: bucket ``i``'s chunk, averaged over this node, is averaged over the nodes
+        (now, or once later: :class:`Replicas`) into the shard."""
+        self.replicas.add(i, out, super().add_to_shard, f"zero2 replicas {i}")
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
         shards = super().reduce_gradients()  # (shard,) per bucket, averaged over this node
-        if self.stage == 1:  # reduced at the step: each chunk over the nodes, now
+        if not self.sharded.grads:  # stage 1: reduced at the step: each chunk over the nodes, now
             average_replicas(shards, self.replicate_group, "zero1 replicas")
         else:  # reduced in backward: what waited for the step (set_requires_all_reduce)
             self.replicas.flush(shards, "zero2 replicas")
@@ -147,11 +137,6 @@ class HSDP:
 _HYBRIDS: dict[type, type] = {}  # stage class -> its HSDP class, made once
 
 
-def replicate_group(wrapper: DataParallel) -> dist.ProcessGroup | None:
-    """The wrapper's replicate group: None without a mesh."""
-    return wrapper.replicate_group if isinstance(wrapper, HSDP) else None
-
-
 class Replicas:
     """HSDP's second step at stages 2-3, where every backward reduce-scatters its buckets. By
     default each backward's shard is all-reduced over "replicate" at once (FSDP2's default): Ψ/N_s
@@ -168,9 +153,10 @@ class Replicas:
         self.requires_all_reduce = True
         self.partial: dict[int, torch.Tensor] = {}  # bucket -> (shard,) sum not yet averaged
 
-    def add(self, shards: list, i: int, out: torch.Tensor, tag: str) -> None:
-        """``out`` (shard,): bucket ``i``'s chunk averaged over this node; into ``shards[i]``
-        averaged over every node, now or later."""
+    def add(self, i: int, out: torch.Tensor, into: Callable[[int, torch.Tensor], None], tag: str
+            ) -> None:  # fmt: skip
+        """``out`` (shard,): bucket ``i``'s chunk averaged over this node; ``into(i, out)`` the
+        shard, averaged over every node, now or later."""
         if self.group is not None and not self.requires_all_reduce:
             held = self.partial.get(i)
             self.partial[i] = out.clone() if held is None else held.add_(out)
@@ -178,7 +164,7 @@ class Replicas:
         if i in self.partial:
             out.add_(self.partial.pop(i))
         average_replicas([out], self.group, tag)
-        shards[i].add_(out)
+        into(i, out)
 
     def flush(self, shards: list, tag: str) -> None:
         """At the step: average what is still held over the replicas (one all-reduce each)."""

@@ -12,7 +12,7 @@ from torch import nn
 from minizero import collectives as C
 from minizero.bucket import trainable_parameters
 from minizero.data_parallel import DataParallel
-from minizero.extension import Extension
+from minizero.seams import Extension
 
 
 class NaiveDDP(DataParallel):

@@ -18,7 +18,7 @@ parallelize's arguments:
 - ``precision``: "fp32", "bf16", "fp16" or a :class:`minizero.Precision`.
 - ``bucket_cap_mb``: torch DDP's, in MiB (stages 0-2); ``mesh``: HSDP (hsdp.py); ``process_group``,
   ``broadcast_buffers``, ``find_unused_parameters``: as torch DDP's.
-- stage 3's options: :func:`stage3_class`.
+- stage 3's options: :func:`class_for_options`.
 
 Under NCCL the model moves to this rank's GPU.
 """
@@ -38,7 +38,7 @@ from minizero.data_parallel import DataParallel
 from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.optimizer import attach
-from minizero.optimizer_state import Rebuild, regroup
+from minizero.optimizer.state import regroup
 from minizero.precision import Precision, resolve
 from minizero.zero1 import ZeRO1
 from minizero.zero2 import ZeRO2
@@ -85,7 +85,7 @@ def parallelize(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     cls = STAGE_CLASSES[stage]
     if stage_options or (bucket_cap_mb is not None and stage == 3):
-        cls = stage3_class(stage, stage_options, bucket_cap_mb)
+        cls = class_for_options(stage, stage_options, bucket_cap_mb)
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
     if mesh is not None:  # HSDP: shard inside a node, replicate across nodes (hsdp.py)
@@ -105,25 +105,25 @@ def parallelize(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         extension=Habits,  # the habits of a PyTorch loop, around the core (minizero/habits/)
-        rebuild=Rebuild,  # torch DDP's buckets from the second iteration on (optimizer_state.py)
         **stage_options,
     )
-    wrapped.habits.adopt_on_first_step()  # an optimizer built after wrapping, over its parameters
+    wrapped.extension.adopt_on_first_step()  # an optimizer built after wrapping, over its params
     atexit.unregister(destroy_at_exit)  # registered once, however many models are wrapped
     atexit.register(destroy_at_exit)
     if built is None:
         return wrapped
-    wrapped.habits.check_optimizer(built)  # its parameters are the model's, once each
+    wrapped.extension.check_optimizer(built)  # its parameters are the model's, once each
     if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
-    return wrapped, wrapped.habits.attached(attach(built, wrapped))  # (a scheduler built before)
+    return wrapped, wrapped.extension.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
-def stage3_class(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
-    """The class stage 3's options build. ``units`` (module classes or a predicate; default: the
-    repeated blocks), ``prefetch``, ``reshard_root``, ``check_modules`` (minizero/zero3.py); with
-    ZeRO++'s ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines
-    it), ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
+def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
+    """The class that ``options`` (beyond the ones every stage takes) build; only stage 3 takes
+    any: ``units`` (module classes or a predicate; default: the repeated blocks), ``prefetch``,
+    ``reshard_root``, ``check_modules`` (minizero/zero3.py); with ZeRO++'s
+    ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines it),
+    ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
     minizero/zeropp.py's ZeROPlusPlus. Refuses, with what to do instead, an option that is not
     stage 3's, and ``bucket_cap_mb`` at stage 3."""
     unknown = sorted(set(options) - STAGE3_OPTIONS)
@@ -204,7 +204,7 @@ def consolidate_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, t
             f"consolidate_state_dict takes the model minizero.parallelize returned, got "
             f"{type(model).__name__}"
         )
-    if optimizer not in model.optimizers and not model.habits.adopt(optimizer):
+    if optimizer not in model.optimizers and not model.extension.adopt(optimizer):
         raise ValueError(
             "this optimizer holds none of the model's parameters: pass the optimizer built "
             "over model.parameters()"

@@ -27,6 +27,7 @@ from minizero import collectives as C
 from minizero.bucket import Bucket, buckets_in_order
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
+from minizero.seams import Sharded
 
 
 class ZeRO1(DDP):
@@ -50,6 +51,7 @@ class ZeRO1(DDP):
     """
 
     stage = 1
+    sharded = Sharded(state=True)
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
     def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
@@ -75,6 +77,10 @@ class ZeRO1(DDP):
         chunk = b.chunk(self.flat_params[b.index], self.rank)
         return chunk.float().clone() if self.precision.master else chunk
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        return {**held, "params": self.flat_params + held["params"]}
+
     def cast_working(self) -> None:
         dtype = self.precision.param_dtype
         if not self.precision.master:  # fp32 (or fp64): the parameters are the masters
@@ -92,7 +98,8 @@ class ZeRO1(DDP):
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
             # unaveraged gradients without a word) and checks that every parameter got one
             self.queue_backward_end()
-        self.accumulate(p)
+        b = self.bucket_of(p)
+        b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
 
     def backward_end(self) -> None:
         pass  # stage 1 communicates in optimizer.step()

@@ -25,6 +25,7 @@ from minizero import collectives as C
 from minizero.bucket import Bucket
 from minizero.ddp import DDP
 from minizero.precision import divides_before_sum
+from minizero.seams import Sharded
 from minizero.zero1 import ZeRO1
 
 
@@ -48,6 +49,7 @@ class ZeRO2(ZeRO1):
     """
 
     stage = 2
+    sharded = Sharded(state=True, grads=True)
 
     def init_grads(self) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards;
@@ -60,6 +62,13 @@ class ZeRO2(ZeRO1):
     # no_sync() is DataParallel's (the table): the bucket buffers stay, accumulating, until the
     # next synchronised backward reduce-scatters their sum, as FSDP2 keeps its unsharded gradients;
     # the cost: the full gradient, Ψ elements in the reduce dtype, the memory stage 2 saves.
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        comm = [g for g in self.filling if g is not None]  # full buffers alive for a collective
+        comm += [self.in_flight[2]] if self.in_flight is not None else []
+        params = self.flat_params + list(self.module.parameters())
+        return {"params": params, "grads": [g for g in self.grad_shards if g is not None],
+                "comm": comm}  # fmt: skip
 
     def holds_unsynced_grads(self) -> bool:
         """True while no_sync() backwards have left full gradients in the bucket buffers."""
@@ -113,8 +122,13 @@ class ZeRO2(ZeRO1):
             work.wait()
             if not divides_before_sum(out):
                 out.div_(self.world)
-            self.grad_shards[b.index].add_(out)
+            self.add_to_shard(b.index, out)
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
+
+    def add_to_shard(self, i: int, out: torch.Tensor) -> None:
+        """Bucket ``i``'s chunk, averaged over the group, into this rank's gradient shard (HSDP:
+        averaged over the nodes too)."""
+        self.grad_shards[i].add_(out)
 
     # Stage 1's backward_end does nothing (it reduces at the step); stage 2 reduces during
     # backward again, as DDP does, so it needs DDP's: reduce the buckets that parameters unused in

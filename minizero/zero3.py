@@ -26,6 +26,7 @@ from minizero import collectives as C
 from minizero import units as U
 from minizero.bucket import Bucket
 from minizero.precision import Precision
+from minizero.seams import Sharded
 from minizero.units import WHERE, Accumulators, UncopiedHook, Units, set_guard
 from minizero.zero2 import ZeRO2
 
@@ -78,6 +79,7 @@ class ZeRO3(ZeRO2):
     """
 
     stage = 3
+    sharded = Sharded(state=True, grads=True, params=True)
 
     def __init__(
         self,
@@ -118,7 +120,6 @@ class ZeRO3(ZeRO2):
         self._module_index = {m: k for k, m in enumerate(self.units_of)}
         dev = self.param_shards[0].device if self.param_shards else torch.device("cpu")
         self.check_modules = check_modules and self.world > 1 and dev.type != "meta"
-        self.same_module_group = self.group  # the ranks check_modules compares (HSDP: all)
         self._check_device = dev
         for b in self.buckets:  # for the guard's message: which parameter, which unit, 1/N
             for p in b.params:
@@ -152,6 +153,15 @@ class ZeRO3(ZeRO2):
         shard = b.chunk(self.flat_params[b.index], self.rank).clone()
         self.param_shards.append(shard)
         return shard.float().clone() if self.precision.master else shard
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()  # only the shards between uses, and the gathered units
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        gathered = [f for f, g in zip(self.flat_params, self.gathered, strict=True) if g]
+        return {**held, "params": self.param_shards + frozen, "comm": held["comm"] + gathered}
+
+    def fragment_values(self, f) -> torch.Tensor:
+        return self.param_shards[f.bucket][f.offset : f.offset + f.numel]  # between uses
 
     def cast_working(self) -> None:
         super().cast_working()
@@ -342,9 +352,13 @@ class ZeRO3(ZeRO2):
             self._last_use = {i: j for j, m in enumerate(self.order) for i in self.units_of[m]}
 
     # -- ranks must run the same modules ---------------------------------------------------------
+    def module_check_group(self) -> dist.ProcessGroup | None:
+        """The ranks that check_modules compares: this stage's group (HSDP: every rank)."""
+        return self.group
+
     def _module_check(self, m: nn.Module, backward: bool) -> U.SameModule:
         code = 2 * self._module_index[m] + backward
-        return U.SameModule(code, self._module_names, self.same_module_group, self._check_device)
+        return U.SameModule(code, self._module_names, self.module_check_group(), self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     def summon_full_params(self, writeback: bool = True):

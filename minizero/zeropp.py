@@ -235,6 +235,11 @@ class ZeROPlusPlus(ZeRO3):
             return QuantizedGather(flat, self.param_shards[i], self.group, tag + " qwZ")
         return super().start_gather(i, flat)
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        hpz = [t for t in self.secondary.shards if t is not None] if self.secondary else []
+        return {**held, "params": held["params"] + hpz}
+
     def release(self, i: int, after_forward: bool = False) -> None:
         """After forward, reshard_after_forward=False keeps the unit whole; an int keeps this
         rank's secondary shard (hpZ) first."""

@@ -26,7 +26,6 @@ from minizero.ddp import DDP
 from minizero.habits import Habits
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.naive_ddp import NaiveDDP
-from minizero.optimizer_state import Rebuild
 
 LAUNCH_TIMEOUT = 180  # seconds per launch (a test needs < 30): a hang fails the test, with stacks
 
@@ -144,7 +143,7 @@ def wrap(
     if spec == "naive":  # composed as parallelize composes a wrapper: the habits around it
         wrapped = NaiveDDP(model, extension=Habits)
     elif spec == "ddp":
-        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb, extension=Habits, rebuild=Rebuild)
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb, extension=Habits)
     elif spec in ("torch_ddp", "torch_zero"):
         wrapped = nn.parallel.DistributedDataParallel(model)
         if spec == "torch_zero":

@@ -119,25 +119,7 @@ def wrapper_tensors(w: DataParallel) -> dict[str, list[torch.Tensor]]:
     buffers; stage 3: only its shards, the frozen parameters, hpZ's secondary shards), its
     gradients (DDP, stage 1: the flat buffers; stages 2-3: the shards), and, stages 2-3, the
     full buffers alive for a collective (a bucket filling or reducing, a gathered unit)."""
-    params = list(w.module.parameters())
-    stage3 = hasattr(w, "param_shards")
-    if stage3:
-        secondary = getattr(w, "secondary", None)  # ZeRO++'s hpZ
-        hpz = [t for t in secondary.shards if t is not None] if secondary else []
-        params = w.param_shards + [p for p in params if not p.requires_grad] + hpz
-    elif hasattr(w, "flat_params"):
-        params = w.flat_params + params
-    comm: list[torch.Tensor] = []
-    if hasattr(w, "grad_shards"):
-        grads = [g for g in w.grad_shards if g is not None]
-        comm = [g for g in w.filling if g is not None]
-        comm += [w.in_flight[2]] if w.in_flight is not None else []
-        comm += [f for f, g in zip(w.flat_params, w.gathered, strict=True) if g] if stage3 else []
-    elif hasattr(w, "grad_buffers"):
-        grads = list(w.grad_buffers)
-    else:
-        grads = [p.grad for p in params if p.grad is not None]
-    return {"params": params, "grads": grads, "optimizer": [], "comm": comm}
+    return {**w.held_tensors(), "optimizer": []}  # (the stage's face: data_parallel.Face)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -191,7 +173,7 @@ def model_state_report(
     """A table of measured vs paper bytes per category (returned, and printed). ``psi`` defaults
     to ``count_params`` of the user's model (``model.module`` for a wrapped one)."""
     if psi is None:
-        psi = count_params(getattr(model, "module", model))
+        psi = count_params(model.module if isinstance(model, DataParallel) else model)
     got = model_state_bytes(model, optimizer)
     want = paper_model_state_bytes(psi, world, stage, precision, k)
     header = f"{'':10}{'measured':>14}{'paper':>14}{'ratio':>8}"

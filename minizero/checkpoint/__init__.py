@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minizero import hsdp
 from minizero.checkpoint import files as F
 from minizero.checkpoint.files import CheckpointError, checkpoint_bytes, open_checkpoint
 from minizero.data_parallel import DataParallel
@@ -129,7 +128,7 @@ def _record(model: DataParallel, optimizer, placed: dict, extra) -> dict:
         "params": {names[id(p)]: info(p) for p in module.parameters()},
         "scaler": model.scaler.state_dict() if model.scaler is not None else None,
         "extra": extra is not None,
-        "ready": model.rebuild.order() if model.rebuild else None,  # DDP's buckets' order
+        "ready": model.extension.bucket_order(),  # DDP's buckets' order (None: not cut again)
     }  # fmt: skip
 
 
@@ -150,7 +149,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     group, rank, world = model.group, model.rank, model.world
     ready = _everywhere(lambda: open_checkpoint(path)[1].get("ready"), group, "load_checkpoint")
     if ready is not None:  # cut DDP's buckets as the saved run had cut them
-        model.rebuild.rebuild_as(ready)
+        model.extension.cut_as(ready)
 
     def validate():
         where, record = open_checkpoint(path)
@@ -249,12 +248,12 @@ def _check_pair(model, optimizer, what: str) -> None:
             f"{type(model).__name__} (a plain model saves with torch.save(model.state_dict()))"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and wrapper_of(optimizer) is None:
-        model.habits.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
+        model.extension.adopt(optimizer)  # built after wrapping (FSDP2's order), not stepped yet
     if wrapper_of(optimizer) is not model:
         raise TypeError(f"{what} takes the optimizer that minizero.parallelize returned with model")
     if model.params and not model.fragments:
         raise TypeError(f"{what}: {type(model).__name__} has no fragment layout; use parallelize")
-    if hsdp.replicate_group(model) is not None:  # HSDP: every node holds the shards
+    if model.replicate_group is not None:  # HSDP: every node holds the shards
         raise NotImplementedError(
             f"{what} does not take a model parallelized with a mesh (HSDP) yet: save "
             f"model.state_dict() (full, fp32; call it on every rank, save on rank 0) instead"

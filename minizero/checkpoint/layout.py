@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from minizero.data_parallel import DataParallel
-from minizero.optimizer_state import per_element
+from minizero.optimizer.state import per_element
 
 # key -> (numel of the whole flattened tensor, the element where this rank's piece of it starts);
 # the piece's length is the saved tensor's. (A range, elsewhere here, is (start, end).)
@@ -193,13 +193,6 @@ def canonical_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in reversed(list(module.named_parameters()))}
 
 
-def _working(model: DataParallel, f) -> torch.Tensor:
-    """This rank's elements [f.start, f.end) of the 16-bit working copy of ``f.param``."""
-    if hasattr(model, "param_shards"):  # stage 3: only the shard exists between uses
-        return model.param_shards[f.bucket][f.offset : f.offset + f.numel]
-    return f.param.detach().reshape(-1)[f.start : f.end]
-
-
 def state_kind(key: str, value, frag: torch.Tensor) -> str:
     """How an optimizer state is stored: "elem" (one value per element), "scalar", "object"."""
     if not isinstance(value, torch.Tensor):
@@ -228,7 +221,7 @@ def save_entries(
         sd[f"model/{f.name}"] = t.detach().reshape(-1)  # (n,) fp32, elements [start, end)
         ranges[f"model/{f.name}"] = (numel, f.start)
         if mixed:
-            sd[f"model16/{f.name}"] = _working(model, f)
+            sd[f"model16/{f.name}"] = model.fragment_values(f)  # (stage 3: its shard between uses)
             ranges[f"model16/{f.name}"] = (numel, f.start)
         for key, v in optimizer.state.get(t, {}).items():
             fqn = f"optim/{f.name}/{key}"

@@ -15,7 +15,7 @@ that names the habit and says what works instead.
                      (parallelize asks it through Extension; adopted after wrapping)
 
 The core (data_parallel.py, the stages, the optimizer, checkpoints) imports none of this: it calls
-the methods of :class:`~minizero.extension.Extension`, one per moment, on ``wrapper.habits``.
+the methods of :class:`~minizero.seams.Extension`, one per moment, on ``wrapper.extension``.
 :class:`Habits` implements them; ``parallelize`` composes it (``extension=Habits``), and a wrapper
 built directly gets it only when its constructor is told so. Importing this package changes
 nothing.
@@ -26,16 +26,18 @@ from __future__ import annotations
 import torch
 
 from minizero.data_parallel import DataParallel
-from minizero.extension import Extension
 from minizero.habits import autograd, module
 from minizero.habits import optimizer as optimizer_habits
 from minizero.habits.guards import GradGuards
 from minizero.habits.sharded_grad import GradNorms
+from minizero.optimizer.state import Rebuild
 from minizero.precision import full_dtype
+from minizero.seams import Extension
 
 
 class Habits(Extension):
-    """The habit guards of one wrapper, at the core's extension points."""
+    """The habit guards of one wrapper, and torch DDP's bucket rebuild (``Rebuild``: cut again in
+    the first backward's ready order), at the core's extension points."""
 
     def __init__(self, wrapper: DataParallel) -> None:
         super().__init__(wrapper)
@@ -47,6 +49,7 @@ class Habits(Extension):
         self.arrival = module.ArrivalCheck(wrapper.group, wrapper.world)
         self.norms = GradNorms(wrapper)
         self.grads = GradGuards(wrapper, self.norms)
+        self.rebuild = Rebuild(wrapper)  # (a no-op where the stage keeps its buckets)
         # model.zero_grad() on the user's module clears the stage's gradients too; the module's
         # own load_state_dict refreshes the masters, its state_dict is full fp32
         model.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
@@ -69,7 +72,14 @@ class Habits(Extension):
     def adopt_on_first_step(self) -> None:
         optimizer_habits.adopt_on_first_step(self.wrapper)
 
+    def bucket_order(self) -> list[str] | None:
+        return self.rebuild.order()
+
+    def cut_as(self, names: list[str]) -> None:
+        self.rebuild.rebuild_as(names)
+
     def before_forward(self) -> None:
+        self.rebuild.when_due(forward=True)  # first: p.grad still says whether any is held
         self.flags.check()
         self.grads.show()
 
@@ -79,6 +89,7 @@ class Habits(Extension):
     def grad_accumulated(self, p) -> None:
         self.grads.used.add(id(p))  # first: which parameters got a gradient
         autograd.densify(p)
+        self.rebuild.note(p)
 
     def after_backward(self) -> None:
         self.grads.after_backward()
@@ -91,6 +102,7 @@ class Habits(Extension):
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.grads.zero_grad(set_to_none)
+        self.rebuild.when_due(forward=False)  # before the stage's reset_grads: it clears them
 
     def zero_grad_of(self, ids: set[int], set_to_none: bool = True) -> None:
         self.grads.zero_grad_of(ids, set_to_none)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minizero import hsdp
+from minizero import collectives as C
 from minizero.habits.sharded_grad import GradNorms, ShardedGrad
 
 
@@ -44,7 +44,7 @@ class GradGuards:
                         f"on rank {w.rank}. If some parameters are unused in some steps, pass "
                         f"find_unused_parameters=True to minizero.parallelize (as with torch DDP)."
                     )
-        if w.stage > 0 or w.precision.loss_scale:  # no whole averaged p.grad on any rank
+        if w.sharded.state or w.precision.loss_scale:  # no whole averaged p.grad on any rank
             for p in w.params:
                 p.grad = ShardedGrad(p, self.norms) if id(p) in self.used else None
             self.hidden = True
@@ -77,8 +77,9 @@ class GradGuards:
         if w.find_unused_parameters:
             used = torch.tensor([id(p) in self.used for p in w.params], dtype=torch.uint8)
             used = used.to(w.params[0].device)  # (P,) 1 where this rank saw a gradient
-            every = hsdp.replicate_group(w)  # HSDP: used on any node
-            hsdp.all_reduce(used, w.group, every, dist.ReduceOp.MAX, "used params")
+            nodes = [] if w.replicate_group is None else [w.replicate_group]  # HSDP: any node's
+            for group in [w.group, *nodes]:
+                C.all_reduce(used, op=dist.ReduceOp.MAX, group=group, tag="used params")
             unused = {id(p) for p, u in zip(w.params, used.tolist(), strict=True) if not u}
         if self.hidden:  # `p.grad = None` after backward: torch's optimizers skip p
             unused |= self.cleared_by_hand()

@@ -109,12 +109,12 @@ def forward_attribute(wrapper, name: str):
 def expect_every_rank(wrapper, what: str, how: str) -> None:
     """Before a collective one might call on rank 0 only: every rank arrives, or an error."""
     why = f"at ZeRO stage {wrapper.stage} (a rank holds only its shard)"
-    wrapper.habits.arrival.expect(what, why, how)
+    wrapper.extension.arrival.expect(what, why, how)
 
 
 def full_state_dict(wrapper, destination: dict | None, prefix: str) -> dict:
     """The user's model's state dict with every parameter full and fp32 (collective)."""
-    if wrapper.stage > 0:  # the fp32 masters are sharded: gathering them is collective
+    if wrapper.sharded.state:  # the fp32 masters are sharded: gathering them is collective
         expect_every_rank(wrapper, "model.state_dict()", SAVE_ON_RANK_0)
     sd = wrapper.module.state_dict(keep_vars=True)  # parameter objects are not read here
     full = wrapper.full_params()  # id(param) -> full fp32 tensor
@@ -142,7 +142,7 @@ def load_full_state_dict(wrapper, state_dict: dict, strict: bool):
                 wrapper.load_param(names[k], v.detach().to(full_dtype(wrapper.precision)))
             elif k in own:
                 own[k].copy_(v)
-    wrapper.averaged = None  # this step's gradients, if any, were of other parameters
+    wrapper.forget_step_grads()  # this step's gradients, if any, were of other parameters
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -176,12 +176,12 @@ def full_module_state_dict(wrapper) -> Callable[..., None]:
 
     def hook(module, state_dict, prefix, local_metadata) -> None:
         w = ref()
-        if w is None or not (w.stage == 3 or w.precision.master):
+        if w is None or not (w.sharded.params or w.precision.master):
             return  # the working copy is full fp32 there already
         named = [(prefix + n, p) for n, p in module.named_parameters(remove_duplicate=False)]
         if any(isinstance(state_dict.get(k), nn.Parameter) for k, _ in named):
             return  # keep_vars=True (minizero itself asks so)
-        if w.stage > 0:
+        if w.sharded.state:
             expect_every_rank(w, "model.module.state_dict()", SAVE_ON_RANK_0)
         full = w.full_params()  # id(param) -> full fp32
         for k, p in named:  # (frozen ones: kept once in the working dtype; fp32 out)
@@ -212,12 +212,12 @@ def full_module_load_state_dict(wrapper) -> None:
     def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         taken.clear()
         w = ref()
-        if w is None or not (w.stage == 3 or w.precision.master):
+        if w is None or not (w.sharded.params or w.precision.master):
             return
         for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
             v = state_dict.get(name)
             ok = isinstance(v, torch.Tensor) and v.shape == p.shape and p.requires_grad
-            if ok and (w.stage < 3 or is_sharded(p)):
+            if ok and (not w.sharded.params or is_sharded(p)):
                 taken[name] = (p, v.detach())
                 del state_dict[name]  # (torch's own copy of the dict)
 

@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from minizero.optimizer import ADOPTED, Adopted, StageStep, attach, regroup, wrapper_of
-from minizero.optimizer_state import FIX
+from minizero.optimizer.state import FIX
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and its
 # states: only those give the same result on a flat shard as on the whole tensor. Subclasses count.
@@ -137,7 +137,7 @@ def check_loaded_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> N
 
 def shard_resume_message(name: str, fragment: tuple) -> str:
     """Why an optimizer loaded from rank 0's shard cannot resume, and the fix. ``fragment``:
-    (start, end, numel, rank, world, stage), as minizero/optimizer_state.py writes it."""
+    (start, end, numel, rank, world, stage), as minizero/optimizer/state.py writes it."""
     start, end, numel, rank, world, stage = fragment
     return (
         f"this optimizer was loaded from one rank's shard of a minizero optimizer state dict "
@@ -186,9 +186,9 @@ def adopt(optimizer: torch.optim.Optimizer, wrapper) -> bool:
             "parameters (its shards, at stages 1-3). Build one optimizer per wrapped model, over "
             "its model.parameters() or param groups of them"
         )
-    refuse_optimizer(optimizer, sharded=wrapper.stage > 0 or wrapper.precision.master)
+    refuse_optimizer(optimizer, sharded=wrapper.sharded.state or wrapper.precision.master)
     check_optimizer(optimizer, wrapper.module)
-    if any(f.is_master for f in wrapper.fragments):
+    if wrapper.separate_masters:
         regroup(optimizer, wrapper)
     keep_scheduler_step(attach(optimizer, wrapper))
     return True

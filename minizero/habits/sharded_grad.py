@@ -89,7 +89,7 @@ class ShardedGrad(torch.Tensor):
             f"{name or func}: at ZeRO stage 1-3 no rank holds the full averaged gradient of a "
             f"parameter, only its shard. torch.nn.utils.clip_grad_norm_ and clip_grad_value_ work "
             f"on p.grad; for anything else use optimizer.clip_grad_norm_(max_norm), or "
-            f"model.habits.norms.grad_fragments(p) for this rank's ranges of the averaged "
+            f"model.extension.norms.grad_fragments(p) for this rank's ranges of the averaged "
             f"gradient (fp32 views). An update written by hand cannot step shards: use a "
             f"torch.optim optimizer (minizero adopts one built over model.parameters() at its "
             f"first step)."
@@ -112,7 +112,7 @@ class GradNorms:
 
     def grad_fragments(self, p: nn.Parameter) -> list[torch.Tensor]:
         """This rank's fragments of p's averaged fp32 gradient (views, possibly none)."""
-        if self.wrapper.averaged is None:  # this step's gradients are not made yet: the norms
+        if not self.wrapper.has_step_grads:  # this step's gradients are not made yet: the norms
             self.norms.clear()  # are of another step's
         grads = self.wrapper.step_grads()
         return [grads[f.bucket][f.offset : f.offset + f.numel]
@@ -147,7 +147,7 @@ class GradNorms:
                     part.scatter_reduce_(0, idx, each, "amax")
                 else:
                     part.index_add_(0, idx, each.square())
-            if w.stage > 0:  # disjoint ranges: one all-reduce (DDP owns every element)
+            if w.sharded.state:  # disjoint ranges: one all-reduce (DDP owns every element)
                 what = "a gradient norm (p.grad.norm(), clip_grad_norm_)"  # a rank that logs
                 expect_every_rank(w, what, "print or save on rank 0 only")  # alone: an error
                 op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM

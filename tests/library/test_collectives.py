@@ -311,7 +311,7 @@ def stage1_step_bytes():
             model(x, y).backward()
             opt.step()
         with CommLedger(node_size=2) as rebuild:  # the first zero_grad() cuts the buckets again
-            opt.zero_grad()  # in ready order and moves the states (minizero/optimizer_state.py)
+            opt.zero_grad()  # in ready order and moves the states (minizero/optimizer/state.py)
         out[name] = dict(
             rebuild=sorted({r.group for r in rebuild.records}),
             ops=sorted({(r.op, r.group) for r in ledger.records}),

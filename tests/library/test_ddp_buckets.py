@@ -5,7 +5,7 @@ iterations: it starts with one bucket and rebuilds them after the first backward
 the gradients arrived there, so iterations 1 and 2 hold its buckets. minizero cuts its first
 buckets by the same size rule (``minizero.bucket.assign_by_size``) over a predicted ready order
 (reverse registration), records the real order in the first backward and cuts them again at the
-first ``zero_grad()`` (minizero/optimizer_state.py). From the second iteration on its buckets, and
+first ``zero_grad()`` (minizero/optimizer/state.py). From the second iteration on its buckets, and
 the collectives it issues for them, are torch's, at stages 0-2, for every cap; TinyGPT's LayerNorms
 and the MLP's tied layers are where the prediction was wrong. The rebuild moves the optimizer's
 states and the fp32 masters: training goes on bit for bit as a run that never rebuilds."""

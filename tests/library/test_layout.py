@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from minizero.course import build
 from minizero.data_parallel import DataParallel
@@ -184,13 +185,13 @@ def test_layers_point_one_way_as_the_package_docstring_says():
 def test_the_top_of_the_package_is_the_library_a_student_reads():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     # one concept a file: the chain, what it shares, naive DDP, its bucket, collectives, units,
-    # precision, HSDP and ZeRO++ beside the stages, the optimizer, parallelize, the models, the
-    # seam to the habits (extension), the bucket rebuild, the optimizer's sharded state dict
-    assert len(top) <= 17, f"{len(top)} modules at the top of minizero/: {top}"
+    # precision, HSDP and ZeRO++ beside the stages, parallelize, the models, the stage's seams
+    # (its face, its extension); the optimizer and its state between layouts: optimizer/
+    assert len(top) <= 16, f"{len(top)} modules at the top of minizero/: {top}"
     for stage in ("ddp", "zero1", "zero2", "zero3", "data_parallel", "collectives", "bucket"):
         assert stage in top, stage
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
-    want = ["analysis", "checkpoint", "course", "habits", "launcher", "tools"]
+    want = ["analysis", "checkpoint", "course", "habits", "launcher", "optimizer", "tools"]
     assert subpackages == want, subpackages
 
 
@@ -204,13 +205,13 @@ def module_path(module: str) -> Path:
 
 
 def habits_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, name) of every ``<x>.habits.<name>`` and ``Habits.<name>`` in ``tree``, and of every
-    import from ``minizero.habits`` ("import <module>: <names>")."""
+    """(line, name) of every ``<x>.extension.<name>`` and ``Habits.<name>`` in ``tree``, and of
+    every import from ``minizero.habits`` ("import <module>: <names>")."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             v = node.value
-            if (isinstance(v, ast.Attribute) and v.attr == "habits") or (
+            if (isinstance(v, ast.Attribute) and v.attr == "extension") or (
                 isinstance(v, ast.Name) and v.id == "Habits"
             ):
                 out.append((node.lineno, node.attr))
@@ -248,8 +249,8 @@ def test_the_core_reaches_the_habits_only_through_extension():
     method is documented, has a plain default, and is called by the core; ``Habits`` implements
     nothing else; and no module changes another at import time."""
     from minizero.data_parallel import DataParallel
-    from minizero.extension import Extension
     from minizero.habits import Habits
+    from minizero.seams import Extension
 
     points = {n for n, v in vars(Extension).items() if not n.startswith("_") and callable(
         getattr(Extension, n))} | {"__init__"}  # fmt: skip
@@ -261,7 +262,7 @@ def test_the_core_reaches_the_habits_only_through_extension():
                 allowed = m == "minizero.parallelize" and name == habits
                 assert allowed, f"{m}:{line} {name}: the core composes Habits only in parallelize"
             else:
-                assert name in points, f"{m}:{line} .habits.{name}: not a method of Extension"
+                assert name in points, f"{m}:{line} .extension.{name}: not a method of Extension"
                 called.add(name)
     for name in points - {"__init__"}:
         assert name in called, f"Extension.{name}: no moment of the core calls it"
@@ -275,7 +276,7 @@ def test_the_core_reaches_the_habits_only_through_extension():
     for path in sorted(PACKAGE.rglob("*.py")):
         patches += import_time_patches(ast.parse(path.read_text()), module_name(path))
     assert not patches, f"importing these changes another module: {patches}"
-    leak = ast.parse("self._wrapper.habits.grads.zero_grad_of(ids)\nfrom minizero.habits import x")
+    leak = ast.parse("self._w.extension.grads.zero_grad_of(ids)\nfrom minizero.habits import x")
     assert sorted(habits_uses(leak)) == [(1, "grads"), (2, "import minizero.habits: ['x']")]
     patch = ast.parse("from minizero.data_parallel import DataParallel\nDataParallel.e = 1\n")
     assert import_time_patches(patch, "m") == ["m:2 DataParallel.e = ..."]
@@ -296,34 +297,38 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     """A reader of a stage opens only the stages before it and what they share (issue 23):
     HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
     habits around the core (``Extension``), and the instruments (the ledger, the ring model)
-    watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild is
-    composed by parallelize (optimizer_state.py). zero2.py's import closure stays what a reader
-    can follow: at most 1,300 lines, counted by tools/closure.py (it was 2,666 in 13 files)."""
+    watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild
+    (optimizer/state.py) is part of the habits. zero2.py's import closure stays what a reader
+    can follow: at most 1,450 lines, counted by tools/closure.py (it was 2,666 in 13 files; 1,299
+    before issue 40 gave the stages a face, seams.py's ``Face``, and their methods)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
-            "minizero.optimizer_state")  # fmt: skip
+            "minizero.optimizer")  # fmt: skip
     for stage in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
         closure = import_closure(f"minizero.{stage}", graph)
         bad = sorted(m for m in closure if m.startswith(away))
         assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
     lines, closure = CLOSURE.import_closure_lines("minizero.zero2")
     assert set(closure) == import_closure("minizero.zero2", graph) | {"minizero.zero2"}
-    assert lines <= 1300, f"zero2.py's import closure is {lines} lines: {closure}"
+    assert lines <= 1450, f"zero2.py's import closure is {lines} lines: {closure}"
     assert import_closure(
         "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
     ) == {"minizero.b", "minizero.c"}
 
 
-def test_one_step_calls_at_most_500_lines_at_ddp_and_700_at_stage_2():
+def test_one_step_calls_at_most_860_lines_at_ddp_and_1110_at_stage_2():
     """The call closure of ``parallelize(MLP, stage, AdamW)`` and two steps, on rank 0 of 2 gloo
-    ranks (tools/closure.py: every minizero function that ran, whole, and its class's header; the
-    habits, the models and the launcher left out): what a reader follows through one step."""
+    ranks (tools/closure.py: every minizero function that ran, whole, and its class's header, the
+    habits that run in the step included; the models and the launcher left out): what a reader
+    follows through one step. docs/design.md gives the counts (issue 40: DDP 855, stage 2
+    1,101; 496 and 699 of them outside the habits)."""
     ddp, by_file = CLOSURE.call_closure(0)
-    assert ddp <= 500, f"DDP's call closure is {ddp} lines: {by_file}"
-    assert "minizero/optimizer_state.py" in by_file and "minizero/ddp.py" in by_file  # traced
+    assert ddp <= 860, f"DDP's call closure is {ddp} lines: {by_file}"
+    assert "minizero/optimizer/state.py" in by_file and "minizero/ddp.py" in by_file  # traced
+    assert "minizero/habits/guards.py" in by_file  # the habits count
     stage2, by_file = CLOSURE.call_closure(2)
-    assert stage2 <= 700, f"stage 2's call closure is {stage2} lines: {by_file}"
-    assert "minizero/zero2.py" in by_file and not any("habits" in f for f in by_file)
+    assert stage2 <= 1110, f"stage 2's call closure is {stage2} lines: {by_file}"
+    assert "minizero/zero2.py" in by_file and "minizero/habits/module.py" in by_file
 
 
 def test_the_stages_are_the_papers_chain():
@@ -613,7 +618,7 @@ def test_minizero_writes_none_of_its_attributes_on_objects_it_does_not_own():
 
 
 def test_one_predicate_says_which_optimizer_states_are_per_element():
-    """One implementation moves optimizer state between layouts (minizero/optimizer_state.py),
+    """One implementation moves optimizer state between layouts (minizero/optimizer/state.py),
     with one predicate: no twin of ``per_element`` (``_elementwise``, ``_per_element``) anywhere
     in the library, and the callers use the one."""
     defined = {}
@@ -622,7 +627,137 @@ def test_one_predicate_says_which_optimizer_states_are_per_element():
             if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(per_element|elementwise)",
                                                                   node.name):  # fmt: skip
                 defined.setdefault(node.name, []).append(p.relative_to(ROOT).as_posix())
-    assert defined == {"per_element": ["minizero/optimizer_state.py"]}, defined
-    assert not (PACKAGE / "rebuild.py").exists(), "the state mover is optimizer_state.py's alone"
-    for user in ("checkpoint/layout.py", "optimizer_state.py"):
+    assert defined == {"per_element": ["minizero/optimizer/state.py"]}, defined
+    assert not (PACKAGE / "rebuild.py").exists(), "the state mover is optimizer/state.py's alone"
+    for user in ("checkpoint/layout.py", "optimizer/state.py"):
         assert "per_element(" in (PACKAGE / user).read_text(), user
+
+
+# -- a stage's face: what is read of a wrapper outside the stage files -----------------------------
+# The stage files: the base, the chain, stage 3's units, the naive DDP, and parallelize, which
+# composes them; everything else reads a wrapper through minizero.seams.Face (docs/design.md,
+# "A stage's face").
+STAGE_FILES = ("data_parallel", "ddp", "zero1", "zero2", "zero3", "units", "naive_ddp",
+               "parallelize")  # fmt: skip
+CHAIN = ("DataParallel", "DDP", "ZeRO1", "ZeRO2", "ZeRO3")
+# a wrapper, where the code outside the stage files holds one: its names for it
+WRAPPER = re.compile(r"(w|wrapper|model|wrapped|(.+\.)?_?wrapper)")
+# The reads that HSDP and ZeRO++ still make of their stage's insides, as subclasses (issue 40:
+# to be stated as data and hooks, as FSDP2 does): each must still occur, so the list only shrinks.
+NOT_YET = {
+    "minizero/zeropp.py": {"self.param_shards", "self.flat_params", "self.gather"},
+}
+
+
+def face_names() -> set[str]:
+    from minizero.seams import Face
+
+    return {n for n in vars(Face) if not n.startswith("_")} | set(Face.__annotations__)
+
+
+def stage_names() -> set[str]:
+    """Every attribute and method the chain's classes define (nn.Module's aside)."""
+    names = set()
+    for file in ("data_parallel", "ddp", "zero1", "zero2", "zero3"):
+        tree = ast.parse((PACKAGE / f"{file}.py").read_text())
+        for c in [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in CHAIN]:
+            for n in c.body:
+                if isinstance(n, ast.FunctionDef):
+                    names.add(n.name)
+                elif isinstance(n, ast.Assign):
+                    names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+            names |= {a.attr for a in ast.walk(c) if isinstance(a, ast.Attribute)
+                      and ast.unparse(a.value) == "self"
+                      and isinstance(a.ctx, ast.Store)}  # fmt: skip
+    return names - set(dir(torch.nn.Module))
+
+
+def face_crossings(tree: ast.AST, private: set[str], me: str) -> list[str]:
+    """Where ``tree`` reads a wrapper attribute in ``private`` (``w.grad_shards``), switches on a
+    stage's number (``w.stage > 0``, ``type(w).stage == 3``) or probes a wrapper with
+    ``hasattr``/``getattr`` (``hasattr(w, "param_shards")``). ``self`` is a wrapper inside a class
+    that extends one (HSDP, ZeRO++)."""
+    selves = set()
+    for c in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        bases = {ast.unparse(b) for b in c.bases}
+        if bases & set(CHAIN) or c.name == "HSDP":
+            selves |= {id(n) for n in ast.walk(c)}
+
+    def wrapper(node: ast.AST) -> bool:
+        held = ast.unparse(node)
+        return bool(WRAPPER.fullmatch(held)) or (held == "self" and id(node) in selves)
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and wrapper(node.value) and node.attr in private:
+            out.append(f"{me}:{node.lineno} reads {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):  # (the cost model's own Config has a stage number)
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "stage" and (wrapper(s.value) or
+                   ast.unparse(s.value).startswith("type(")) for s in sides):  # fmt: skip
+                out.append(f"{me}:{node.lineno} switches on a stage number: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") in ("hasattr", "getattr")
+            and node.args
+            and WRAPPER.fullmatch(ast.unparse(node.args[0]))
+        ):
+            out.append(f"{me}:{node.lineno} probes a wrapper: {ast.unparse(node)}")
+    return out
+
+
+def test_outside_the_stage_files_a_wrapper_is_read_only_through_its_face():
+    """The habits, optimizer/, checkpoint/, analysis/, HSDP and ZeRO++ read of
+    a wrapper only what ``minizero.seams.Face`` names (nn.Module's own aside): no other attribute
+    of the chain's classes, no switch on a stage's number, no ``hasattr`` probe. The stage files
+    and parallelize (which composes them) are the chain's inside."""
+    face, private = face_names(), stage_names() - face_names()
+    assert {"sharded", "fragments", "step_grads", "held_tensors", "fragment_values"} <= face
+    assert {"grad_shards", "flat_params", "averaged", "in_flight", "grad_buffers"} <= private
+    bad, left = [], {path: set(reads) for path, reads in NOT_YET.items()}
+    for path in library_files():
+        if path.parent == PACKAGE and path.stem in STAGE_FILES:
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        for crossing in face_crossings(ast.parse(path.read_text()), private, module_name(path)):
+            read = crossing.split(" reads ")[-1]
+            if read in NOT_YET.get(rel, ()):
+                left[rel].discard(read)
+            else:
+                bad.append(crossing)
+    assert not bad, "read outside the stage files, not through the face:\n" + "\n".join(bad)
+    assert not any(left.values()), f"NOT_YET lists reads that are gone (drop them): {left}"
+    caught = ast.parse(
+        "w.grad_shards\nw.fragments\nself.wrapper.averaged\nif w.stage > 0: pass\n"
+        "hasattr(model, 'param_shards')\nC.reduce_scatter\nclass H(ZeRO2):\n"
+        "    x = self.in_flight\ncfg.stage == 3\n"
+    )
+    found = face_crossings(caught, {"grad_shards", "averaged", "in_flight", "reduce_scatter"}, "m")
+    assert [c.split(" ", 1)[0] for c in found] == ["m:1", "m:3", "m:4", "m:5", "m:8"], found
+
+
+def test_nothing_is_inherited_by_accident():
+    """Stages 2-3 never make DDP's ``grad_buffers``: no method they inherit from DDP or ZeRO1
+    reads them (DDP's ``accumulate`` once did: it is the bucket's ``hold_grad`` now). HSDP
+    overrides only the moments docs/design.md names ("Two ways to extend a stage"), none of a
+    stage's internals (it once carried a copy of ZeRO2's ``finish_in_flight``)."""
+    from minizero.ddp import DDP
+    from minizero.hsdp import HSDP
+    from minizero.zero1 import ZeRO1
+    from minizero.zero2 import ZeRO2
+    from minizero.zero3 import ZeRO3
+
+    for cls in (ZeRO2, ZeRO3):
+        for name in dir(cls):
+            owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+            value = vars(owner)[name] if owner is not None else None
+            if owner in (DDP, ZeRO1) and inspect.isfunction(value):
+                read = "grad_buffers" in inspect.getsource(value)
+                assert not read, f"{cls.__name__} inherits {owner.__name__}.{name}"
+    chain = set().union(*(vars(c) for c in (DataParallel, DDP, ZeRO1, ZeRO2, ZeRO3)))
+    overrides = {n for n in vars(HSDP) if n in chain and not n.startswith("__")}
+    moments = {"broadcast_from_rank0", "add_to_shard", "reduce_gradients", "reset_grads",
+               "module_check_group"}  # fmt: skip
+    assert overrides == moments, overrides
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert all(f"`{m}`" in design for m in moments)

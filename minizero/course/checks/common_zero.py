@@ -43,7 +43,6 @@ from minizero.course.checks.compare_zero import compare
 from minizero.habits import Habits
 from minizero.models import MLP, count_params, synthetic_batch
 from minizero.optimizer import attach
-from minizero.optimizer_state import Rebuild
 from minizero.precision import POLICIES, Precision
 from minizero.zero3 import ZeRO3
 
@@ -102,7 +101,7 @@ def minizero_build(cls, precision: str = "fp32", **kw):
 
     def build(module: nn.Module):
         cap = {} if issubclass(cls, ZeRO3) else {"bucket_cap_mb": CAP_MB}  # stage 3: units
-        parts = {"extension": Habits, "rebuild": Rebuild}  # parallelize's composition
+        parts = {"extension": Habits}  # parallelize's composition (the bucket rebuild in it)
         model = cls(module, precision=lib_precision(precision), **cap, **parts, **kw)
         optim = torch.optim.SGD if precision in PRECISIONS else torch.optim.Adam
         opt = attach(optim(model.optimizer_params(), lr=LR), model)

@@ -90,7 +90,7 @@ def take(optimizer: torch.optim.Optimizer, wrapper, give_back: bool = False) -> 
         if give_back:
             group["params"] = [t for t in group["params"] if id(t) not in frag]
     parts = [mine]
-    if wrapper.stage > 0 and wrapper.world > 1:
+    if wrapper.sharded.state and wrapper.world > 1:
         parts = [None] * wrapper.world
         dist.all_gather_object(parts, mine, group=wrapper.group)
     info = {i: v for part in parts for i, v in part.items()}
@@ -116,7 +116,7 @@ def whole(w, held: list[dict], old: dict, master: bool, tag: str) -> Iterator[tu
                     flat[r, f.start : f.end] = h["states"][i][f.start][k].reshape(-1)
         for h in held:
             h["states"].pop(i, None)  # this parameter's old states: freed as it moves
-        if len(flat) and w.stage > 0 and w.world > 1:  # disjoint ranges: the sum is the whole
+        if len(flat) and w.sharded.state and w.world > 1:  # disjoint ranges: the sum is the whole
             C.all_reduce(flat, group=w.group, tag=tag)
         yield i, p, rows, flat
 
@@ -164,9 +164,9 @@ class Rebuild:
         if seen is None or len(seen) < len(w.params):
             return
         held = any(p.grad is not None for p in w.params)
-        held = held or getattr(w, "holds_unsynced_grads", lambda: False)()  # stages 2-3 no_sync
+        held = held or w.holds_unsynced_grads()  # stages 2-3: no_sync() buffers
         if not forward or (torch.is_grad_enabled() and w.require_sync and not held):
-            self.rebuild(list(seen.values()))
+            self.cut(list(seen.values()))
 
     def order(self) -> list[str] | None:
         """The names the buckets are cut over, in order (None where they are not rebuilt)."""
@@ -177,16 +177,16 @@ class Rebuild:
         """Cut the buckets over a saved run's order (names), where it is another."""
         named = {self.wrapper.param_names[id(p)]: p for p in self.wrapper.params}
         if self.on and names != self.order() and sorted(names) == sorted(named):
-            self.rebuild([named[n] for n in names])
+            self.cut([named[n] for n in names])
 
-    def rebuild(self, ready: list[nn.Parameter]) -> None:
+    def cut(self, ready: list[nn.Parameter]) -> None:
         """Cut the buckets again over rank 0's ``ready`` (fp32 DDP: nothing else moves)."""
         w, self.seen = self.wrapper, None
         index = {id(p): i for i, p in enumerate(w.params)}
         order = torch.tensor([index[id(p)] for p in ready], device=w.params[0].device)
         w.broadcast_from_rank0(order, "ready order")  # every rank cuts the same, as torch
         ready = [w.params[i] for i in order.tolist()]
-        if all(m is None for m in w.masters):  # fp32 DDP: the parameters are the masters
+        if not w.separate_masters:  # fp32 DDP: the parameters are the masters
             return w.lay_out(ready)
         self.move_states(ready)
 
@@ -235,7 +235,7 @@ def shard_state_dict(optimizer, sd: dict) -> dict:
         if f is None or i not in sd["state"]:
             continue
         st = dict(sd["state"][i])
-        if w.stage > 0:  # one rank's range: a plain optimizer loaded from it is refused.
+        if w.sharded.state:  # one rank's range: a plain optimizer loaded from it is refused.
             # Ints in a tuple: torch's load_state_dict keeps those (it rebuilds a str as text
             # of a generator)
             st["minizero_fragment"] = (f.start, f.end, f.param.numel(), w.rank, w.world, w.stage)

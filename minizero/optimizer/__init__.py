@@ -22,30 +22,14 @@ from __future__ import annotations
 import hashlib
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from minizero import optimizer_state as S
-from minizero.extension import Extension
-from minizero.optimizer_state import Rebuild, regroup
+from minizero.optimizer import state as S
+from minizero.optimizer.state import regroup
+from minizero.seams import Face as Wrapper  # what the optimizer reads of a stage
 
 __all__ = ["ADOPTED", "Adopted", "StageStep", "attach", "regroup", "shard_record", "wrapper_of"]
-
-
-class Wrapper(Protocol):
-    """What the optimizer needs of the wrapper (data_parallel.DataParallel)."""
-
-    fragments: list  # of data_parallel.Fragment: .param, .tensor (what the optimizer steps)
-    habits: Extension  # the seam to minizero/habits/: clip_grad_norm_, zero_grad_of
-    rebuild: Rebuild | None  # DDP's bucket rebuild (optimizer_state.py): order, rebuild_as
-    optimizers: weakref.WeakKeyDictionary  # the optimizers attach()ed -> their Adopted records
-    params: list  # the parameters it trains
-
-    def before_step(self) -> bool: ...
-    def after_step(self) -> None: ...
-    def end_step(self) -> None: ...
-    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -118,7 +102,7 @@ class StageStep:
         """As torch's: the gradients of this optimizer's parameters (the others keep theirs)."""
         w, trains = ADOPTED[self].wrapper, ADOPTED[self].trains  # id(param) of the groups' params
         if trains is not None and any(id(p) not in trains for p in w.params):
-            return w.habits.zero_grad_of(trains, set_to_none)  # some: the others keep theirs
+            return w.extension.zero_grad_of(trains, set_to_none)  # some: the others keep theirs
         w.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -133,8 +117,8 @@ class StageStep:
             if record.trains is not None:
                 record.trains |= {id(p) for p in params}
             if record.params is not None:
-                record.params.append(list(params))  # as built (optimizer_state.py)
-            if any(f.is_master for f in wrapper.fragments):
+                record.params.append(list(params))  # as built (optimizer/state.py)
+            if wrapper.separate_masters:
                 frags = wrapper.fragments_of  # id(param) -> its fragments on this rank
                 mine = [f.tensor for p in params for f in frags.get(id(p), [])]
                 frozen = [p for p in params if not p.requires_grad]  # no fragments: as they are
@@ -143,22 +127,21 @@ class StageStep:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; return the norm."""
-        return self._wrapper.habits.clip_grad_norm_(max_norm, norm_type)
+        return self._wrapper.extension.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
         """torch's state dict, plus which shard it holds (``"minizero_shard"``): at stages 1-3
         (and in mixed precision) it holds only this rank's fragments, so only the same rank of the
         same layout may load it back (see ``load_state_dict``); at stages 1-3 a warning says so,
         and how to write the whole one. After ``consolidate_state_dict(to=r)`` on every rank, and
-        until the next step, rank r's is the whole one (minizero/optimizer_state.py)."""
+        until the next step, rank r's is the whole one (minizero/optimizer/state.py)."""
         full = ADOPTED[self].full
         if full is not None:
             return full
         sd = super().state_dict()
         sd["minizero_shard"] = shard_record(self._wrapper)
-        if ADOPTED[self].params is not None and any(
-            f.is_master for f in self._wrapper.fragments
-        ):  # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
+        if ADOPTED[self].params is not None and self._wrapper.separate_masters:
+            # numbered as a plain optimizer over the parameters: nanoGPT's resume can tell
             sd = S.shard_state_dict(self, sd)
         if sd["minizero_shard"]["sharded"]:
             S.warn_shard(self, sd)
@@ -175,11 +158,11 @@ class StageStep:
         """Refuse an optimizer state dict saved by another rank or another layout: its states
         belong to other elements (torch would load it without a word when the counts match)."""
         saved = state_dict.get("minizero_shard")
-        numbering = (saved or {}).get("numbering")  # "parameters": optimizer_state.py's form
+        numbering = (saved or {}).get("numbering")  # "parameters": optimizer/state.py's form
         saved = None if saved is None else {k: v for k, v in saved.items() if k != "numbering"}
         here = shard_record(self._wrapper)
         if None not in ((saved or {}).get("ready"), here["ready"]):  # DDP's buckets, both
-            self._wrapper.rebuild.rebuild_as(saved["ready"])  # cut here as there
+            self._wrapper.extension.cut_as(saved["ready"])  # cut here as there
             here = shard_record(self._wrapper)
         if saved is not None and saved != here and (saved["sharded"] or here["sharded"]):
             other = "" if saved["layout"] == here["layout"] else " with another layout"
@@ -196,9 +179,7 @@ class StageStep:
         if numbering == "parameters":  # this rank's shard, as state_dict() wrote it
             state_dict = S.unshard_state_dict(self, state_dict)
         elif (
-            saved is None
-            and S.plain_params(self) is not None
-            and any(f.is_master for f in self._wrapper.fragments)
+            saved is None and S.plain_params(self) is not None and self._wrapper.separate_masters
         ):  # a whole one (torch DDP's, a plain optimizer's, consolidated): cut to this rank's
             state_dict = S.shard_whole_state_dict(self, state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "minizero_shard"}
@@ -218,7 +199,7 @@ def attach(optimizer: torch.optim.Optimizer, wrapper: Wrapper) -> torch.optim.Op
         optimizer.__class__ = type(cls.__name__, (StageStep, cls), {"__module__": cls.__module__})
     record = wrapper.optimizers[optimizer] = ADOPTED.setdefault(optimizer, Adopted())
     record.wrapper = wrapper  # (a rebuild of the buckets moves the states of wrapper.optimizers)
-    record.closure_through = not any(f.is_master for f in wrapper.fragments)
+    record.closure_through = not wrapper.separate_masters
     return optimizer
 
 
@@ -228,7 +209,7 @@ def shard_record(wrapper) -> dict:
     frags = [(f.name, f.start, f.end) for f in wrapper.fragments]
     return {
         "rank": wrapper.rank, "world": wrapper.world, "stage": wrapper.stage,
-        "ready": wrapper.rebuild.order() if wrapper.rebuild else None,  # DDP's buckets' order
-        "sharded": wrapper.stage > 0,  # stage 0: every rank holds the same, whole states
+        "ready": wrapper.extension.bucket_order(),  # DDP's buckets' order (None: not cut again)
+        "sharded": wrapper.sharded.state,  # stage 0: every rank holds the same, whole states
         "layout": hashlib.sha1(repr(frags).encode()).hexdigest(),
     }  # fmt: skip
