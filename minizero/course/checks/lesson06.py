@@ -161,6 +161,14 @@ def _owned_run(group, cls, opt_name: str) -> dict:
     out["owners"] = owners
     if len(owners) != len(params) or any(not 0 <= o < world for o in owners):
         return out  # the parent names the mistake
+    inner = getattr(zro, "optimizer", None)
+    held = {id(p) for g in getattr(inner, "param_groups", []) for p in g["params"]}
+    if held != {id(p) for p, o in zip(params, owners) if o == rank}:
+        n = sum(o == rank for o in owners)
+        return dict(out, error=(
+            f"self.optimizer holds {len(held)} of the {len(params)} parameters; this rank owns "
+            f"{n}. Build it on the owned ones only: the optimizer states of a tensor live on its "
+            "owner alone, which is the memory ZeroRedundancyOptimizer saves"))  # fmt: skip
     torch_zro = ZeroRedundancyOptimizer(theirs, opt_class, process_group=group, **defaults)
     twin_opt, ref_opt = opt_class(twin, **defaults), opt_class(ref.parameters(), **defaults)
     for step in range(OWNED_STEPS):
@@ -196,8 +204,7 @@ def _owned_run(group, cls, opt_name: str) -> dict:
         )
         out["volume"].append(ledger.volume_elements)
         out["ops"].append(sorted({r.op for r in ledger.records}))
-    inner = getattr(zro, "optimizer", None)
-    out["opt_bytes"] = model_state_bytes(None, inner)["optimizer"] if inner is not None else 0
+    out["opt_bytes"] = model_state_bytes(None, inner)["optimizer"]
     out["torch_opt_bytes"] = model_state_bytes(None, torch_zro.optim)["optimizer"]
     out["names"] = names
     return out
