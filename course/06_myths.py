@@ -280,11 +280,44 @@ lab.show_volumes_by_op(LEDGERS)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 # (s = 128, b = 2), bf16 and fused AdamW, one step at each stage under `MemoryMeter`, which splits
 # what is alive into model states, communication buffers and everything else (the activations,
 # on CPU; on a GPU the allocator gives the total only, so the cell prints the total beyond the
-# model states).
+# model states). If ZeRO shrank activations, the bytes alive at the end of forward would fall
+# with the stage, as the model states do.
 
 
 # %%
-lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, stages=(0, 1, 2, 3)))
+# @save
+LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # s = 128
+
+
+# @save
+def fused(params):  # the memory experiments' optimizer
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+# @save
+def step_memory(stage: int) -> dict:
+    """On every rank: TinyGPT (LONG, b = 2) in bf16 at ``stage``; its second step, measured."""
+    dev = rank_device()
+    torch.manual_seed(0)
+    cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
+    net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
+    for _ in range(2):  # step 0 creates the optimizer states; step 1 is measured
+        with MemoryMeter(net, opt, device=dev) as meter:
+            meter.reset_peak()
+            loss = net(x, x)
+            fwd = meter.mark("end of forward")  # what forward left alive, by kind
+            loss.backward()
+            states = sum(model_state_bytes(net, opt).values())
+            opt.step()
+            opt.zero_grad()
+            end = meter.mark("end of step")
+    return dict(states=states, fwd=fwd, peak=end["peak"])
+
+
+# %%
+lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, (0, 1, 2, 3), step_memory))
 
 # %% [markdown]
 # The model states shrink from stage to stage; the activations at the end of forward are the
@@ -304,10 +337,10 @@ lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, stages=(0, 1, 2, 
 #    each rank then updates the parameters it owns and **broadcasts** them to the others (Ψ):
 #    about **3Ψ** per step. The paper's stage 1 reduce-scatters the gradients instead (each rank
 #    needs only its own part's) and all-gathers the updated parameters: **2Ψ** (§7.2.1);
-# 2. it assigns **whole tensors** to ranks (sorted-greedy: largest first, each to the rank that
-#    owns the fewest elements so far), so the ranks' shares are unequal, but each rank's optimizer
-#    sees complete tensors and can be any optimizer. minizero's stages, like DeepSpeed's stage 1
-#    and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`: each rank gets one contiguous 1/N of the
+# 2. it assigns **whole tensors** to ranks, balancing the elements each rank owns (the exercise
+#    below writes it), so the ranks' shares are unequal, but each rank's optimizer sees complete
+#    tensors and can be any optimizer. minizero's stages, like DeepSpeed's stage 1 and 2
+#    (`deepspeed/runtime/zero/stage_1_and_2.py`: each rank gets one contiguous 1/N of the
 #    flattened parameter group), cut tensors; FSDP2 shards each parameter on its first dimension.
 #
 # The measurement: TinyGPT tiny in fp32, gradients averaged by one `minizero.all_reduce` per

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero.analysis.ledger import CommLedger
+from minizero.analysis.memory import MemoryMeter, model_state_bytes
 from minizero.course import compare, hint, plots
 from minizero.course.checks import lesson06  # and torch._dynamo, once (checks.common)
 from minizero.course.labs import describe, rank_device, run_info, setup
@@ -57,7 +58,7 @@ lab = sys.modules[__name__]
 __all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "lesson06", "nn", "dist"]
 __all__ += ["time", "CommLedger", "FlopCounterMode", "GPT", "TinyGPT", "MLP", "compare"]
 __all__ += ["count_params", "full_state_dict", "parallelize", "rank_device", "synthetic_batch"]
-__all__ += ["assign_params", "select_units"]
+__all__ += ["assign_params", "select_units", "MemoryMeter", "model_state_bytes"]
 
 
 def who_computes_what(nprocs: int, fn=forward_on_rank) -> list[dict]:

@@ -13,11 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 import minizero
 from minizero import collectives as C
 from minizero.analysis.ledger import CommLedger
-from minizero.analysis.memory import MemoryMeter
+from minizero.analysis.memory import MemoryMeter, model_state_bytes
 from minizero.course import compare
 from minizero.course.labs import rank_device, run_info
 from minizero.course.labs.common import GPT, adam, gpt_batch
-from minizero.models import MLP, TinyGPT, count_params, synthetic_batch
+from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import full_state_dict, parallelize
 from minizero.units import assign_params, select_units
 
@@ -228,3 +228,34 @@ def train_three_steps(make, data, stage) -> dict:
         opt.step()
         opt.zero_grad()
     return {k: v.cpu() for k, v in full_state_dict(model).items()}
+
+
+# course/06_myths.py:289 (cell 06_myths-018)
+LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # s = 128
+
+
+# course/06_myths.py:293 (cell 06_myths-018)
+def fused(params):  # the memory experiments' optimizer
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+# course/06_myths.py:298 (cell 06_myths-018)
+def step_memory(stage: int) -> dict:
+    """On every rank: TinyGPT (LONG, b = 2) in bf16 at ``stage``; its second step, measured."""
+    dev = rank_device()
+    torch.manual_seed(0)
+    cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
+    net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
+    for _ in range(2):  # step 0 creates the optimizer states; step 1 is measured
+        with MemoryMeter(net, opt, device=dev) as meter:
+            meter.reset_peak()
+            loss = net(x, x)
+            fwd = meter.mark("end of forward")  # what forward left alive, by kind
+            loss.backward()
+            states = sum(model_state_bytes(net, opt).values())
+            opt.step()
+            opt.zero_grad()
+            end = meter.mark("end of step")
+    return dict(states=states, fwd=fwd, peak=end["peak"])
