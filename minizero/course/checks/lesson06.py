@@ -156,11 +156,12 @@ def _owned_run(group, cls, opt_name: str) -> dict:
     out = dict(error=None, steps=[], volume=[], ops=[], opt_bytes=0, psi=count_params(model))
     out["numels"] = [p.numel() for p in params]
     zro, owners, err = _build(cls, params, opt_name, group)
-    if err is not None:
-        return dict(out, error=err)
+    bad = err is not None or len(owners) != len(params) or any(not 0 <= o < world for o in owners)
+    flag = torch.tensor([float(bad)], device=dev)
+    dist.all_reduce(flag, group=group)  # every rank stops if one cannot go on (no hang)
+    if flag.item():
+        return dict(out, error=err, owners=owners)  # the parent names the mistake
     out["owners"] = owners
-    if len(owners) != len(params) or any(not 0 <= o < world for o in owners):
-        return out  # the parent names the mistake
     inner = getattr(zro, "optimizer", None)
     held = {id(p) for g in getattr(inner, "param_groups", []) for p in g["params"]}
     if held != {id(p) for p, o in zip(params, owners) if o == rank}:
@@ -271,12 +272,18 @@ def _compare_owned(results: list[dict], opt_name: str) -> float:
 
 
 def _check_run(results: list[dict], name: str, opt_name: str) -> float:
+    lists = [e for res in results for e in res.get("lists", [])]
+    for numels, world, owners, _ in lists:  # the balance first, from any rank that built
+        if owners is not None:
+            _check_owners(name, numels, world, owners, None)
+    for numels, world, owners, err in lists:
+        _check_owners(name, numels, world, owners, err)
+    for res in results:
+        if res["error"] is None and res.get("owners") is not None:
+            _check_owners(name, res["numels"], len(results), res["owners"], None)
     for rank, res in enumerate(results):
-        for numels, world, owners, err in res.get("lists", []):
-            _check_owners(name, numels, world, owners, err)
         if res["error"] is not None:
             raise CheckFailed(f"{name} on rank {rank} with {opt_name}: {res['error']}")
-    _check_owners(name, results[0]["numels"], len(results), results[0]["owners"], None)
     return _compare_owned(results, opt_name)
 
 
