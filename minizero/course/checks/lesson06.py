@@ -123,7 +123,7 @@ def _owned_rank(cls, opt_name: str, sub: bool) -> dict:
     again on the subgroup."""
     out = dict(lists=_owner_lists(None, cls) if sub else [])
     out.update(_owned_run(None, cls, opt_name))
-    if sub and out["error"] is None:
+    if sub and out["error"] is None and not out.get("stopped"):  # the same on every rank
         out["sub"] = on_subgroup(_on_group, cls, opt_name)
     return out
 
@@ -160,7 +160,7 @@ def _owned_run(group, cls, opt_name: str) -> dict:
     flag = torch.tensor([float(bad)], device=dev)
     dist.all_reduce(flag, group=group)  # every rank stops if one cannot go on (no hang)
     if flag.item():
-        return dict(out, error=err, owners=owners)  # the parent names the mistake
+        return dict(out, error=err, owners=owners, stopped=True)  # the parent names the mistake
     out["owners"] = owners
     inner = getattr(zro, "optimizer", None)
     held = {id(p) for g in getattr(inner, "param_groups", []) for p in g["params"]}
