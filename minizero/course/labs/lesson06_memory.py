@@ -17,41 +17,19 @@ import minizero
 from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
 from minizero.course import plots
 from minizero.course.labs import describe, rank_device, run_info
+from minizero.course.labs.saved import LONG, fused, step_memory
 from minizero.models import GPTConfig, TinyGPT, count_params
 from minizero.parallelize import parallelize
 
-LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # myths 6, 9
-fused = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+def _activations_by_stage(fn, stages) -> dict:
+    return dict(stages={stage: fn(stage) for stage in stages}, info=run_info())
 
 
-def _activations_by_stage(stages) -> dict:
-    dev, out = rank_device(), {}
-    for stage in stages:
-        torch.manual_seed(0)
-        cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-        net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
-        net(x, x).backward()  # a warm-up step creates the optimizer states
-        opt.step()
-        opt.zero_grad()
-        with MemoryMeter(net, opt, device=dev) as meter:
-            meter.reset_peak()
-            loss = net(x, x)
-            fwd = meter.mark("end of forward")
-            loss.backward()
-            states = sum(model_state_bytes(net, opt).values())
-            opt.step()
-            opt.zero_grad()
-            end = meter.mark("end of step")
-        out[stage] = dict(states=states, fwd=fwd, peak=end["peak"])
-    return dict(stages=out, info=run_info())
-
-
-def activations_by_stage(nprocs: int, stages=(0, 1, 2, 3)) -> dict:
-    """Myth 6: TinyGPT (L=2 h=64 s=128 b=2) in bf16 at each stage, rank 0's second step: model
-    states, what forward left alive, the peak."""
-    return minizero.launch(_activations_by_stage, nprocs, stages, verbose=False)[0]
+def activations_by_stage(nprocs: int, stages=(0, 1, 2, 3), fn=step_memory) -> dict:
+    """Myth 6: ``fn`` (the lesson's ``step_memory``: TinyGPT L=2 h=64 s=128 b=2 in bf16) at each
+    stage, rank 0's: model states, what forward left alive, the peak."""
+    return minizero.launch(_activations_by_stage, nprocs, fn, stages, verbose=False)[0]
 
 
 def show_activations_by_stage(acts: dict) -> None:
