@@ -108,6 +108,20 @@ class OwnersByGlobalRank(Solution):  # on the subgroup: owners past the group's 
         self.optimizer = optimizer_class(mine, **defaults)
 
 
+class OneRankOptimizesAll(Solution):  # rank 0 alone: the others must not wait for it
+    def __init__(self, params, optimizer_class, group=None, **defaults):
+        super().__init__(params, optimizer_class, group, **defaults)
+        if dist.get_rank(group) == 0:
+            self.optimizer = optimizer_class(self.params, **defaults)
+
+
+class StepFailsOnOneRank(Solution):  # rank 1 raises before its first broadcast
+    def step(self):
+        if dist.get_rank(self.group) == 1:
+            raise RuntimeError("rank 1 gave up")
+        super().step()
+
+
 class Broken(Solution):
     def step(self):
         raise NotImplementedError("TODO: write step()")
@@ -140,7 +154,9 @@ def test_owned_tensors_passes_the_solution(capsys):
         (OnTheWorld, "a collective ran on the default group: pass group=self.group"),
         (OwnersByGlobalRank, "every owner must be a rank of the group, 0..1"),
         (EveryTensorOptimized, "self.optimizer holds 28 of the 28 parameters; this rank owns"),
-        (Broken, "Broken on rank 0 with AdamW: step() raised: NotImpl"),
+        (OneRankOptimizesAll, "on rank 0 with AdamW: self.optimizer holds 28 of the 28"),
+        (StepFailsOnOneRank, "on rank 1 with AdamW: step() raised: RuntimeError: rank 1 gave"),
+        (Broken, "with AdamW: step() raised: NotImplementedError: TODO: write step()"),
     ],
 )
 def test_owned_tensors_rejects_wrong_answers_saying_why(wrong, message):

@@ -123,9 +123,18 @@ def _owned_rank(cls, opt_name: str, sub: bool) -> dict:
     again on the subgroup."""
     out = dict(lists=_owner_lists(None, cls) if sub else [])
     out.update(_owned_run(None, cls, opt_name))
-    if sub and out["error"] is None and not out.get("stopped"):  # the same on every rank
+    failed = out["error"] is not None or out.get("stopped", False)
+    if sub and not _any_rank(failed, None):  # new_group on every rank, or on none
         out["sub"] = on_subgroup(_on_group, cls, opt_name)
     return out
+
+
+def _any_rank(failed: bool, group) -> bool:
+    """Whether ``failed`` on any rank of ``group``, on every rank of it: where one rank cannot
+    go on, all stop together, instead of the others waiting for it in their next collective."""
+    flag = torch.tensor([float(failed)], device=rank_device())
+    dist.all_reduce(flag, group=group)
+    return bool(flag.item())
 
 
 def _on_group(group, cls, opt_name: str) -> dict:
@@ -157,19 +166,18 @@ def _owned_run(group, cls, opt_name: str) -> dict:
     out["numels"] = [p.numel() for p in params]
     zro, owners, err = _build(cls, params, opt_name, group)
     bad = err is not None or len(owners) != len(params) or any(not 0 <= o < world for o in owners)
-    flag = torch.tensor([float(bad)], device=dev)
-    dist.all_reduce(flag, group=group)  # every rank stops if one cannot go on (no hang)
-    if flag.item():
-        return dict(out, error=err, owners=owners, stopped=True)  # the parent names the mistake
-    out["owners"] = owners
     inner = getattr(zro, "optimizer", None)
     held = {id(p) for g in getattr(inner, "param_groups", []) for p in g["params"]}
-    if held != {id(p) for p, o in zip(params, owners) if o == rank}:
+    if not bad and held != {id(p) for p, o in zip(params, owners) if o == rank}:
         n = sum(o == rank for o in owners)
-        return dict(out, error=(
+        err = (
             f"self.optimizer holds {len(held)} of the {len(params)} parameters; this rank owns "
             f"{n}. Build it on the owned ones only: the optimizer states of a tensor live on its "
-            "owner alone, which is the memory ZeroRedundancyOptimizer saves"))  # fmt: skip
+            "owner alone, which is the memory ZeroRedundancyOptimizer saves"
+        )
+    if _any_rank(bad or err is not None, group):  # the parent names the mistake
+        return dict(out, error=err, owners=owners, stopped=True)
+    out["owners"] = owners
     torch_zro = ZeroRedundancyOptimizer(theirs, opt_class, process_group=group, **defaults)
     twin_opt, ref_opt = opt_class(twin, **defaults), opt_class(ref.parameters(), **defaults)
     for step in range(OWNED_STEPS):
@@ -184,8 +192,11 @@ def _owned_run(group, cls, opt_name: str) -> dict:
             for t, u, p in zip(twin, theirs, params, strict=True):
                 t.grad, u.grad = p.grad.detach().clone(), p.grad.detach().clone()
             _, err = guard(zro.step)
-        if err is not None:
-            return dict(out, error=f"step() raised: {err}")
+        if err is not None:  # its peers may wait in a broadcast: the launcher stops them
+            what = f"{cls.__name__} on rank {rank} with {opt_name}: step() raised: {err}"
+            if group is None:
+                raise CheckFailed(what)
+            raise subgroup_failure(cls.__name__, dist.get_world_size(), what)
         twin_opt.step()
         torch_zro.step()
         for p in params + twin + theirs:
