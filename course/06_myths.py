@@ -295,14 +295,16 @@ def fused(params):  # the memory experiments' optimizer
 
 
 # @save
-def step_memory(stage: int) -> dict:
-    """On every rank: TinyGPT (LONG, b = 2) in bf16 at ``stage``; its second step, measured."""
+def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
+    """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``) in bf16 at ``stage``; its
+    second step, measured (myths 8 and 9 reuse it)."""
     dev = rank_device()
     torch.manual_seed(0)
     cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-    net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
+    how = dict(precision="bf16", bucket_cap_mb=cap, process_group=group)
+    net, opt = parallelize(TinyGPT(cfg), stage, fused, **how)
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g).to(dev)  # (b, s)
     for _ in range(2):  # step 0 creates the optimizer states; step 1 is measured
         with MemoryMeter(net, opt, device=dev) as meter:
             meter.reset_peak()
@@ -313,7 +315,7 @@ def step_memory(stage: int) -> dict:
             opt.step()
             opt.zero_grad()
             end = meter.mark("end of step")
-    return dict(states=states, fwd=fwd, peak=end["peak"])
+    return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
 
 
 # %%
@@ -444,8 +446,10 @@ lesson06.check_owned_tensors(MyZeroRedundancy, NPROCS)
 
 
 # %%
-VOCABS = (64, 512, 2048, 8192)
-lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figure
+VOCABS = (64, 512, 2048, 8192)  # TinyGPT L = 6, h = 64, 16 tokens on each rank
+CFGS = [GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64) for V in VOCABS]
+PEAKS = lab.stage2_vs_stage3(NPROCS, CFGS, step_memory)  # step_memory(stage, cfg, rows=1)
+lab.show_stage2_vs_stage3(PEAKS)  # and its figure
 
 # %% [markdown]
 # Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
@@ -471,7 +475,16 @@ lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figur
 
 
 # %%
-lab.show_stage3_by_n(lab.stage3_by_n(worlds=(1, 2, 4)), formula_ns=(64, 1024))  # and its figure
+# @save
+def on_first(n: int, fn, *args) -> dict | None:
+    """On every rank: a process group of the first ``n`` ranks; on its members, ``fn(*args,
+    group=that group)``."""
+    group = dist.new_group(list(range(n)))  # every rank creates every group
+    return fn(*args, group=group) if dist.get_rank() < n else None
+
+
+FLOOR = lab.stage3_by_n((1, 2, 4), on_first, step_memory)  # 4 gloo ranks: groups of 1, 2, 4
+lab.show_stage3_by_n(FLOOR, formula_ns=(64, 1024))  # and its figure
 
 # %% [markdown]
 # The model states halve with each doubling of N; the rest of the peak stays where it is. At

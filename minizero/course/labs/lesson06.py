@@ -6,9 +6,10 @@ What each rank runs is the lesson's, written in the open and saved (``# @save``,
 ``synchronous`` (myth 2, ``steps_with_a_slow_rank``) step times with a slow rank, and parameters
 against one process; ``step_ledgers`` (myths 3, 5, ``one_step_ledgers``) each rank's collectives
 in one step; ``not_a_transformer`` (myth 4, ``train_three_steps``) an MLP and a ConvNet at stages
-0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7)
-torch's ZeroRedundancyOptimizer beside stage 1 (in :mod:`.lesson06_torch`). Myths 6, 8 and 9
-(memory) are measured in :mod:`.lesson06_memory`. Both reach the lesson from here.
+0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7) torch's
+ZeroRedundancyOptimizer beside stage 1 (in :mod:`.lesson06_torch`).
+Myths 6, 8 and 9 (memory: ``step_memory``, and ``on_first`` for 9) are launched
+and shown by :mod:`.lesson06_memory`. Both reach the lesson from here.
 """
 
 from __future__ import annotations

@@ -240,14 +240,16 @@ def fused(params):  # the memory experiments' optimizer
 
 
 # course/06_myths.py:298 (cell 06_myths-018)
-def step_memory(stage: int) -> dict:
-    """On every rank: TinyGPT (LONG, b = 2) in bf16 at ``stage``; its second step, measured."""
+def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
+    """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``) in bf16 at ``stage``; its
+    second step, measured (myths 8 and 9 reuse it)."""
     dev = rank_device()
     torch.manual_seed(0)
     cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-    net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
+    how = dict(precision="bf16", bucket_cap_mb=cap, process_group=group)
+    net, opt = parallelize(TinyGPT(cfg), stage, fused, **how)
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g).to(dev)  # (b, s)
     for _ in range(2):  # step 0 creates the optimizer states; step 1 is measured
         with MemoryMeter(net, opt, device=dev) as meter:
             meter.reset_peak()
@@ -258,4 +260,12 @@ def step_memory(stage: int) -> dict:
             opt.step()
             opt.zero_grad()
             end = meter.mark("end of step")
-    return dict(states=states, fwd=fwd, peak=end["peak"])
+    return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
+
+
+# course/06_myths.py:479 (cell 06_myths-028)
+def on_first(n: int, fn, *args) -> dict | None:
+    """On every rank: a process group of the first ``n`` ranks; on its members, ``fn(*args,
+    group=that group)``."""
+    group = dist.new_group(list(range(n)))  # every rank creates every group
+    return fn(*args, group=group) if dist.get_rank() < n else None
