@@ -23,6 +23,12 @@ from minizero.course.labs.lesson06 import *  # torch, nn, minizero, hint, lab, t
 
 NPROCS, INFO = setup()
 
+
+# @save
+def adamw(params):  # the optimizer of every experiment below
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
 # %% [markdown]
 # ## Myth 1: "ZeRO splits the model into parts that run on separate GPUs"
 #
@@ -32,11 +38,57 @@ NPROCS, INFO = setup()
 # storage is all it splits. The measurement: ZeRO-3 on TinyGPT, a hook on every module that owns
 # parameters records, at the moment the module runs, how many of its parameter elements are
 # present; a `FlopCounterMode` counts the forward's floating-point operations on each rank, next
-# to a plain, unwrapped TinyGPT on the same micro-batch.
+# to a plain, unwrapped TinyGPT on the same micro-batch. The prediction, if ZeRO-3 split the
+# model: each rank runs some units, with its 1/N of their elements, and about 1/N of the FLOPs.
 
 
 # %%
-lab.show_who_computes_what(lab.who_computes_what(NPROCS))
+# @save
+def watch_units(net) -> dict:
+    """Hooks on ZeRO-3's units: per unit, its elements, those present while it runs and after."""
+    present = lambda ps: sum(p.numel() for p in ps if p.untyped_storage().nbytes())  # with data
+    names = {m: n or "(root)" for n, m in net.module.named_modules()}
+    ran = {}  # unit's name -> [elements, present while its module runs, present after]
+
+    def before(name, ps):  # runs as the module starts: after ZeRO-3's gather
+        return lambda m, args: ran.update({name: [sum(p.numel() for p in ps), present(ps)]})
+
+    def after(name, ps):  # runs as the module ends: after ZeRO-3's free
+        return lambda m, args, out: ran[name].append(present(ps))
+
+    for ps, m in zip(*assign_params(net.module, select_units(net.module))[:2]):
+        m.register_forward_pre_hook(before(names[m], ps))
+        m.register_forward_hook(after(names[m], ps))
+    return ran
+
+
+# %%
+# @save
+def forward_on_rank(rows: int = 4) -> dict:
+    """On every rank: one stage-3 forward of TinyGPT on its rows, beside a plain TinyGPT's."""
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    torch.manual_seed(0)
+    plain = TinyGPT(GPT).to(dev)  # the whole model, no ZeRO: the reference
+    torch.manual_seed(0)
+    net, _ = parallelize(TinyGPT(GPT), 3, adamw)  # each rank stores 1/N of every unit
+    ran = watch_units(net)
+    x, y = synthetic_batch("gpt", rows * world, 0, rank=rank, world=world, device=dev)  # my rows
+    with CommLedger() as ledger, FlopCounterMode(display=False) as flops:
+        net(x, y)
+    with FlopCounterMode(display=False) as plain_flops:
+        plain(x, y)
+    return dict(
+        ran=[[name, *seen] for name, seen in ran.items()],
+        rows=x[:, 0].tolist(),  # each row's first token: which rows this rank saw
+        flops=flops.get_total_flops(),
+        plain_flops=plain_flops.get_total_flops(),
+        psi=count_params(plain),
+        held=sum(s.numel() for s in net.param_shards),  # elements stored here at rest
+        gathered=sum(r.numel for r in ledger.records if r.op == "all_gather"),
+    )
+
+
+lab.show_who_computes_what(lab.who_computes_what(NPROCS, forward_on_rank))
 
 # %% [markdown]
 # What the measurement shows:
@@ -61,7 +113,7 @@ lab.show_who_computes_what(lab.who_computes_what(NPROCS))
 # 1. **Ranks wait for each other.** The last rank sleeps 0.3 s before the forward of its third
 #    step (`step == 2`, counting from 0); rank 0 times its steps. In a synchronous step rank 0
 #    cannot finish until the last rank's gradients have arrived, so its third step takes about
-#    0.3 s longer.
+#    0.3 s longer. (Asynchronous, it would take as long as the others.)
 # 2. **Same result as one process.** After every step each rank collects the full parameters
 #    (`minizero.full_state_dict`, an all-gather for ZeRO); they must be bit-identical on every rank
 #    and equal, up to float rounding, to one process trained on the whole global batch. A stale
@@ -69,8 +121,37 @@ lab.show_who_computes_what(lab.who_computes_what(NPROCS))
 
 
 # %%
+# @save
+def steps_with_a_slow_rank(stage: int, steps: int, delay: float) -> dict:
+    """On every rank: the MLP at ``stage``, the last rank ``delay`` s late in step 2; this rank's
+    step times and full parameters after each step, and one process's on the whole batch."""
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    model, batch = compare.workload("mlp", 4, dev)  # this rank's 4 rows of each step
+    ref, _ = compare.workload("mlp", 4 * world, dev)  # one process, the whole global batch
+    ref_opt, (net, opt) = adamw(ref.to(dev).parameters()), parallelize(model, stage, adamw)
+    out = dict(times=[], params=[], ref=[])
+    for step in range(steps):
+        dist.barrier()  # everyone starts the step together
+        t0 = time.perf_counter()
+        if rank == world - 1 and step == 2:
+            time.sleep(delay)  # a slow rank
+        net(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        out["times"].append(time.perf_counter() - t0)
+        out["params"].append({k: v.cpu() for k, v in full_state_dict(net).items()})
+        whole = synthetic_batch("mlp", 4 * world, step, device=dev, in_features=32, out_features=16)
+        ref(*whole).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref"].append({k: v.detach().cpu().clone() for k, v in ref.state_dict().items()})
+    return out
+
+
+# %%
 DELAY, STEPS = 0.3, 3  # in step 2 the last rank is DELAY seconds late
-lab.show_synchronous(lab.synchronous(NPROCS, stages=(0, 1, 2, 3), steps=STEPS, delay=DELAY))
+SYNC = lab.synchronous(NPROCS, (0, 1, 2, 3), STEPS, DELAY, steps_with_a_slow_rank)
+lab.show_synchronous(SYNC)
 
 # %% [markdown]
 # Rank 0's third step took about 0.3 s longer at every stage: it waited inside a collective
@@ -89,11 +170,26 @@ lab.show_synchronous(lab.synchronous(NPROCS, stages=(0, 1, 2, 3), steps=STEPS, d
 # A parameter server is a process that receives every worker's gradients, updates the parameters
 # and sends them back: it receives N − 1 times what a worker sends. ZeRO has no such process. Each
 # rank's `CommLedger` over one training step at every stage (MLP, fp32), and over the
-# construction of the wrapper:
+# construction of the wrapper. With a server, one rank's ledger would hold N − 1 times the others'.
 
 
 # %%
-LEDGERS = lab.step_ledgers(NPROCS, stages=(0, 1, 2, 3))
+# @save
+def one_step_ledgers(stage: int) -> dict:
+    """On every rank: the MLP at ``stage``; ledgers of the wrapper's construction and of step 1."""
+    model, batch = compare.workload("mlp", 4, rank_device())
+    with CommLedger() as built:
+        net, opt = parallelize(model, stage, adamw)
+    for step in range(2):  # step 0 warms up; step 1 is recorded
+        with CommLedger() as ledger:
+            net(*batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+    return dict(psi=count_params(model), setup=built, step=ledger)
+
+
+# %%
+LEDGERS = lab.step_ledgers(NPROCS, (0, 1, 2, 3), one_step_ledgers)
 lab.show_step_ledgers(LEDGERS)
 
 # %%
@@ -117,11 +213,30 @@ lab.plot_step_ledgers(LEDGERS)
 # Nothing in it does: a stage needs only a module's parameters, its gradients and an elementwise
 # optimizer (Adam, SGD, …), whatever the layers compute. The measurement: stage 3 trains the
 # course's awkwardly sized `MLP` (its flat buffers need padding) and a small convolutional
-# network, next to DDP (stage 0) and one process on the whole batch, for 3 AdamW steps.
+# network, next to DDP (stage 0) and one process on the whole batch, for 3 AdamW steps. The
+# prediction: all three equal, to float rounding.
 
 
 # %%
-RES = lab.not_a_transformer(NPROCS, models=("MLP", "ConvNet"), stages=(None, 0, 3))
+# @save
+def train_three_steps(make, data, stage) -> dict:
+    """3 AdamW steps of ``make()`` on ``data``; ``stage=None``: one process, the whole batch."""
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    torch.manual_seed(0)
+    model = make()
+    if stage is None:
+        model, opt, rank, world = model.to(dev), adamw(model.parameters()), 0, 1
+    else:
+        model, opt = parallelize(model, stage, adamw)
+    for step in range(3):
+        model(*data(8, step, rank=rank, world=world, device=dev)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.cpu() for k, v in full_state_dict(model).items()}
+
+
+# %%
+RES = lab.not_a_transformer(NPROCS, ("MLP", "ConvNet"), (None, 0, 3), train_three_steps)
 lab.show_not_a_transformer(RES, NPROCS)  # None: one process on the whole batch
 
 # %% [markdown]
@@ -165,11 +280,46 @@ lab.show_volumes_by_op(LEDGERS)  # the paper: 2Ψ at stages 0-2, 3Ψ at stage 3
 # (s = 128, b = 2), bf16 and fused AdamW, one step at each stage under `MemoryMeter`, which splits
 # what is alive into model states, communication buffers and everything else (the activations,
 # on CPU; on a GPU the allocator gives the total only, so the cell prints the total beyond the
-# model states).
+# model states). If ZeRO shrank activations, the bytes alive at the end of forward would fall
+# with the stage, as the model states do.
 
 
 # %%
-lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, stages=(0, 1, 2, 3)))
+# @save
+LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # s = 128
+
+
+# @save
+def fused(params):  # the memory experiments' optimizer
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+# @save
+def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
+    """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``) in bf16 at ``stage``; its
+    second step, measured (myths 8 and 9 reuse it)."""
+    dev = rank_device()
+    torch.manual_seed(0)
+    cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
+    how = dict(precision="bf16", bucket_cap_mb=cap, process_group=group)
+    net, opt = parallelize(TinyGPT(cfg), stage, fused, **how)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g).to(dev)  # (b, s)
+    for _ in range(2):  # step 0 creates the optimizer states; step 1 is measured
+        with MemoryMeter(net, opt, device=dev) as meter:
+            meter.reset_peak()
+            loss = net(x, x)
+            fwd = meter.mark("end of forward")  # what forward left alive, by kind
+            loss.backward()
+            states = sum(model_state_bytes(net, opt).values())
+            opt.step()
+            opt.zero_grad()
+            end = meter.mark("end of step")
+    return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
+
+
+# %%
+lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, (0, 1, 2, 3), step_memory))
 
 # %% [markdown]
 # The model states shrink from stage to stage; the activations at the end of forward are the
@@ -189,10 +339,10 @@ lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, stages=(0, 1, 2, 
 #    each rank then updates the parameters it owns and **broadcasts** them to the others (Ψ):
 #    about **3Ψ** per step. The paper's stage 1 reduce-scatters the gradients instead (each rank
 #    needs only its own part's) and all-gathers the updated parameters: **2Ψ** (§7.2.1);
-# 2. it assigns **whole tensors** to ranks (sorted-greedy: largest first, each to the rank that
-#    owns the fewest elements so far), so the ranks' shares are unequal, but each rank's optimizer
-#    sees complete tensors and can be any optimizer. minizero's stages, like DeepSpeed's stage 1
-#    and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`: each rank gets one contiguous 1/N of the
+# 2. it assigns **whole tensors** to ranks, balancing the elements each rank owns (the exercise
+#    below writes it), so the ranks' shares are unequal, but each rank's optimizer sees complete
+#    tensors and can be any optimizer. minizero's stages, like DeepSpeed's stage 1 and 2
+#    (`deepspeed/runtime/zero/stage_1_and_2.py`: each rank gets one contiguous 1/N of the
 #    flattened parameter group), cut tensors; FSDP2 shards each parameter on its first dimension.
 #
 # The measurement: TinyGPT tiny in fp32, gradients averaged by one `minizero.all_reduce` per
@@ -214,67 +364,67 @@ lab.show_torch_zero_vs_stage1(lab.torch_zero_vs_stage1(NPROCS, OPTIMIZERS))
 # padding. In exchange it runs Adafactor and matches one process, while minizero's stage 1 refuses
 # it. Both are "stage 1" in what they store; they differ in what they move and how they cut.
 #
-# ## Exercise — whole tensors, owned
+# ## Exercise — ZeroRedundancyOptimizer's step
 #
-# Write the two halves of ZeroRedundancyOptimizer's mechanism:
+# Write the mechanism of `torch.distributed.optim.ZeroRedundancyOptimizer`, `MyZeroRedundancy`:
 #
-# * `assign_owners(numels, world)`: the rank that owns each tensor (a list, one rank per tensor).
-#   Balance the elements: no rank may own more than total / world + the largest tensor, which
-#   giving each tensor, largest first, to the rank that owns the fewest elements so far achieves.
-# * `owned_step(params, owners, optimizer)`: called after DDP's all-reduce, when every rank holds
-#   the average gradient of every parameter, with `optimizer` built on the parameters this rank
-#   owns. Update them, then give every rank every updated parameter, from its owner, with
-#   `minizero.broadcast(tensor, src=rank)` (so that the ledger sees it).
+# * in `__init__`, the owners: `self.owners`, one rank of `group` per parameter. Whole tensors,
+#   balanced by elements: the check allows no rank more than torch's own partition gives its
+#   busiest rank (the sizes it tries are chosen to unbalance a careless rule). Then
+#   `self.optimizer`: `optimizer_class(..., **defaults)` on this rank's tensors only, so that
+#   the optimizer states live on their owner alone;
+# * `step()`, called after DDP's all-reduce (every rank holds the average gradient of every
+#   parameter): the local update, and then every rank must hold every parameter as its owner
+#   updated it. Send with `minizero.broadcast(tensor, src=..., group=...)`, so that the ledger
+#   sees it; `src` is a rank of `group`.
 #
-# The check builds the optimizer on each rank's tensors, trains TinyGPT tiny for 3 steps with
-# AdamW and with Adafactor on NPROCS ranks, and compares every parameter with one process on the
-# whole batch; it also runs `assign_owners` on lists of sizes that a careless assignment
-# balances badly, and reads the ledger of each step.
+# The check trains TinyGPT tiny for 3 steps with AdamW and with Adafactor on max(NPROCS, 3)
+# ranks and on a subgroup of 2, and compares every parameter after every step with torch's
+# ZeroRedundancyOptimizer and with one optimizer over every tensor, given the same gradients;
+# it also reads the ledger of each step.
 
 
 # %%
-def assign_owners(numels: list[int], world: int) -> list[int]:
-    """The rank that owns each tensor: whole tensors, the elements balanced over the ranks."""
-    # BEGIN SOLUTION
-    # TODO: each tensor's owner, whole tensors, no rank above total / world + the largest tensor
-    # HINT: Greedy is enough: give each tensor, largest first, to the rank that owns the fewest
-    #       elements so far. Keep what each rank owns in a list of world counts.
-    # HINT: Visit the tensors' indices sorted by decreasing size, but return one owner per tensor in
-    #       the tensors' own order (owners[i] for numels[i]).
-    # HINT: load, owners = [0] * world, [0] * len(numels)
-    #       for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-    #           rank = min(range(world), key=load.__getitem__)  # the least loaded so far
-    #           ...  # rank owns tensor i; its load grows by numels[i]
-    #       return owners
-    load, owners = [0] * world, [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        rank = min(range(world), key=load.__getitem__)
-        owners[i], load[rank] = rank, load[rank] + numels[i]
-    return owners
-    # END SOLUTION
+class MyZeroRedundancy:
+    """Each rank owns whole tensors, keeps the optimizer states of those, updates them alone."""
 
+    def __init__(self, params, optimizer_class, group=None, **defaults):
+        self.params, self.group = list(params), group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        # BEGIN SOLUTION
+        # TODO: self.owners (a rank per parameter) and self.optimizer (on this rank's only)
+        # HINT: Keep a list of world counts, the elements each rank owns so far; each parameter
+        #       goes to the rank that owns the fewest so far. The order you visit them in matters:
+        #       a big tensor handed out last lands on a rank that is already full.
+        # HINT: Visit the indices i of the parameters sorted by decreasing numel(), but store
+        #       owners[i] in the parameters' own order: every rank computes the same list.
+        # HINT: The optimizer is optimizer_class([...], **defaults) on the parameters p whose
+        #       owner is this rank: zip(self.params, self.owners).
+        load, self.owners = [0] * world, [0] * len(self.params)
+        for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):
+            r = min(range(world), key=load.__getitem__)  # the least loaded so far
+            self.owners[i], load[r] = r, load[r] + self.params[i].numel()
+        mine = [p for p, owner in zip(self.params, self.owners) if owner == rank]
+        self.optimizer = optimizer_class(mine, **defaults)
+        # END SOLUTION
 
-def owned_step(params: list[nn.Parameter], owners: list[int], optimizer, group=None) -> None:
-    """After DDP's all-reduce: update this rank's tensors, then every rank gets every tensor."""
-    # BEGIN SOLUTION
-    # TODO: every rank holds every parameter as its owner updated it
-    # HINT: The optimizer holds this rank's tensors only: optimizer.step() updates those. Every
-    #       other parameter is stale here, and fresh on its owner.
-    # HINT: Then, for every parameter, in the same order on every rank (a collective: every rank
-    #       calls it for every parameter):
-    #       optimizer.step()
-    #       for p, owner in zip(params, owners):
-    #           minizero.broadcast(p.data, src=owner, group=group)
-    optimizer.step()
-    for p, owner in zip(params, owners):
-        minizero.broadcast(p.data, src=owner, group=group)
-    # END SOLUTION
+    def step(self) -> None:
+        """After DDP's all-reduce: update this rank's tensors; then every rank holds them all."""
+        # BEGIN SOLUTION
+        # TODO: the local step, then every parameter from its owner
+        # HINT: self.optimizer holds this rank's tensors only: its step() updates those. Every
+        #       other parameter is stale here, and fresh on its owner.
+        # HINT: A broadcast is a collective: every rank calls it for every parameter, in the same
+        #       order, with the same src (its owner), after the update, on self.group.
+        self.optimizer.step()
+        for p, owner in zip(self.params, self.owners):
+            minizero.broadcast(p.data, src=owner, group=self.group)
+        # END SOLUTION
 
 
 # %% check="owned_tensors"
-# Your assignment on awkward size lists, then your step with AdamW and Adafactor on max(NPROCS, 3)
-# ranks, and with AdamW on a subgroup of 2 of them.
-lesson06.check_owned_tensors(assign_owners, owned_step, NPROCS)
+# Your class with AdamW and Adafactor on max(NPROCS, 3) ranks, and with AdamW on a subgroup of 2.
+lesson06.check_owned_tensors(MyZeroRedundancy, NPROCS)
 
 # %% [markdown]
 # The broadcast is the price of the layout: an owner that updates a whole tensor must send all of
@@ -296,8 +446,10 @@ lesson06.check_owned_tensors(assign_owners, owned_step, NPROCS)
 
 
 # %%
-VOCABS = (64, 512, 2048, 8192)
-lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figure
+VOCABS = (64, 512, 2048, 8192)  # TinyGPT L = 6, h = 64, 16 tokens on each rank
+CFGS = [GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64) for V in VOCABS]
+PEAKS = lab.stage2_vs_stage3(NPROCS, CFGS, step_memory)  # step_memory(stage, cfg, rows=1)
+lab.show_stage2_vs_stage3(PEAKS)  # and its figure
 
 # %% [markdown]
 # Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
@@ -324,7 +476,16 @@ lab.show_stage2_vs_stage3(lab.stage2_vs_stage3(NPROCS, VOCABS))  # and its figur
 
 
 # %%
-lab.show_stage3_by_n(lab.stage3_by_n(worlds=(1, 2, 4)), formula_ns=(64, 1024))  # and its figure
+# @save
+def on_first(n: int, fn, *args) -> dict | None:
+    """On every rank: a process group of the first ``n`` ranks; on its members, ``fn(*args,
+    group=that group)``."""
+    group = dist.new_group(list(range(n)))  # every rank creates every group
+    return fn(*args, group=group) if dist.get_rank() < n else None
+
+
+FLOOR = lab.stage3_by_n((1, 2, 4), on_first, step_memory)  # 4 gloo ranks: groups of 1, 2, 4
+lab.show_stage3_by_n(FLOOR, formula_ns=(64, 1024))  # and its figure
 
 # %% [markdown]
 # The model states halve with each doubling of N; the rest of the peak stays where it is. At

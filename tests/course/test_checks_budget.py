@@ -1,5 +1,5 @@
-"""The memory budget (minizero.analysis.budget) and the checks of lessons 05 and 06
-(minizero.course.checks):
+"""The memory budget (minizero.analysis.budget) and the check of lesson 05
+(minizero.course.checks; lesson 06's: test_checks_reject_zro.py):
 formulas against the models and the paper, activations measured against the formula, and each
 check passing the lesson's solution and rejecting plausible wrong ones with a message naming what
 is wrong."""
@@ -7,7 +7,6 @@ is wrong."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 import minizero
 from minizero.analysis import budget
@@ -15,7 +14,6 @@ from minizero.analysis.memory import paper_model_state_bytes
 from minizero.course.checks import CheckFailed
 from minizero.course.checks.common import MIN_WORLD
 from minizero.course.checks.lesson05 import check_predict_peak, measure_peaks, peak_cases
-from minizero.course.checks.lesson06 import check_owned_tensors
 from minizero.models import GPTConfig, TinyGPT
 from minizero.units import assign_params, select_units
 
@@ -194,112 +192,6 @@ def test_predict_peak_rejects_wrong_predictions_saying_why(measured, wrong, mess
 def test_predict_peak_rejects_a_malformed_return_before_launching():
     with pytest.raises(CheckFailed, match="must return a dict with keys 'model_states'"):
         check_predict_peak(lambda case: 1.0, 2, peak_cases(2))
-
-
-# -- lesson 06: whole tensors owned by ranks ------------------------------------------------------
-def assign_owners(numels, world):  # the lesson's solution: largest first, least-loaded rank
-    load, owners = [0] * world, [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        r = min(range(world), key=load.__getitem__)
-        owners[i], load[r] = r, load[r] + numels[i]
-    return owners
-
-
-def owned_step(params, owners, optimizer, group=None):
-    optimizer.step()
-    for p, owner in zip(params, owners):
-        minizero.broadcast(p.data, src=owner, group=group)
-
-
-def greedy_in_order(numels, world):  # least-loaded rank, but in the given order
-    load, owners = [0] * world, []
-    for n in numels:
-        r = min(range(world), key=load.__getitem__)
-        owners.append(r)
-        load[r] += n
-    return owners
-
-
-def broadcast_on_the_world(params, owners, optimizer, group=None):
-    optimizer.step()
-    for p, owner in zip(params, owners):
-        minizero.broadcast(p.data, src=owner)  # group= left out
-
-
-def round_robin(numels, world):
-    return [i % world for i in range(len(numels))]
-
-
-def everything_to_rank_0(numels, world):
-    return [0] * len(numels)
-
-
-def no_broadcast(params, owners, optimizer, group=None):
-    optimizer.step()
-
-
-def broadcast_from_rank_0(params, owners, optimizer, group=None):
-    optimizer.step()
-    for p in params:
-        minizero.broadcast(p.data, src=0, group=group)
-
-
-def broadcast_before_step(params, owners, optimizer, group=None):
-    for p, owner in zip(params, owners):
-        minizero.broadcast(p.data, src=owner, group=group)
-    optimizer.step()
-
-
-def unrecorded_broadcast(params, owners, optimizer, group=None):
-    optimizer.step()
-    for p, owner in zip(params, owners):
-        dist.broadcast(p.data, src=owner, group=group)
-
-
-@pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
-def test_owned_tensors_passes_the_solution(capsys):
-    check_owned_tensors(assign_owners, owned_step, 2)
-    out = capsys.readouterr().out
-    assert "PASS  assign_owners balances whole tensors; owned_step trains TinyGPT" in out
-    assert "moving 3Ψ per step (all-reduce 2Ψ + broadcast Ψ)" in out
-
-
-@pytest.mark.parametrize(
-    "owners_fn, step_fn, message",
-    [
-        (round_robin, owned_step, "round_robin(8 tensors, world=2): rank 0 owns 40 of 44"),
-        (everything_to_rank_0, owned_step, "rank 0 owns 44 of 44 elements (100%"),
-        (assign_owners, no_broadcast, "still holds its value from before the step"),
-        (assign_owners, broadcast_from_rank_0, "(a broadcast with src=1)"),
-        (assign_owners, broadcast_before_step, "still holds its value from before the step"),
-        (assign_owners, unrecorded_broadcast, "the ledger saw ['all_reduce'] moving 2.00Ψ"),
-        (
-            greedy_in_order,
-            owned_step,
-            "greedy_in_order(9 tensors, world=3): rank 2 owns 18 elements (loads [12, 15, 18]); "
-            "giving each tensor to the least-loaded rank, largest tensors first, no rank owns "
-            "more than 16",
-        ),
-        (assign_owners, broadcast_on_the_world, "on a subgroup (ranks [0, 1] of a 3-rank world"),
-        (
-            assign_owners,
-            broadcast_on_the_world,
-            "a collective ran on the default group: pass group=self.group",
-        ),
-    ],
-)
-def test_owned_tensors_rejects_wrong_steps_saying_why(owners_fn, step_fn, message):
-    with pytest.raises(CheckFailed) as e:
-        check_owned_tensors(owners_fn, step_fn, 2)
-    assert message in str(e.value)
-
-
-def test_owned_tensors_reports_an_exception_with_its_rank():
-    def broken(params, owners, optimizer, group=None):
-        raise NotImplementedError("TODO: write owned_step()")
-
-    with pytest.raises(CheckFailed, match=r"broken raised on rank 0 with AdamW: NotImpl"):
-        check_owned_tensors(assign_owners, broken, 2)
 
 
 # -- the figure and the calculator ----------------------------------------------------------------

@@ -149,6 +149,9 @@ def launch_check(
     try:
         return graded_launch(fn, nprocs, *args, timeout=timeout, verbose=False)
     except LaunchError as e:
+        verdict = _rank_verdict(e)
+        if verdict is not None:  # a rank's own CheckFailed: the launcher stopped its peers
+            raise CheckFailed(verdict) from None
         raise CheckFailed(
             f"the ranks did not finish: {e}\nEvery rank must issue the same collectives in the "
             f"same order, or they wait for each other forever (on the subgroup "
@@ -157,6 +160,18 @@ def launch_check(
             f"is only slow can get more time: `python -m minizero grade --check-timeout 600` or "
             f"{TIMEOUT_ENV}=600."
         ) from e
+
+
+def _rank_verdict(e: LaunchError) -> str | None:
+    """The message of the :class:`CheckFailed` that the failing rank raised, or None. A rank
+    raises one where its peers may be waiting for it in a collective (its student code raised
+    half-way through a step): the launcher then stops them at once, where a result returned
+    instead would leave them waiting until the timeout."""
+    head = f"{CheckFailed.__module__}.{CheckFailed.__qualname__}: "
+    at = e.traceback.rfind("\n" + head) if isinstance(e.traceback, str) else -1
+    if at < 0 or e.rank is None:
+        return None
+    return e.traceback[at + 1 + len(head) :].strip()
 
 
 def graded_launch(fn, nprocs: int, *args, **kwargs) -> list:

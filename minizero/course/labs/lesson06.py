@@ -1,11 +1,15 @@
 """Lesson 06's experiments (``course/06_myths.py``): each myth about ZeRO against a measurement.
 
-``who_computes_what`` (myth 1) which units each rank runs, with what present, and its FLOPs;
-``synchronous`` (myth 2) step times with a slow rank, and parameters against one process;
-``step_ledgers`` (myths 3, 5) each rank's collectives in one step; ``not_a_transformer`` (myth 4)
-an MLP and a ConvNet at stages 0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7)
-torch's ZeroRedundancyOptimizer beside stage 1 (in :mod:`.lesson06_torch`). Myths 6, 8 and 9
-(memory) are measured in :mod:`.lesson06_memory`. Both reach the lesson from here.
+What each rank runs is the lesson's, written in the open and saved (``# @save``, in
+:mod:`.saved`); this module launches it and shows the results. ``who_computes_what`` (myth 1,
+``forward_on_rank``) which units each rank runs, with what present, and its FLOPs;
+``synchronous`` (myth 2, ``steps_with_a_slow_rank``) step times with a slow rank, and parameters
+against one process; ``step_ledgers`` (myths 3, 5, ``one_step_ledgers``) each rank's collectives
+in one step; ``not_a_transformer`` (myth 4, ``train_three_steps``) an MLP and a ConvNet at stages
+0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7) torch's
+ZeroRedundancyOptimizer beside stage 1 (in :mod:`.lesson06_torch`).
+Myths 6, 8 and 9 (memory: ``step_memory``, and ``on_first`` for 9) are launched
+and shown by :mod:`.lesson06_memory`. Both reach the lesson from here.
 """
 
 from __future__ import annotations
@@ -15,10 +19,6 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
-
-# torch.optim imports torch's compiler on first use (~10 s per process). The ranks of a CPU launch
-# are forked from this kernel: importing it once here saves every launch below that time.
-import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -26,9 +26,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
 from minizero.analysis.ledger import CommLedger
+from minizero.analysis.memory import MemoryMeter, model_state_bytes
 from minizero.course import compare, hint, plots
-from minizero.course.checks import lesson06
+from minizero.course.checks import lesson06  # and torch._dynamo, once (checks.common)
 from minizero.course.labs import describe, rank_device, run_info, setup
+from minizero.course.labs.common import GPT
 from minizero.course.labs.lesson06_memory import activations_by_stage as activations_by_stage
 from minizero.course.labs.lesson06_memory import (
     show_activations_by_stage as show_activations_by_stage,
@@ -41,60 +43,30 @@ from minizero.course.labs.lesson06_torch import (
     show_torch_zero_vs_stage1 as show_torch_zero_vs_stage1,
 )
 from minizero.course.labs.lesson06_torch import torch_zero_vs_stage1 as torch_zero_vs_stage1
+from minizero.course.labs.saved import adamw as adamw
+from minizero.course.labs.saved import (
+    forward_on_rank,
+    one_step_ledgers,
+    steps_with_a_slow_rank,
+    train_three_steps,
+)
 from minizero.launcher.progress import launch_with_progress
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import full_state_dict, parallelize
 from minizero.units import assign_params, select_units
 
 lab = sys.modules[__name__]
-__all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "lesson06", "nn"]
-
-GPT = GPTConfig.tiny()
-adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)
-
-
-def _who_computes_what() -> dict:
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
-    torch.manual_seed(0)
-    plain = TinyGPT(GPT).to(dev)  # the whole model, no ZeRO: the reference
-    torch.manual_seed(0)
-    net, _ = parallelize(TinyGPT(GPT), 3, adamw)
-    groups, owners, _ = assign_params(net.module, select_units(net.module))  # ZeRO-3's units
-    names = {m: name or "(root)" for name, m in net.module.named_modules()}
-    ran = []  # per unit, as its module starts: [name, elements, present while it runs, after]
-    present = lambda ps: sum(p.numel() for p in ps if p.untyped_storage().nbytes())  # with data
-
-    def before(m, args, name, params):
-        ran.append([name, sum(p.numel() for p in params), present(params)])
-
-    def after(m, args, out, name, params):
-        next(row for row in ran if row[0] == name).append(present(params))
-
-    for params, m in zip(groups, owners, strict=True):  # these run after ZeRO-3's gather / free
-        m.register_forward_pre_hook(lambda m, a, n=names[m], ps=params: before(m, a, n, ps))
-        m.register_forward_hook(lambda m, a, out, n=names[m], ps=params: after(m, a, out, n, ps))
-    x, y = synthetic_batch("gpt", 4 * world, 0, rank=rank, world=world, device=dev)  # (4, T)
-    with CommLedger() as ledger, FlopCounterMode(display=False) as flops:
-        net(x, y)
-    with FlopCounterMode(display=False) as plain_flops:
-        plain(x, y)
-    gathered = sum(r.numel for r in ledger.records if r.op == "all_gather")
-    return dict(
-        ran=ran,
-        rows=x[:, 0].tolist(),
-        flops=flops.get_total_flops(),
-        plain_flops=plain_flops.get_total_flops(),
-        psi=count_params(plain),
-        held=sum(s.numel() for s in net.param_shards),
-        gathered=gathered,
-    )
+__all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "lesson06", "nn", "dist"]
+__all__ += ["time", "CommLedger", "FlopCounterMode", "GPT", "TinyGPT", "MLP", "compare"]
+__all__ += ["count_params", "full_state_dict", "parallelize", "rank_device", "synthetic_batch"]
+__all__ += ["assign_params", "select_units", "MemoryMeter", "model_state_bytes"]
 
 
-def who_computes_what(nprocs: int) -> list[dict]:
-    """Myth 1: one stage-3 forward of TinyGPT; per rank, each unit's elements present while its
-    module runs and after, the rows it saw, its forward FLOPs (and plain TinyGPT's on the same
-    rows), the elements it holds at rest and those it all-gathered."""
-    return minizero.launch(_who_computes_what, nprocs, verbose=False)
+def who_computes_what(nprocs: int, fn=forward_on_rank) -> list[dict]:
+    """Myth 1: ``fn`` (the lesson's ``forward_on_rank``) on every rank: per unit, its elements
+    present while its module runs and after, the rows seen, the forward's FLOPs (and plain
+    TinyGPT's), the elements held at rest and those all-gathered."""
+    return minizero.launch(fn, nprocs, verbose=False)
 
 
 def show_who_computes_what(runs: list[dict]) -> None:
@@ -112,46 +84,23 @@ def show_who_computes_what(runs: list[dict]) -> None:
         )
 
 
-def _synchronous(stage: int, steps: int, delay: float) -> dict:
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
-    model, batch = compare.workload("mlp", 4, dev)  # this rank's 4 rows of each step
-    ref, _ = compare.workload("mlp", 4 * world, dev)  # one process, the whole global batch
-    ref.to(dev)
-    ref_opt = adamw(ref.parameters())
-    net, opt = parallelize(model, stage, adamw)
-    times, params, ref_params = [], [], []
-    for step in range(steps):
-        dist.barrier()  # everyone starts the step together
-        t0 = time.perf_counter()
-        if rank == world - 1 and step == 2:
-            time.sleep(delay)  # a slow rank
-        net(*batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        params.append({k: v.cpu() for k, v in full_state_dict(net).items()})
-        whole = synthetic_batch("mlp", 4 * world, step, device=dev, in_features=32, out_features=16)
-        ref(*whole).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_params.append({k: v.detach().cpu().clone() for k, v in ref.state_dict().items()})
-    return dict(times=times, params=params, ref=ref_params)
-
-
-def _run_synchronous(stages, steps: int, delay: float, progress) -> dict:
+def _run_synchronous(fn, stages, steps: int, delay: float, progress) -> dict:
     out = {}
     for stage in stages:
-        out[stage] = _synchronous(stage, steps, delay)
+        out[stage] = fn(stage, steps, delay)
         progress.tick()
     return dict(out, info=run_info())
 
 
-def synchronous(nprocs: int, stages=(0, 1, 2, 3), steps: int = 3, delay: float = 0.3) -> list:
-    """Myth 2: the MLP, ``steps`` AdamW steps at each stage, the last rank ``delay`` seconds late
-    in step 2; per rank and stage: step times, full parameters after each step, one process's."""
+def synchronous(
+    nprocs: int, stages=(0, 1, 2, 3), steps: int = 3, delay: float = 0.3, fn=steps_with_a_slow_rank
+) -> list:
+    """Myth 2: ``fn`` (the lesson's ``steps_with_a_slow_rank``) at each stage on every rank; per
+    rank and stage: step times, full parameters after each step, one process's."""
     return launch_with_progress(
         _run_synchronous,
         nprocs,
+        fn,
         stages,
         steps,
         delay,
@@ -184,27 +133,14 @@ def show_synchronous(per_rank: list) -> None:
     print(describe(r0["info"]))
 
 
-def _step_ledgers(stages) -> dict:
-    dev = rank_device()
-    out = {}
-    for stage in stages:
-        model, batch = compare.workload("mlp", 4, dev)
-        psi = count_params(model)
-        with CommLedger() as built:
-            net, opt = parallelize(model, stage, adamw)
-        for step in range(2):  # step 0 warms up; step 1 is recorded
-            with CommLedger() as ledger:
-                net(*batch(step)).backward()
-                opt.step()
-                opt.zero_grad()
-        out[stage] = dict(psi=psi, setup=built, step=ledger)
-    return dict(out, info=run_info())
+def _step_ledgers(fn, stages) -> dict:
+    return dict({stage: fn(stage) for stage in stages}, info=run_info())
 
 
-def step_ledgers(nprocs: int, stages=(0, 1, 2, 3)) -> dict:
-    """Myths 3 and 5: the MLP at each stage; every rank's ledger of its construction and of its
-    second step: ``{"ledgers": {stage: [ledger per rank]}, "setup": ..., "psi", "info"}``."""
-    res = minizero.launch(_step_ledgers, nprocs, stages, verbose=False)
+def step_ledgers(nprocs: int, stages=(0, 1, 2, 3), fn=one_step_ledgers) -> dict:
+    """Myths 3 and 5: ``fn`` (the lesson's ``one_step_ledgers``) at each stage on every rank:
+    ``{"ledgers": {stage: [ledger per rank]}, "setup": ..., "psi", "info"}``."""
+    res = minizero.launch(_step_ledgers, nprocs, fn, stages, verbose=False)
     return dict(
         ledgers={s: [r[s]["step"] for r in res] for s in stages},
         psi=res[0][stages[0]]["psi"],
@@ -292,30 +228,16 @@ def mlp_batch(global_batch, step, rank=0, world=1, device="cpu"):
 MODELS = {"MLP": (MLP, mlp_batch), "ConvNet": (ConvNet, images)}
 
 
-def _train(make, data, stage):
-    """3 AdamW steps; ``stage=None``: one process on the whole batch. Full fp32 params after."""
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
-    torch.manual_seed(0)
-    model = make()
-    if stage is None:
-        model, opt, rank, world = model.to(dev), adamw(model.parameters()), 0, 1
-    else:
-        model, opt = parallelize(model, stage, adamw)
-    for step in range(3):
-        model(*data(8, step, rank=rank, world=world, device=dev)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.cpu() for k, v in full_state_dict(model).items()}
+def _not_a_transformer(fn, models, stages) -> dict:
+    return {name: {s: fn(*MODELS[name], s) for s in stages} for name in models}
 
 
-def _not_a_transformer(models, stages) -> dict:
-    return {name: {s: _train(*MODELS[name], s) for s in stages} for name in models}
-
-
-def not_a_transformer(nprocs: int, models=("MLP", "ConvNet"), stages=(None, 0, 3)) -> dict:
-    """Myth 4: each model, 3 AdamW steps at each stage (None: one process, the whole batch):
-    rank 0's full parameters after, ``{model: {stage: state dict}}``."""
-    return minizero.launch(_not_a_transformer, nprocs, models, stages, verbose=False)[0]
+def not_a_transformer(
+    nprocs: int, models=("MLP", "ConvNet"), stages=(None, 0, 3), fn=train_three_steps
+) -> dict:
+    """Myth 4: ``fn`` (the lesson's ``train_three_steps``) on each model at each stage (None: one
+    process, the whole batch): rank 0's full parameters after, ``{model: {stage: state dict}}``."""
+    return minizero.launch(_not_a_transformer, nprocs, fn, models, stages, verbose=False)[0]
 
 
 def show_not_a_transformer(res: dict, nprocs: int) -> None:

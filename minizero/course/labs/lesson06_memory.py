@@ -10,48 +10,23 @@ from __future__ import annotations
 import statistics
 
 import matplotlib.pyplot as plt
-import torch
 import torch.distributed as dist
 
 import minizero
-from minizero.analysis.memory import MemoryMeter, format_bytes, model_state_bytes
+from minizero.analysis.memory import format_bytes
 from minizero.course import plots
-from minizero.course.labs import describe, rank_device, run_info
-from minizero.models import GPTConfig, TinyGPT, count_params
-from minizero.parallelize import parallelize
-
-LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # myths 6, 9
-fused = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)
+from minizero.course.labs import describe, run_info
+from minizero.course.labs.saved import on_first, step_memory
 
 
-def _activations_by_stage(stages) -> dict:
-    dev, out = rank_device(), {}
-    for stage in stages:
-        torch.manual_seed(0)
-        cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-        net, opt = parallelize(TinyGPT(LONG), stage, fused, precision="bf16", bucket_cap_mb=cap)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size), generator=g).to(dev)  # (b, s)
-        net(x, x).backward()  # a warm-up step creates the optimizer states
-        opt.step()
-        opt.zero_grad()
-        with MemoryMeter(net, opt, device=dev) as meter:
-            meter.reset_peak()
-            loss = net(x, x)
-            fwd = meter.mark("end of forward")
-            loss.backward()
-            states = sum(model_state_bytes(net, opt).values())
-            opt.step()
-            opt.zero_grad()
-            end = meter.mark("end of step")
-        out[stage] = dict(states=states, fwd=fwd, peak=end["peak"])
-    return dict(stages=out, info=run_info())
+def _activations_by_stage(fn, stages) -> dict:
+    return dict(stages={stage: fn(stage) for stage in stages}, info=run_info())
 
 
-def activations_by_stage(nprocs: int, stages=(0, 1, 2, 3)) -> dict:
-    """Myth 6: TinyGPT (L=2 h=64 s=128 b=2) in bf16 at each stage, rank 0's second step: model
-    states, what forward left alive, the peak."""
-    return minizero.launch(_activations_by_stage, nprocs, stages, verbose=False)[0]
+def activations_by_stage(nprocs: int, stages=(0, 1, 2, 3), fn=step_memory) -> dict:
+    """Myth 6: ``fn`` (the lesson's ``step_memory``: TinyGPT L=2 h=64 s=128 b=2 in bf16) at each
+    stage, rank 0's: model states, what forward left alive, the peak."""
+    return minizero.launch(_activations_by_stage, nprocs, fn, stages, verbose=False)[0]
 
 
 def show_activations_by_stage(acts: dict) -> None:
@@ -68,32 +43,15 @@ def show_activations_by_stage(acts: dict) -> None:
         )
 
 
-def _stage2_vs_stage3(vocabs) -> dict:
-    dev, out = rank_device(), []
-    for V in vocabs:
-        cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64)
-        for stage in (2, 3):
-            torch.manual_seed(0)
-            cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
-            net, opt = parallelize(TinyGPT(cfg), stage, fused, precision="bf16", bucket_cap_mb=cap)
-            x = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(0)).to(dev)
-            net(x, x).backward()  # a warm-up step creates the optimizer states
-            opt.step()
-            opt.zero_grad()
-            with MemoryMeter(net, opt, device=dev) as meter:
-                meter.reset_peak()
-                net(x, x).backward()
-                opt.step()
-                opt.zero_grad()
-                end = meter.mark("step")
-            out.append(dict(V=V, stage=stage, peak=end["peak"], psi=count_params(TinyGPT(cfg))))
-    return dict(rows=out, info=run_info())
+def _stage2_vs_stage3(fn, cfgs) -> dict:
+    rows = [dict(fn(s, cfg, 1), V=cfg.vocab_size, stage=s) for cfg in cfgs for s in (2, 3)]
+    return dict(rows=rows, info=run_info())
 
 
-def stage2_vs_stage3(nprocs: int, vocabs) -> dict:
-    """Myth 8: TinyGPT (L=6 h=64, 16 tokens per rank) with each vocabulary V, bf16, the peak of
-    rank 0's second step at stages 2 and 3."""
-    return minizero.launch(_stage2_vs_stage3, nprocs, vocabs, verbose=False)[0]
+def stage2_vs_stage3(nprocs: int, cfgs, fn=step_memory) -> dict:
+    """Myth 8: ``fn(stage, cfg, 1)`` (the lesson's ``step_memory``, one row of ``cfg.block_size``
+    tokens per rank, bf16) for each TinyGPT config at stages 2 and 3: rank 0's peaks."""
+    return minizero.launch(_stage2_vs_stage3, nprocs, fn, list(cfgs), verbose=False)[0]
 
 
 def show_stage2_vs_stage3(sweep: dict) -> None:
@@ -127,35 +85,21 @@ def show_stage2_vs_stage3(sweep: dict) -> None:
     plt.show()
 
 
-def _stage3_by_n(worlds) -> dict:
-    rank, dev, out = dist.get_rank(), rank_device(), []
+def _stage3_by_n(on_first, fn, worlds) -> dict:
+    rows = []
     for n in worlds:
-        group = dist.new_group(list(range(n)))  # every rank creates every group
-        if rank < n:
-            torch.manual_seed(0)
-            net, opt = parallelize(TinyGPT(LONG), 3, fused, precision="bf16", process_group=group)
-            x = torch.randint(0, LONG.vocab_size, (2, LONG.block_size)).to(dev)  # (b, s)
-            net(x, x).backward()  # a warm-up step creates the optimizer states
-            opt.step()
-            opt.zero_grad()
-            with MemoryMeter(net, opt, device=dev) as meter:
-                meter.reset_peak()
-                net(x, x).backward()
-                states = sum(model_state_bytes(net, opt).values())
-                opt.step()
-                opt.zero_grad()
-                end = meter.mark("step")
-            out.append(dict(n=n, states=states, peak=end["peak"], psi=count_params(TinyGPT(LONG))))
-        dist.barrier()
-    return dict(info=run_info(), rows=out)
+        rows.append(on_first(n, fn, 3))  # stage 3 on the group of the first n ranks
+        dist.barrier()  # the ranks outside the group wait for its members
+    ns = [n for n, r in zip(worlds, rows) if r is not None]
+    return dict(info=run_info(), rows=[dict(r, n=n) for n, r in zip(ns, filter(None, rows))])
 
 
-def stage3_by_n(worlds) -> dict:
-    """Myth 9: stage 3 on groups of the first N of max(worlds) gloo ranks: rank 0's model states
-    and peak of its second bf16 step of TinyGPT (L=2 h=64 s=128 b=2)."""
-    return minizero.launch(_stage3_by_n, max(worlds), list(worlds), backend="gloo", verbose=False)[
-        0
-    ]
+def stage3_by_n(worlds, on_first=on_first, fn=step_memory) -> dict:
+    """Myth 9: ``on_first(n, fn, 3)`` (the lesson's: ``step_memory`` at stage 3 on the group of the
+    first n ranks) for each n of ``worlds`` on max(worlds) gloo ranks: rank 0's model states and
+    peak of stage 3's second bf16 step of TinyGPT (L=2 h=64 s=128 b=2)."""
+    n, args = max(worlds), (on_first, fn, list(worlds))
+    return minizero.launch(_stage3_by_n, n, *args, backend="gloo", verbose=False)[0]
 
 
 def show_stage3_by_n(floor: dict, formula_ns=(64, 1024)) -> None:
