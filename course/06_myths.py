@@ -439,25 +439,23 @@ lesson06.check_owned_tensors(MyZeroRedundancy, NPROCS)
 # (huggingface.co/docs/transformers/deepspeed). For the model states it is true. For the **peak**
 # it is not: stage 3 saves 2Ψ(1 − 1/N) bytes of 16-bit parameters but, at its peak, holds the
 # units it has gathered and the full gradient of a unit before its reduce-scatter. When one unit
-# is a large share of Ψ, that outweighs the saving. The measurement: TinyGPT (L = 6, h = 64) with
-# a growing vocabulary, so that the tied embedding (V × h, in the root's unit, which stays
-# gathered through the whole forward and the whole backward) becomes most of Ψ; the peak of one
-# step at stages 2 and 3, bf16, fused AdamW, 16 tokens per rank.
+# is a large share of Ψ, that outweighs the saving. The measurement: TinyGPT (V = 64, h = 64) of
+# 1, 2, 4 and 6 blocks, one unit each (lesson 04), so that a unit is about 1/L of Ψ; the peak of
+# one step at stages 2 and 3, bf16, fused AdamW, 16 tokens per rank.
 
 
 # %%
-VOCABS = (64, 512, 2048, 8192)  # TinyGPT L = 6, h = 64, 16 tokens on each rank
-CFGS = [GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=64) for V in VOCABS]
+DEPTHS = (1, 2, 4, 6)  # TinyGPT V = 64, h = 64, 16 tokens on each rank
+CFGS = [GPTConfig(vocab_size=64, block_size=16, n_layer=L, n_head=4, n_embd=64) for L in DEPTHS]
 PEAKS = lab.stage2_vs_stage3(NPROCS, CFGS, step_memory)  # step_memory(stage, cfg, rows=1)
 lab.show_stage2_vs_stage3(PEAKS)  # and its figure
 
 # %% [markdown]
-# Where the embedding is a small share of Ψ, stage 3's peak is the lower one. As it grows, the
-# curves cross: stage 3 holds the root's unit, the embedding with it, gathered through forward
-# and backward, and at the end of backward both its 16-bit copy and its full gradient until the
-# reduce-scatter, while stage 2 never gathers anything. (With L = 2 they never cross: the root
-# and both blocks, all of Ψ, are gathered at once at stage 3's peak. Units must be small
-# against the model for stage 3 to pay.) These peaks were measured on gloo, where a reduce-scatter
+# With one or two blocks, stage 3's peak is the **higher** one; with four or six, the lower. At
+# its peak stage 3 holds a gathered unit, at the end of backward both its 16-bit copy and its full
+# gradient until the reduce-scatter, while stage 2 never gathers anything; when a unit is half
+# of Ψ or more, that costs more than the 2Ψ(1 − 1/N) it saves. Units must be small against the
+# model for stage 3 to pay. These peaks were measured on gloo, where a reduce-scatter
 # receives into a buffer the size of its input (lesson 03): a bucket more for stage 2, a unit's
 # gradient more for stage 3;
 # NCCL's does not. At N = 1,

@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from minizero.course.labs import lesson06 as lab  # noqa: E402
+from minizero.models import GPTConfig  # noqa: E402
 
 
 def test_every_rank_computes_the_whole_model(capsys):
@@ -65,8 +66,13 @@ def test_torch_zero_broadcasts_and_stage_1_refuses_adafactor(capsys):
 
 
 def test_stage2_vs_stage3_and_the_floor(capsys):
-    sweep = lab.stage2_vs_stage3(2, vocabs=(64,))
-    assert sorted(r["stage"] for r in sweep["rows"]) == [2, 3]
+    cfgs = [GPTConfig(vocab_size=64, block_size=16, n_layer=L, n_head=4, n_embd=64) for L in (1, 6)]
+    sweep = lab.stage2_vs_stage3(2, cfgs)
+    assert sorted((r["L"], r["stage"]) for r in sweep["rows"]) == [(1, 2), (1, 3), (6, 2), (6, 3)]
+    peak = {(r["L"], r["stage"]): r["peak"] for r in sweep["rows"]}
+    # myth 8's measurement: one block, a unit of most of Ψ, gathered whole: stage 3 peaks higher;
+    # six blocks: lower
+    assert peak[1, 3] > peak[1, 2] and peak[6, 3] < peak[6, 2], peak
     lab.show_stage2_vs_stage3(sweep)
     plt.close("all")
     floor = lab.stage3_by_n(worlds=(1, 2))

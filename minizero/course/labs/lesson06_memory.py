@@ -2,7 +2,7 @@
 :mod:`minizero.course.labs.lesson06`, which brings them into the lesson.
 
 ``activations_by_stage`` (myth 6) what forward leaves alive, per stage; ``stage2_vs_stage3``
-(myth 8) the peak against the embedding's share of Ψ; ``stage3_by_n`` (myth 9) the floor.
+(myth 8) the peak against the model's depth (its number of units); ``stage3_by_n`` (myth 9) the floor.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def show_activations_by_stage(acts: dict) -> None:
 
 
 def _stage2_vs_stage3(fn, cfgs) -> dict:
-    rows = [dict(fn(s, cfg, 1), V=cfg.vocab_size, stage=s) for cfg in cfgs for s in (2, 3)]
+    rows = [dict(fn(s, cfg, 1), L=cfg.n_layer, stage=s) for cfg in cfgs for s in (2, 3)]
     return dict(rows=rows, info=run_info())
 
 
@@ -56,29 +56,28 @@ def stage2_vs_stage3(nprocs: int, cfgs, fn=step_memory) -> dict:
 
 def show_stage2_vs_stage3(sweep: dict) -> None:
     print(f"peak per rank, rank 0 of {describe(sweep['info'])}")
-    for V in sorted({r["V"] for r in sweep["rows"]}):
-        p2, p3 = (next(r for r in sweep["rows"] if (r["V"], r["stage"]) == (V, s)) for s in (2, 3))
-        share = V * 64 / p2["psi"]  # the embedding's share of Ψ
+    for L in sorted({r["L"] for r in sweep["rows"]}):
+        p2, p3 = (next(r for r in sweep["rows"] if (r["L"], r["stage"]) == (L, s)) for s in (2, 3))
         print(
-            f"V = {V:6}: embedding {share:4.0%} of Ψ = {p2['psi']:>9,}; stage 2 "
+            f"L = {L} ({L + 1} units with the root), Ψ = {p2['psi']:>7,}; stage 2 "
             f"{format_bytes(p2['peak']):>10}, stage 3 {format_bytes(p3['peak']):>10} "
             f"({p3['peak'] / p2['peak'] - 1:+.1%})"
         )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for stage in (2, 3):
         mine = [r for r in sweep["rows"] if r["stage"] == stage]
-        xs = [r["V"] * 64 / r["psi"] for r in mine]
+        xs = [r["L"] for r in mine]
         ax.plot(
             xs,
             [r["peak"] / r["psi"] for r in mine],
             "o-",
             label=f"stage {stage}: {plots.STAGE_NAMES[stage]}",
         )
-    ax.set_xlabel("the embedding's share of Ψ (V × h, in the root's unit)")
+    ax.set_xlabel("blocks L (stage 3's units, besides the root's)")
     ax.set_ylabel("peak bytes per rank / Ψ")
     gloo = sweep["info"]["backend"] == "gloo"
     where = describe(sweep["info"]) + (f"\n{plots.GLOO_MEMORY_NOTE}" if gloo else "")
-    ax.set_title(f"TinyGPT L=6 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
+    ax.set_title(f"TinyGPT V=64 h=64, bf16, 16 tokens per rank; {where}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

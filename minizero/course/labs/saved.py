@@ -263,7 +263,7 @@ def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
     return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
 
 
-# course/06_myths.py:480 (cell 06_myths-028)
+# course/06_myths.py:478 (cell 06_myths-028)
 def on_first(n: int, fn, *args) -> dict | None:
     """On every rank: a process group of the first ``n`` ranks; on its members, ``fn(*args,
     group=that group)``."""
