@@ -2,7 +2,8 @@
 :mod:`minizero.course.labs.lesson06`, which brings them into the lesson.
 
 ``activations_by_stage`` (myth 6) what forward leaves alive, per stage; ``stage2_vs_stage3``
-(myth 8) the peak against the model's depth (its number of units); ``stage3_by_n`` (myth 9) the floor.
+(myth 8) the peak against the model's depth (its number of units); ``stage3_by_n`` (myth 9)
+the floor.
 """
 
 from __future__ import annotations
