@@ -355,7 +355,7 @@ lab.show_model_states(lab.model_states(NPROCS, RUNS, optimizer=adamw))
 # %%
 CAPS_MB = [0.005, 0.02, 0.05, 0.1, 0.2, 0.5]  # MiB; TinyGPT's gradient is ~0.4 MiB
 s = lab.bucket_sweep(NPROCS, CAPS_MB, steps=5)
-link = cost.fit(s.sweep, NPROCS, emulated_rs=INFO["backend"] == "gloo")
+link = cost.fit(s.sweep, NPROCS)  # minizero's collectives: a reduce-scatter's bytes on gloo too
 exposed = {c: cost.bucket_exposed(s.buckets[c], s.backward_s[c], NPROCS, link) for c in CAPS_MB}
 predicted = {c: s.forward_s[c] + s.backward_s[c] + exposed[c] for c in CAPS_MB}  # the model
 lab.show_bucket_sweep(s, link, predicted)
