@@ -97,12 +97,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
                    async_op: bool = False, tag: str = ""):  # fmt: skip
     """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
     S = input.numel(). On gloo an all-to-all and a local sum: half torch's bytes (lesson 00)."""
-    if dist.get_backend(group) != "gloo":
+    n = dist.get_world_size(group)  # NCCL, and on gloo an op or sizes the fold cannot take: torch's
+    if dist.get_backend(group) != "gloo" or op not in _FOLD or input.numel() != n * output.numel():
         fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
-        return _run("reduce_scatter", fn, (input, output), group, async_op, tag)
-    if op not in _FOLD or input.numel() != (n := dist.get_world_size(group)) * output.numel():
-        raise ValueError(f"reduce_scatter on gloo: {op} of {input.numel()} elements into {n} x "
-                         f"{output.numel()} (SUM, AVG, PRODUCT, MIN, MAX; N x output)")  # fmt: skip
+        return _run("reduce_scatter", fn, (input, output), group, async_op, tag)  # (its error)
     got = torch.empty_like(input)  # (N * shard,) chunk j: rank j's chunk r
     fn = lambda a: dist.all_to_all_single(got, input, group=group, async_op=a)
     then = partial(_fold, output, got.unflatten(0, (n, -1)), op, dist.get_rank(group))

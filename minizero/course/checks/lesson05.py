@@ -96,9 +96,10 @@ def peak_cases(world: int, *, gpu: bool = False) -> list[PeakCase]:
         PeakCase(cfg=cfg, micro_batch=b, stage=0, checkpointing=False, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=2, checkpointing=False, world=world),
         PeakCase(cfg=cfg, micro_batch=b, stage=1, checkpointing=True, world=world),
-        PeakCase(cfg=cfg, micro_batch=b, stage=3, checkpointing=True, world=world),
         PeakCase(cfg=wide, micro_batch=2, stage=2, checkpointing=False, world=world),
-    ]
+        PeakCase(cfg=cfg, micro_batch=b, stage=3, checkpointing=True, world=world),
+    ]  # stage 3 last: on gloo its peak holds the reduce-scatters' receive buffers (lesson 03),
+    # which the lesson's model leaves out, so a prediction that misses elsewhere is named there
 
 
 def _baseline(dev: torch.device) -> int:
