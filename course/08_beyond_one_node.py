@@ -491,7 +491,7 @@ lab.calculator(BIG, CANDIDATES, SCENARIO)  # sliders where a widget front end ru
 #    (`c.latency(q.links)` of each collective, `c.times` a step) would; `"tie"` if only the
 #    tie-break decided; else `"bandwidth"`.
 #
-# The check runs it on seven scenarios where the answer flips, against its own decision.
+# The check runs it on eight scenarios where the answer flips, against its own decision.
 
 
 # %%
@@ -561,7 +561,7 @@ def choose(q: scenario.Question) -> tuple[tuple[int, bool] | None, str]:
 
 
 # %% check="choose"
-# Seven scenarios: α decides (twice), a tie, bytes, memory (twice), nothing fits.
+# Eight scenarios: α decides (twice), memory (three times), a tie, bytes, nothing fits.
 lesson08.check_choose(choose)
 
 # %% [markdown]

@@ -151,12 +151,12 @@ def _priced(q, plan: tuple[int, bool], one_call: bool) -> tuple[float, float]:
     return step, alpha
 
 
-def _pick(q, *, memory=True, alpha=True, shard_world=False, one_call=False, ties="less"):
+def _pick(q, *, memory=True, alpha=True, shard_world=False, one_call=False, ties="less", hsdp=True):
     """The plan: the fastest that fits, equal times to the one needing less memory; None."""
     same = lambda a, b: math.isclose(a, b, rel_tol=1e-9)
     rows = []
     for plan in PLANS:
-        if plan[1] and q.world <= q.node:
+        if plan[1] and (q.world <= q.node or not hsdp):
             continue  # HSDP on one node is the flat plan
         step, lat = _priced(q, plan, one_call)
         need = _need(q, *plan, q.world if shard_world else None)
@@ -195,18 +195,27 @@ def _question(alpha=10e-6, memory=80e9, activations=20e9, world=64):
     )  # fmt: skip
 
 
-# Where the answer flips: α decides (at 512 ranks and 50 µs, for ZeRO-3 HSDP's few units); a tie;
-# bytes decide; memory decides, twice (ZeRO-1 HSDP's node-sized shards, ZeRO-3 HSDP's); nothing
-# fits.
+# Where the answer flips: α decides (ZeRO-3 HSDP's few units at 512 ranks and 50 µs; ZeRO-1
+# HSDP's short rings at 64 and 10 µs); memory decides, three times (ZeRO-1 HSDP's node-sized
+# shards, ZeRO-3 HSDP's); a tie; bytes decide; nothing fits.
 QUESTIONS = [
-    ("64 ranks in nodes of 8, α 10 µs, 80 GB", _question()),
-    ("512 ranks, α 50 µs", _question(alpha=50e-6, world=512)),
-    ("α 0.1 µs", _question(alpha=1e-7)),
-    ("α 0.1 µs, 40 GB", _question(alpha=1e-7, memory=40e9)),
-    ("30 GB", _question(memory=30e9)),
-    ("512 ranks, 21 GB", _question(world=512, memory=21e9)),
-    ("15 GB", _question(memory=15e9)),
+    _question(alpha=50e-6, world=512),
+    _question(),
+    _question(memory=30e9),
+    _question(world=512, memory=30e9),  # ignoring memory, and ignoring α, pick ZeRO-1
+    _question(alpha=1e-7),
+    _question(alpha=1e-7, memory=40e9),
+    _question(world=512, memory=21e9),
+    _question(memory=15e9),
 ]
+
+
+def _what(q) -> str:
+    return (
+        f"Ψ = {q.psi / 1e9:g}B on {q.world} ranks in nodes of {q.node}, α "
+        f"{q.links.intra.alpha * 1e6:g} µs, {q.memory / 1e9:g} GB a rank of which "
+        f"{q.activations / 1e9:g} GB activations"
+    )
 
 
 def _name(plan) -> str:
@@ -242,6 +251,8 @@ def _plan_hint(q, got, want) -> str:
          "round, and at many ranks it is the larger term; rank by cost.predict's step_s"),
         (dict(one_call=True), "you priced Ψ as one collective: α is paid per call, so price each "
          "bucket (q.buckets, stages 0-2) or unit (q.units, stage 3) as sizes="),
+        (dict(hsdp=False), "you left HSDP out: stages 1-3 may also shard over the node and "
+         "replicate across nodes, plan (stage, True), when there is more than one node"),
         (dict(ties="more"), "equal step times: take the plan that needs less memory"),
         (dict(ties="first"), "equal step times: take the plan that needs less memory"),
     ]  # fmt: skip
@@ -267,10 +278,10 @@ def check_choose(fn) -> None:
     """Lesson 08: ``fn(q) -> (plan, reason)`` decides a :class:`scenario.Question` as the
     check's own decision does, on scenarios where the answer flips."""
     name = getattr(fn, "__name__", "your function")
-    for what, q in QUESTIONS:
+    for q in QUESTIONS:
         want, why = _decide(q)
         got, err = guard(fn, q)
-        where = f"for {what}"
+        where = f"for {_what(q)}"
         if err:
             raise CheckFailed(f"{name} raised {where}: {err}")
         try:
@@ -292,8 +303,8 @@ def check_choose(fn) -> None:
                 f"{why!r}: {REASON_RULE}"
             )
     report_pass(
-        f"{name}: {len(QUESTIONS)} decisions and their reasons (α twice, a tie, bytes, memory "
-        f"twice, nothing fits) against the check's own"
+        f"{name}: {len(QUESTIONS)} decisions and their reasons (α twice, memory three times, "
+        f"a tie, bytes, nothing fits) against the check's own"
     )
 
 
