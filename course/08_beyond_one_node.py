@@ -498,8 +498,7 @@ lab.calculator(BIG, CANDIDATES, SCENARIO)  # sliders where a widget front end ru
 def choose(q: scenario.Question) -> tuple[tuple[int, bool] | None, str]:
     """(plan, reason): the fastest plan (stage, hsdp) that fits in ``q.memory``, and why."""
     # BEGIN SOLUTION
-    # TODO: (plan, reason): the plan as (stage, hsdp) or None, the reason one of "memory",
-    #       "latency", "tie", "bandwidth"
+    # TODO: (plan, reason): (stage, hsdp) or None, and "memory", "latency", "tie" or "bandwidth"
     # HINT: Write one helper that picks a plan, with switches to ignore memory, ignore α and break
     #       ties the other way; the reason is which switch changes its answer, tried in order.
     # HINT: A plan's shard group is the node with HSDP, the world without: stage 1 divides the 12
