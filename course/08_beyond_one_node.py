@@ -471,57 +471,118 @@ lab.plot_scale(SCALE, SCENARIO)
 lab.calculator(BIG, CANDIDATES, SCENARIO)  # sliders where a widget front end runs; else the table
 
 # %% [markdown]
-# ## Exercise 4 — which configuration would you run?
+# ## Exercise 4 — which configuration would you run, and why?
 #
-# Write `choose(rows, memory)`: `rows` are the table's rows (dicts with `name`, `step_s`, the
-# predicted seconds per step, and `memory`, the bytes one rank needs, model states and
-# activations); `memory` the bytes a rank has. Return the **name** of the configuration you
-# would run: the fastest that fits; of two equally fast, the one that leaves more memory free;
-# `None` if none fits.
+# Write the decision itself. `choose(q)` gets a `scenario.Question`: `q.psi` parameters on
+# `q.world` ranks in nodes of `q.node`, `q.micro` micro-batches of `q.compute_s` seconds each,
+# `q.links`, `q.memory` the bytes a rank has and `q.activations` the bytes it needs beyond its model
+# states; `q.buckets` and `q.units` the elements of each collective at stages 0-2 and at stage 3
+# (and `q.replicate_every_microbatch`, for `cost.Config`). It returns `(plan, reason)`:
+#
+# 1. **The plans**: stages 0-3, each flat or HSDP, as `(stage, hsdp)`. HSDP needs a stage that
+#    shards and more than one node.
+# 2. **Memory first.** A plan fits when its model states by the paper's formula, (2 + 2 + 12)Ψ with
+#    each part divided by the ranks that shard it, plus the activations, are at most `q.memory`.
+# 3. **Then time**: `cost.predict(...).step_s` of each plan that fits, per bucket or unit (α is paid
+#    per call). The fastest wins; of equally fast plans (`math.isclose`, rel_tol=1e-9), the one
+#    that needs less memory. None fits: `None`.
+# 4. **The reason**, the first of these that holds: `"memory"` if ignoring memory would pick
+#    another plan (or none fits); `"latency"` if ranking by step time less its α
+#    (`c.latency(q.links)` of each collective, `c.times` a step) would; `"tie"` if only the
+#    tie-break decided; else `"bandwidth"`.
+#
+# The check runs it on eight scenarios where the answer flips, against its own decision.
 
 
 # %%
-def choose(rows: list[dict], memory: float) -> str | None:
-    """The name of the fastest row that fits in ``memory`` (ties: less memory), or None."""
+def choose(q: scenario.Question) -> tuple[tuple[int, bool] | None, str]:
+    """(plan, reason): the fastest plan (stage, hsdp) that fits in ``q.memory``, and why."""
     # BEGIN SOLUTION
-    # TODO: the name of the fastest row that fits in memory (a tie: less memory), or None
-    # HINT: Two steps: keep the rows that fit, then pick one. A row fits when its memory is at most
-    #       the memory given (an exact fit fits).
-    # HINT: Among those that fit, compare step_s first and memory second: the tuple (step_s, memory)
-    #       as min's key does both. No row fits: None.
-    # HINT: fits = [r for r in rows if r["memory"] <= memory]
-    #       if not fits:
-    #           return None
-    #       return min(fits, key=lambda r: ...)["name"]  # step_s first, then memory
-    fits = [r for r in rows if r["memory"] <= memory]
-    if not fits:
-        return None
-    return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"]
+    # TODO: (plan, reason): (stage, hsdp) or None, and "memory", "latency", "tie" or "bandwidth"
+    # HINT: Write one helper that picks a plan, with switches to ignore memory, ignore α and break
+    #       ties the other way; the reason is which switch changes its answer, tried in order.
+    # HINT: A plan's shard group is the node with HSDP, the world without: stage 1 divides the 12
+    #       bytes of optimizer state by it, stage 2 the grads' 2 too, stage 3 the params' 2 too.
+    # HINT: Price a plan with cost.Config(stage=..., world=q.world, node_size=q.node, hsdp=...,
+    #       micro_batches=q.micro, replicate_every_microbatch=...) and
+    #       cost.predict(cfg, q.links, compute_s=q.compute_s, sizes=q.units if stage == 3 else
+    #       q.buckets); its α: the sum over cost.step_collectives(cfg, sizes) of c.times *
+    #       c.latency(q.links).
+    # HINT: def pick(memory=True, alpha=True, ties=min):
+    #           rows = []  # (seconds, bytes needed, (stage, hsdp)) of each plan allowed
+    #           ...
+    #           best = min(r[0] for r in rows)
+    #           return ties([r for r in rows if math.isclose(r[0], best, rel_tol=1e-9)],
+    #                       key=...)[2]
+    import math
+
+    def pick(memory=True, alpha=True, ties=min):
+        rows = []
+        for stage, hsdp in [(s, h) for s in range(4) for h in (False, True)]:
+            if hsdp and (stage == 0 or q.world == q.node):
+                continue  # DDP shards nothing; on one node HSDP is the flat plan
+            n = q.node if hsdp else q.world  # the ranks that shard the states
+            per = (
+                2 / (n if stage == 3 else 1)
+                + 2 / (n if stage >= 2 else 1)
+                + 12 / (n if stage else 1)
+            )
+            need = per * q.psi + q.activations
+            if memory and need > q.memory:
+                continue
+            cfg = cost.Config(
+                stage=stage,
+                world=q.world,
+                node_size=q.node,
+                hsdp=hsdp,
+                micro_batches=q.micro,
+                replicate_every_microbatch=q.replicate_every_microbatch,
+            )
+            sizes = q.units if stage == 3 else q.buckets
+            step = cost.predict(cfg, q.links, compute_s=q.compute_s, sizes=sizes).step_s
+            if not alpha:
+                step -= sum(c.times * c.latency(q.links) for c in cost.step_collectives(cfg, sizes))
+            rows.append((step, need, (stage, hsdp)))
+        if not rows:
+            return None
+        best = min(r[0] for r in rows)
+        return ties(
+            [r for r in rows if math.isclose(r[0], best, rel_tol=1e-9)], key=lambda r: r[1]
+        )[2]
+
+    plan = pick()
+    if plan is None or pick(memory=False) != plan:
+        return plan, "memory"
+    if pick(alpha=False) != plan:
+        return plan, "latency"
+    return plan, "tie" if pick(ties=max) != plan else "bandwidth"
     # END SOLUTION
 
 
 # %% check="choose"
-# Five small tables: the fastest fits; the fastest does not; a tie; nothing fits; an exact fit.
+# Eight scenarios: α decides (twice), memory (three times), a tie, bytes, nothing fits.
 lesson08.check_choose(choose)
 
 # %% [markdown]
-# Now the scenario of section 6: 80 GB GPUs less the assumed 5 GB of headroom. Then the same
-# choice with each input of the scenario halved and doubled: which one, changed by 2×, changes
-# the answer?
+# Now section 6's scenario as a question (`scenario.question`: 80 GB less the 5 GB of headroom,
+# checkpointed activations), then each of its inputs halved and doubled: which one, changed by 2×,
+# changes the answer or its reason?
 
 # %%
-PICK = lab.show_choice(choose, SCALE, SCENARIO)  # None until exercise 4 is written
+PICK = lab.show_choice(choose, scenario.question(BIG, SCENARIO))  # None until exercise 4 runs
 if PICK is not None:  # each input halved and doubled: which one changes the answer?
-    lab.show_sensitivity(scenario.sensitivity(BIG, SCENARIO, CANDIDATES, choose))
+    lab.show_sensitivity(scenario.question_sensitivity(BIG, SCENARIO, choose))
 
 # %% [markdown]
-# The model's answer is **ZeRO-1 HSDP, with activation checkpointing**: it fits (about 48 GB), and
-# its short rings pay a seventh of flat ZeRO-1's latency. ("=": the same answer.) Doubled or halved,
-# the network's figures, the nodes, the compute rate, the micro-batches and the sequences leave it
-# there. Memory moves it: half the GPU memory, and ZeRO-3 HSDP (26 GB); half the headroom, and
-# ZeRO-3 with hpZ (about 77 GB) fits **without** checkpointing, 11.9 s a step against 13.8. Latency
-# picks the sharding, memory the stage, and the stage sits on a knife edge: measure the headroom
-# your runs need (lesson 05) before you trust a 77 GB plan on an 80 GB GPU.
+# The decision is **ZeRO-1 HSDP, with activation checkpointing**, and **latency** decided it: it
+# fits (about 48 GB of the 75), and ranked by bytes alone flat ZeRO-1 would win (13.60 s against
+# 13.66), but flat ZeRO-1 pays 1.33 s of α a step and HSDP's short rings 0.18 s: 14.93 s against
+# 13.84. ("=": the same plan and reason.) Doubled or halved, the network's figures, the nodes, the
+# compute rate, the micro-batches, the sequences and the headroom leave it there. Memory moves it:
+# with half the GPU memory (35 GB) neither ZeRO-1 HSDP (48 GB) nor ZeRO-2 HSDP (36 GB) fits, and
+# ZeRO-3 HSDP (25 GB) wins, decided by memory. Latency picks the sharding, memory the stage. The
+# decision leaves out hpZ, qwZ and running without checkpointing, which section 6's table prices;
+# the calculator (section 7) prices them for any scenario.
 #
 # The method does not change: measure the links, count each configuration's collectives as the
 # library issues them, and let memory decide what is allowed before time decides what is best.

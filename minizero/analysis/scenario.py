@@ -20,7 +20,9 @@ takes:
   round of its ring (2(n-1) for an all-reduce, n-1 for a reduce-scatter or an all-gather), with
   no overlap (``step_s``) and with full overlap (``overlapped_s``).
 
-:func:`sensitivity` asks which input, halved or doubled, changes a choice of configuration.
+:func:`question` puts a scenario as exercise 4's decision takes it (a :class:`Question`), and
+:func:`sensitivity` / :func:`question_sensitivity` ask which input, halved or doubled, changes a
+choice of configuration.
 """
 
 from __future__ import annotations
@@ -218,3 +220,75 @@ def sensitivity(
         factors=factors,
         replicate_once=once,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Question:
+    """What exercise 4 decides from: ``psi`` parameters on ``world`` ranks in nodes of ``node``
+    (HSDP's shard group), ``micro`` micro-batches a step, ``compute_s`` the forward + backward of
+    one, ``links`` (α per ring round), ``memory`` the bytes a rank has and ``activations`` the
+    bytes it needs beyond its model states; ``buckets`` (stages 0-2) and ``units`` (stage 3), the
+    elements each collective carries; ``replicate_every_microbatch`` as :class:`cost.Config`."""
+
+    psi: int
+    world: int
+    node: int
+    micro: int
+    compute_s: float
+    links: cost.Links
+    memory: float
+    activations: float
+    buckets: tuple[int, ...]
+    units: tuple[int, ...]
+    replicate_every_microbatch: bool = True
+
+
+def question(model: GPTConfig, sc: Scenario, every_microbatch: bool = True) -> Question:
+    """The scenario as a :class:`Question`, with activation checkpointing (section 6: the plain
+    activations fit no configuration): activations and logits of ``seqs`` sequences, compute with
+    checkpointing's extra forward."""
+    b = budget.step_budget(model, world=sc.world, stage=0, micro_batch=sc.seqs, checkpointing=True)
+    return Question(
+        psi=budget.gpt_params(model),
+        world=sc.world,
+        node=sc.gpus,
+        micro=sc.micro,
+        compute_s=step_compute_s(model, sc, True) / sc.micro,
+        links=sc.links(),
+        memory=sc.room,
+        activations=b["activations"] + b["logits"],
+        buckets=gpt_buckets(model),
+        units=tuple(budget.gpt_units(model)),
+        replicate_every_microbatch=every_microbatch,
+    )
+
+
+def plan_name(plan: tuple[int, bool] | None) -> str:
+    """``(stage, hsdp)`` as the lesson names it: ``(1, True)`` is "ZeRO-1 HSDP", ``(0, False)``
+    "DDP"; None "nothing fits"."""
+    if plan is None:
+        return "nothing fits"
+    stage, hsdp = plan
+    return ("DDP" if stage == 0 else f"ZeRO-{stage}") + (" HSDP" if hsdp else "")
+
+
+def question_sensitivity(
+    model: GPTConfig,
+    sc: Scenario,
+    choose: Callable[[Question], tuple],
+    factors: tuple[float, ...] = (0.5, 2),
+    keep: tuple[str, ...] = ("gpus",),
+) -> dict:
+    """:func:`sensitivity` for exercise 4's ``choose(question) -> (plan, reason)``: each pick is
+    "plan name (reason)"."""
+
+    def pick(s: Scenario, every: bool = True) -> str:
+        plan, reason = choose(question(model, s, every))
+        return f"{plan_name(plan)} ({reason})"
+
+    inputs = {
+        f.name: (getattr(sc, f.name), [pick(sc.scaled(f.name, x)) for x in factors])
+        for f in dataclasses.fields(sc)
+        if f.name not in keep
+    }
+    return dict(pick=pick(sc), inputs=inputs, factors=factors, replicate_once=pick(sc, False))

@@ -55,45 +55,75 @@ def test_wrong_predictions_fail_naming_the_mistake(wrong, message):
         lesson08.check_predict_step_time(wrong)
 
 
-def _fastest(rows, memory):  # ignores memory
-    return min(rows, key=lambda r: r["step_s"])["name"]
+def _decision(q, *, memory=True, alpha=True, shard="node", calls="buckets", ties="less",
+              hsdp=True, order=("memory", "latency", "tie"), none=True):  # fmt: skip
+    """Exercise 4 written here, with a switch per mistake a student makes."""
 
+    def need(stage, n):
+        return q.psi * (2 / (n if stage == 3 else 1) + 2 / (n if stage >= 2 else 1)
+                        + 12 / (n if stage else 1)) + q.activations  # fmt: skip
 
-def _fits_no_ties(rows, memory):  # the first of equal times, not the one using less memory
-    fits = [r for r in rows if r["memory"] <= memory]
-    return min(fits, key=lambda r: r["step_s"])["name"] if fits else None
+    def pick(memory=memory, alpha=alpha, ties=ties):
+        plans = [(s, False) for s in range(4)]
+        plans += [(s, True) for s in (1, 2, 3) if hsdp and q.world > q.node]
+        rows = []
+        for stage, h in plans:
+            n = (q.node if shard == "node" else q.world) if h else q.world
+            if memory and need(stage, n) > q.memory:
+                continue
+            cfg = cost.Config(stage=stage, world=q.world, node_size=q.node, hsdp=h,
+                              micro_batches=q.micro)  # fmt: skip
+            sizes = [q.psi] if calls == "one" else (q.units if stage == 3 else q.buckets)
+            t = cost.predict(cfg, q.links, compute_s=q.compute_s, sizes=sizes).step_s
+            if not alpha:
+                t -= sum(c.times * c.latency(q.links) for c in cost.step_collectives(cfg, sizes))
+            rows.append((t, need(stage, n), (stage, h)))
+        if not rows:
+            return None if none else (3, False)
+        best = min(r[0] for r in rows)
+        equal = [r for r in rows if abs(r[0] - best) <= 1e-9 * best]
+        if ties == "first":
+            return equal[0][2]
+        return (min if ties == "less" else max)(equal, key=lambda r: r[1])[2]
 
-
-def _never_none(rows, memory):  # the least memory when nothing fits
-    fits = [r for r in rows if r["memory"] <= memory] or [min(rows, key=lambda r: r["memory"])]
-    return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"]
-
-
-def _strictly_less(rows, memory):  # an exact fit refused
-    fits = [r for r in rows if r["memory"] < memory]
-    return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"] if fits else None
+    plan = pick()
+    flips = {"memory": dict(memory=False), "latency": dict(alpha=False), "tie": dict(ties="more")}
+    for reason in order:
+        if (reason == "memory" and plan is None) or pick(**flips[reason]) != plan:
+            return plan, reason
+    return plan, "bandwidth"
 
 
 @pytest.mark.soak  # the fast tier grades the solution itself (test_lesson_runs.py)
-def test_the_right_choice_passes(capsys):
-    def choose(rows, memory):
-        fits = [r for r in rows if r["memory"] <= memory]
-        return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"] if fits else None
-
-    lesson08.check_choose(choose)
+def test_the_right_decision_passes(capsys):
+    lesson08.check_choose(_decision)
     assert "PASS" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "wrong, message",
     [
-        (_fastest, "B does not fit: it needs 90 GB"),
-        (_fits_no_ties, "equal step times: take the one that leaves more memory free"),
-        (_never_none, "nothing fits: return None"),
-        (_strictly_less, "A fits: it needs 80 GB of the 80 GB"),
-        (lambda rows, memory: rows.index(rows[0]), "is not a row's name"),
+        (lambda q: _decision(q, memory=False), "does not fit: the paper's formula gives"),
+        (lambda q: _decision(q, shard="world"), "HSDP shards over the node's 8 ranks"),
+        (lambda q: _decision(q, alpha=False), "ranked the plans by their bytes alone"),
+        (lambda q: _decision(q, calls="one"), "α is paid per call"),
+        (lambda q: _decision(q, hsdp=False), "you left HSDP out"),
+        (lambda q: _decision(q, ties="more"), "equal step times: take the plan that needs less"),
+        (lambda q: _decision(q, ties="first"), "equal step times: take the plan that needs less"),
+        (lambda q: _decision(q, none=False), "expected nothing fits"),
+        (lambda q: _decision(q, order=("latency", "memory", "tie")), "expected 'memory'"),
+        (
+            lambda q: _decision(q, order=("memory", "latency")),
+            "because of 'bandwidth'; expected 'tie'",
+        ),
+        (
+            lambda q: (_decision(q)[0], "latency"),
+            "because of 'latency'; expected 'memory': the reason",
+        ),
+        (lambda q: "ZeRO-1 HSDP", "return (plan, reason), plan (stage, hsdp)"),
+        (lambda q: ((1, "yes"), "latency"), "return (plan, reason)"),
     ],
 )
-def test_wrong_choices_fail_naming_the_mistake(wrong, message):
+def test_wrong_decisions_fail_naming_the_mistake(wrong, message):
     with pytest.raises(CheckFailed, match=re.escape(message)):
         lesson08.check_choose(wrong)

@@ -185,19 +185,20 @@ def test_scale_tables_figure_choice_and_calculator(capsys, monkeypatch):
     lab.plot_scale(rows, sc)
     assert drawn_inside(plt.gcf()) == 2 * 2 * len(rows)
 
-    def unwritten(rows, memory):
+    def unwritten(q):
         raise NotImplementedError
 
-    def fastest(rows, memory):
-        fits = [r for r in rows if r["memory"] <= memory]
-        return min(fits, key=lambda r: (r["step_s"], r["memory"]))["name"] if fits else None
+    from minizero.course.checks.lesson08 import _decide  # the check's own decision
 
-    assert lab.show_choice(unwritten, rows, sc) is None
-    assert lab.show_choice(fastest, rows, sc) == "ZeRO-1 HSDP"
-    lab.show_sensitivity(scenario.sensitivity(big, sc, candidates, fastest))
+    q = scenario.question(big, sc)
+    assert lab.show_choice(unwritten, q) is None
+    assert lab.show_choice(_decide, q) == ((1, True), "latency")
+    lab.show_sensitivity(scenario.question_sensitivity(big, sc, _decide))
     out = capsys.readouterr().out
-    assert "write choose() in exercise 4 first" in out and "run ZeRO-1 HSDP" in out
-    assert "nodes               64                 =                 =" in out
+    assert "write choose() in exercise 4 first" in out
+    assert "run ZeRO-1 HSDP, decided by latency" in out
+    assert "ZeRO-3 HSDP (memory)" in out  # half the GPU memory
+    assert "nodes               64                      =                      =" in out
     monkeypatch.setenv("MINIZERO_WIDGETS", "0")  # no front end: the scenario's table
     lab.calculator(big, candidates, sc)
     assert capsys.readouterr().out.count("(does not fit)") == 1

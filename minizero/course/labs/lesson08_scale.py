@@ -3,7 +3,8 @@ the tables, figure and calculator of :mod:`minizero.analysis.scenario`'s predict
 
 ``show_scale`` / ``plot_scale`` (section 6) every configuration's step and memory per rank;
 ``calculator`` (section 7) the same under sliders, where a widget front end runs;
-``show_choice`` / ``show_sensitivity`` (exercise 4) the student's choice, and what changes it.
+``show_choice`` / ``show_sensitivity`` (exercise 4) the student's decision and its reason, and what
+changes it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import matplotlib.pyplot as plt
 
 from minizero.analysis import budget, scenario
-from minizero.analysis.scenario import GB, Scenario
+from minizero.analysis.scenario import GB, Question, Scenario, plan_name
 from minizero.analysis.simulate import short_psi
 from minizero.course import plots
 from minizero.models import GPTConfig
@@ -137,29 +138,27 @@ def _slider(widgets, name: str, value, bounds):
     return kind(value=value, min=bounds[0], max=bounds[1], description=name)
 
 
-def show_choice(choose, rows: list[dict], sc: Scenario) -> str | None:
-    """Exercise 4's answer on the scenario, and every row by step time; None (and a note) until
+def show_choice(choose, q: Question) -> tuple | None:
+    """Exercise 4's decision on ``q``: the plan and its reason; None (and a note) until
     ``choose`` is written."""
     try:
-        pick = choose(rows, sc.room)
+        plan, reason = choose(q)
     except NotImplementedError:
         print("(write choose() in exercise 4 first)")
         return None
-    print(f"with {gb(sc.room)} per rank: run {pick}")
-    for r in sorted(rows, key=lambda r: r["step_s"]):
-        fits = "fits" if r["memory"] <= sc.room else "does not fit"
-        ckpt = "checkpointing" if r["ckpt"] else "no checkpointing"
-        print(f"  {r['name']:<16}{r['step_s']:>7.2f} s  {gb(r['memory']):>10}  {fits}, {ckpt}")
-    return pick
+    print(f"with {gb(q.memory)} per rank ({gb(q.activations)} of activations): run "
+          f"{plan_name(plan)}, decided by {reason}")  # fmt: skip
+    return plan, reason
 
 
 def show_sensitivity(sens: dict) -> None:
     """``scenario.sensitivity``'s picks, "=" where an input's change leaves the answer."""
     pick = sens["pick"]
     mark = lambda p: "=" if p == pick else str(p)
-    heads = "".join(f"{'× ' + format(f, 'g'):>18}" for f in sens["factors"])
+    w = max(18, *(len(str(p)) + 2 for _, picks in sens["inputs"].values() for p in picks))
+    heads = "".join(f"{'× ' + format(f, 'g'):>{w}}" for f in sens["factors"])
     print(f"{'input':14}{'value':>8}{heads}")
     for key, (value, picks) in sens["inputs"].items():
-        print(f"{key:14}{value:>8g}" + "".join(f"{mark(p):>18}" for p in picks))
+        print(f"{key:14}{value:>8g}" + "".join(f"{mark(p):>{w}}" for p in picks))
     once = sens["replicate_once"]
     print(f"HSDP's replicate all-reduce once per step (MiCS; FSDP2's switch): {once}")
