@@ -290,17 +290,17 @@ def _blame(ranks: Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> Lau
     the cause (its peers then fail with "Connection reset by peer"); else the earliest traceback
     that is a rank's own error, not a broken connection to a peer (waiting a moment for one when
     only broken connections have come in); the ranks that failed after it are named as its
-    consequences."""
+    consequences. A rank whose result came since the parent last looked (``ok``) is finished."""
     ranks.settle()
-    errs = [r for r in range(n) if (tmp / f"{r}.err").exists()]
-    crashed = ranks.crashed(done=set(results) | set(errs))
+    ok = lambda: set(results) | {r for r in range(n) if (tmp / f"{r}.ok").exists()}  # noqa: E731
     end = time.monotonic() + _CAUSE_WAIT
-    while not crashed and time.monotonic() < end and all(_broken(tmp, r) for r in errs):
-        if len(errs) + len(results) == n:
-            break  # every rank has answered: no cause is still to come
-        ranks.wait(POLL)
+    while True:  # until a crash, a rank's own error, every rank answered, or the wait is over
         errs = [r for r in range(n) if (tmp / f"{r}.err").exists()]
-        crashed = ranks.crashed(done=set(results) | set(errs))
+        crashed = ranks.crashed(done=ok() | set(errs))
+        cause = crashed or not all(_broken(tmp, r) for r in errs) or len(errs) + len(ok()) == n
+        if cause or time.monotonic() >= end:
+            break
+        ranks.wait(POLL)
     ranks.stop()
     relay.pump(final=True)
     errs = sorted(
@@ -309,9 +309,9 @@ def _blame(ranks: Ranks, tmp: Path, n: int, results: dict, relay: _Relay) -> Lau
     )
     crashed = {r: why for r, why in crashed.items() if r not in errs}
     if not crashed and not errs:  # e.g. torchrun itself was stopped from outside
-        crashed = {min(set(range(n)) - set(results)): "ended"}
+        crashed = {min(set(range(n)) - ok()): "ended"}
     r = min(crashed) if crashed else errs[0]
-    others = [q for q in range(n) if q != r and q not in results]
+    others = [q for q in range(n) if q != r and q not in ok()]
     after = [q for q in errs if q != r and _broken(tmp, q)]
     stopped = [q for q in others if q not in after]
     said = f"; the other unfinished ranks {stopped} were stopped" if stopped else ""

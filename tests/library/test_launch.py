@@ -232,6 +232,30 @@ def test_broken_connections_are_told_from_a_ranks_own_error():
     assert not broken_connection("RuntimeError: size mismatch\n")
 
 
+def test_a_rank_whose_result_landed_after_the_parent_looked_is_not_blamed(tmp_path):
+    """The race the fast tier met under load: rank 2 wrote its result and exited 0 after the
+    parent's last look, as rank 0 failed; the error names rank 0's, not "rank 2 exited"."""
+    from minizero.launcher import _blame
+
+    class Exited:  # every rank's process has ended: 0 and 2 with code 0, 1 stopped
+        def settle(self): ...
+        def crashed(self, done):
+            return {r: "exited with code 0" for r in (0, 2) if r not in done}
+
+        def wait(self, seconds): ...
+        def stop(self, wait=0.0): ...
+
+    class Relay:
+        def pump(self, final=False): ...
+
+    (tmp_path / "0.err").write_text("Traceback ...\nValueError: rank 0's own mistake\n")
+    (tmp_path / "2.ok").write_bytes(b"result")  # landed after the parent last read the results
+    e = _blame(Exited(), tmp_path, 3, {}, Relay())
+    assert e.rank == 0 and str(e).startswith("rank 0 failed; the other unfinished ranks [1] "), e
+    (tmp_path / "2.ok").unlink()  # without its result, rank 2's exit is the cause: the check holds
+    assert str(_blame(Exited(), tmp_path, 3, {}, Relay())).startswith("rank 2 exited with code 0")
+
+
 def test_setup_failure_is_retried_once(tmp_path, monkeypatch, capsys):
     real = dist.init_process_group
 
