@@ -188,12 +188,12 @@ def test_scale_tables_figure_choice_and_calculator(capsys, monkeypatch):
     def unwritten(q):
         raise NotImplementedError
 
-    from minizero.course.checks.lesson08 import _decide  # the check's own decision
+    from minizero.course.checks.lesson08_choose import decide  # the check's own decision
 
     q = scenario.question(big, sc)
     assert lab.show_choice(unwritten, q) is None
-    assert lab.show_choice(_decide, q) == ((1, True), "latency")
-    lab.show_sensitivity(scenario.question_sensitivity(big, sc, _decide))
+    assert lab.show_choice(decide, q) == ((1, True), "latency")
+    lab.show_sensitivity(scenario.question_sensitivity(big, sc, decide))
     out = capsys.readouterr().out
     assert "write choose() in exercise 4 first" in out
     assert "run ZeRO-1 HSDP, decided by latency" in out
