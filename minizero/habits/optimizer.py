@@ -107,7 +107,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
     record = ADOPTED.setdefault(optimizer, Adopted())  # minizero's record (optimizer.py), not on it
     record.trains = {id(p) for p in held}  # StageStep.zero_grad reads it
     # each group's parameters as the user built it: a full state dict (consolidate_state_dict)
-    # numbers them as a plain optimizer over them would (minizero/optimizer.py)
+    # numbers them as a plain optimizer over them would (minizero/optimizer/__init__.py)
     record.params = [list(g["params"]) for g in optimizer.param_groups]
 
 
