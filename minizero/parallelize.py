@@ -53,7 +53,8 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
 ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
-STAGE3_OPTIONS = {"units", "prefetch", "reshard_root", "check_modules"} | ZEROPP_OPTIONS
+STAGE3_OPTIONS = {"units", "min_unit_params", "prefetch", "reshard_root", "check_modules"}
+STAGE3_OPTIONS |= ZEROPP_OPTIONS
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",
@@ -120,7 +121,8 @@ def parallelize(
 
 def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
     """The class that ``options`` (beyond the ones every stage takes) build; only stage 3 takes
-    any: ``units`` (module classes or a predicate; default: the repeated blocks), ``prefetch``,
+    any: ``units`` (module classes or a predicate; default: the repeated blocks),
+    ``min_unit_params`` (smaller units folded into the one around them), ``prefetch``,
     ``reshard_root``, ``check_modules`` (minizero/zero3.py); with ZeRO++'s
     ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines it),
     ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):

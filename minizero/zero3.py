@@ -38,16 +38,18 @@ class ZeRO3(ZeRO2):
     Communication per step: all-gather Ψ in forward + all-gather Ψ in backward + reduce-scatter Ψ
     of the gradients = 3Ψ, 1.5x DDP (§7.2.2).
 
-    Units (``units=``, see minizero/units.py): the root module and, by default, the repeated
-    blocks (children of ``nn.ModuleList``s, ...); or the modules of the given classes, or those a
-    predicate picks. Each unit's parameters, minus those of units nested in it, are one bucket:
-    gathered before the unit's forward, freed after it, gathered again when backward reaches the
-    unit's output, freed once the unit's gradients are reduce-scattered. A tied parameter belongs
-    to the first unit that registers it; every unit that registers it too gathers that unit, and
-    keeps it gathered while any module using it is still in its forward (from the second step on,
-    until the last module that uses it in the recorded order). Between uses a unit's flat buffer
-    has its storage resized to 0 bytes: only ``param_shards`` (rank r's chunk) stays, and its
-    parameters are guarded: reading them raises an error that points to ``summon_full_params``.
+    Units (``units=``, see minizero/units.py): the root module and, by default, the repeated blocks
+    (children of ``nn.ModuleList``s, ...); or the modules of the given classes, or those a predicate
+    picks; ``min_unit_params`` folds a unit with fewer parameters into the one around it
+    (per-collective latency, not bytes, is what a small unit costs). Each unit's parameters, minus
+    those of units nested in it, are one bucket: gathered before the unit's forward, freed after it,
+    gathered again when backward reaches the unit's output, freed once the unit's gradients are
+    reduce-scattered. A tied parameter belongs to the first unit that registers it; every unit that
+    registers it too gathers that unit, and keeps it gathered while any module using it is still in
+    its forward (from the second step on, until the last module that uses it in the recorded order).
+    Between uses a unit's flat buffer has its storage resized to 0 bytes: only ``param_shards``
+    (rank r's chunk) stays, and its parameters are guarded: reading them raises an error that points
+    to ``summon_full_params``.
 
     Prefetch: the first step records the order in which units start their forward and end it; with
     ``prefetch=1`` the next unit's all-gather is issued (asynchronously) as soon as the current
@@ -86,6 +88,7 @@ class ZeRO3(ZeRO2):
         module: nn.Module,
         *,
         units: Units = None,
+        min_unit_params: int = 0,
         precision: str | Precision = "fp32",
         process_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
@@ -99,7 +102,7 @@ class ZeRO3(ZeRO2):
                 "minizero/units.py), one all-gather and one reduce-scatter per unit"
             )
         self.param_shards: list[torch.Tensor] = []  # (shard,) per unit; filled by super().__init__
-        self._units_arg = units
+        self._units_arg = units, min_unit_params  # select_units' arguments
         super().__init__(module, precision=precision, process_group=process_group, **options)
         self.prefetch = prefetch
         self.reshard_root = reshard_root
@@ -140,7 +143,7 @@ class ZeRO3(ZeRO2):
     rebuilds_buckets = False  # units are modules, not buckets cut in ready order
 
     def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:  # (ready: not used)
-        unit_modules = U.select_units(self.module, self._units_arg)
+        unit_modules = U.select_units(self.module, *self._units_arg)
         # self.units_of: unit module -> the units its forward needs (its own, tied ones)
         groups, owners, self.units_of = U.assign_params(self.module, unit_modules)
         names = {m: name or "(root)" for name, m in self.module.named_modules()}

@@ -64,6 +64,10 @@ class TrainConfig:
     eval_iters: int = 20  # global batches per split per evaluation
     precision: str = "fp32"  # "fp32", "bf16" or "fp16" (minizero.parallelize's precision=)
     mesh: tuple[int, int] | None = None  # (replicate, shard): HSDP (minizero/hsdp.py)
+    # stage 3: a block with fewer parameters is no unit of its own (minizero/units.py): below
+    # about 1M (4 MB in fp32) a gloo all-gather's time is its per-call latency, not its bytes, so
+    # this model (0.8M) is one unit; nanoGPT's 6-layer baby GPT (1.8M a block) keeps its blocks
+    min_unit_params: int = 1_000_000
     seed: int = 1337
     out_dir: str | None = None  # checkpoint ``out_dir/ckpt`` at each evaluation (not with mesh)
     resume: str | None = None  # a checkpoint to continue from (any stage, any world size)
@@ -85,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if not isinstance(self.min_unit_params, int) or self.min_unit_params < 0:
+            raise ValueError(f"min_unit_params must be an int >= 0, got {self.min_unit_params!r}")
         if self.mesh is not None and self.resume is not None:
             raise ValueError("resume takes no mesh: minizero.load_checkpoint refuses HSDP")
 
@@ -262,7 +268,8 @@ def train_rank(cfg: TrainConfig, progress=None) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(dev.type, cfg.mesh, mesh_dim_names=("replicate", "shard"))
-    model, opt = parallelize(model, cfg.stage, opt, precision=cfg.precision, mesh=mesh)
+    units = {"min_unit_params": cfg.min_unit_params} if cfg.stage == 3 else {}
+    model, opt = parallelize(model, cfg.stage, opt, precision=cfg.precision, mesh=mesh, **units)
     start, history = 0, None
     if cfg.resume:
         extra = load_checkpoint(cfg.resume, model, opt)

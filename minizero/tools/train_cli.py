@@ -246,6 +246,9 @@ def parser() -> argparse.ArgumentParser:
         ("--dropout", {"type": float, "default": d.dropout}, "dropout (default 0.0)"),
         ("--precision", {"choices": ["fp32", "bf16", "fp16"], "default": "fp32"},
          "parameter and gradient precision of the wrapper (default fp32)"),
+        ("--min-unit-params", {"type": int, "default": d.min_unit_params},
+         "stage 3: a block with fewer parameters joins the unit around it (default %(default)s;"
+         " 0: every block a unit)"),
         ("--mesh", {"type": mesh_arg, "default": None, "metavar": "R,S"},
          "HSDP: R replicas of S ranks that shard (R x S = the ranks); no checkpoint"),
         ("--out-dir", {"default": "runs/train"},

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # -- which modules are units -----------------------------------------------------------------------
-def names(model: nn.Module, units=None) -> list[str]:
+def names(model: nn.Module, units=None, min_params: int = 0) -> list[str]:
     where = {m: n or "(root)" for n, m in model.named_modules()}
-    return [where[m] for m in select_units(model, units)]
+    return [where[m] for m in select_units(model, units, min_params)]
 
 
 def test_default_units_are_the_repeated_blocks():
@@ -74,6 +74,26 @@ def test_units_by_class_or_predicate_and_ownership():
     assert len(groups[0]) == len({id(p) for p in groups[0]}) == 4  # emb, pos, norm weight, bias
     assert sum(len(g) for g in groups) == len(list(model.parameters()))
     assert needs[model] == [0]
+
+
+def test_units_under_min_params_join_the_unit_around_them():
+    """``min_unit_params``: a block with fewer own parameters is no unit; innermost first, so a
+    dropped inner unit's parameters count for the one around it."""
+    gpt = TinyGPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    block = sum(p.numel() for p in gpt.blocks[0].parameters())  # 196,864
+    assert names(gpt, None, block) == ["(root)"] + [f"blocks.{i}" for i in range(4)]
+    assert names(gpt, None, block + 1) == ["(root)"]  # the capstone at train's default: one unit
+    model = EncoderLM()
+    inner = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+    attn = sum(p.numel() for p in model.layers[0].self_attn.parameters())
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    assert names(model, inner, attn)[:3] == ["(root)", "layers.0", "layers.0.self_attn"]
+    # attention under the floor joins its layer, and the layer (now all of it) stays a unit
+    assert names(model, inner, attn + 1) == ["(root)", "layers.0", "layers.1", "layers.2"]
+    assert names(model, inner, layer + 1) == ["(root)"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_params must be an int >= 0"):
+            select_units(model, None, bad)
 
 
 # -- equivalence: one process and FSDP2 ------------------------------------------------------------

@@ -117,8 +117,10 @@ def test_the_schedule_is_nanogpts_warmup_then_cosine():
 def test_every_stage_on_two_ranks_trains_one_process_curve():
     one = single_process(SMALL)
     assert one["loss"][-1] < one["loss"][0]  # it learns
-    for stage in (0, 1, 2, 3):
-        results = train(replace(SMALL, stage=stage), 2, timeout=240, quiet=True)
+    # stage 3 twice: this model in one unit (train's min_unit_params), and a unit per block
+    for stage, floor in ((0, None), (1, None), (2, None), (3, None), (3, 0)):
+        units = {} if floor is None else {"min_unit_params": floor}
+        results = train(replace(SMALL, stage=stage, **units), 2, timeout=240, quiet=True)
         assert _close(curve(results), one["loss"]) <= RTOL, stage
         evals = results[0]["evals"]
         assert [e[0] for e in evals] == [0, 4, 8]
@@ -190,6 +192,8 @@ def test_the_command_reports_and_writes_its_plot_history_and_checkpoint(tmp_path
         (["--resume", "/nonexistent/ckpt"], "minizero train: error: --resume /nonexistent/ckpt: "
          "no such checkpoint directory"),
         (["--precision", "fp8"], "minizero train: error: argument --precision: invalid choice"),
+        (["--min-unit-params", "-1"], "minizero train: error: min_unit_params must be an int >= "
+         "0, got -1"),
     ],
 )  # fmt: skip
 def test_bad_options_end_in_one_line(argv, message, capsys):
