@@ -14,9 +14,6 @@
 # asynchronous, and nothing in it is specific to Transformers.
 #
 #     python -m minizero grade my-lessons/06_myths.ipynb
-#
-# A check whose ranks need longer on a slow or busy machine: `python -m minizero grade
-# --check-timeout 600 ...`, or `MINIZERO_CHECK_TIMEOUT=600` set where `jupyter lab` starts.
 
 # %%
 from minizero.course.labs.lesson06 import *  # torch, nn, minizero, hint, lab, the check
@@ -341,13 +338,13 @@ lab.show_activations_by_stage(lab.activations_by_stage(NPROCS, (0, 1, 2, 3), ste
 #    flattened parameter group), cut tensors; FSDP2 shards each parameter on its first dimension.
 #
 # The measurement: 3 steps of TinyGPT tiny in fp32, three ways: DDP (stage 0) with the optimizer
-# over every tensor; DDP with torch's `ZeroRedundancyOptimizer` of that optimizer (torch's
-# recipe); minizero's stage 1. A `CommLedger` records the last step. ZeroRedundancyOptimizer calls
-# `torch.distributed.broadcast` itself, which the ledger cannot see: inside the lab's
-# `torch_broadcasts_on_ledger()` those calls go through `minizero.broadcast`. Each with AdamW, then
-# with Adafactor (`torch.optim.Adafactor`, row and column statistics per matrix: not
-# elementwise). The prediction: 3Ψ against 2Ψ, unequal states per rank, and DDP's parameters
-# exactly, since each tensor gets the whole optimizer's update from the same average gradient.
+# over every tensor, DDP with torch's `ZeroRedundancyOptimizer` of it, and minizero's stage 1; a
+# `CommLedger` records the last step. ZeroRedundancyOptimizer calls `torch.distributed.broadcast`
+# itself, which the ledger cannot see: inside the lab's `torch_broadcasts_on_ledger()` it calls
+# `minizero.broadcast`. Each with AdamW, then Adafactor (`torch.optim.Adafactor`, row and column
+# statistics per matrix: not elementwise). The prediction: 3Ψ against 2Ψ, unequal states per
+# rank, and DDP's parameters exactly: each tensor gets the whole optimizer's update from the same
+# average gradient.
 
 
 # %%

@@ -126,11 +126,11 @@ def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = No
     return dict(marks=meter.marks, info=run_info())
 
 
-# course/06_myths.py:28 (cell 06_myths-001)
+# course/06_myths.py:25 (cell 06_myths-001)
 adamw = partial(torch.optim.AdamW, lr=1e-2)  # the optimizer of myths 1 to 4: adamw(params)
 
 
-# course/06_myths.py:46 (cell 06_myths-003)
+# course/06_myths.py:43 (cell 06_myths-003)
 def watch_units(net) -> dict:
     """Hooks on ZeRO-3's units: per unit, its elements, those present while it runs and after."""
     present = lambda ps: sum(p.numel() for p in ps if p.untyped_storage().nbytes())  # with data
@@ -149,7 +149,7 @@ def watch_units(net) -> dict:
     return ran
 
 
-# course/06_myths.py:66 (cell 06_myths-004)
+# course/06_myths.py:63 (cell 06_myths-004)
 def forward_on_rank(rows: int = 4) -> dict:
     """On every rank: one stage-3 forward of TinyGPT on its rows, beside a plain TinyGPT's."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -174,7 +174,7 @@ def forward_on_rank(rows: int = 4) -> dict:
     )
 
 
-# course/06_myths.py:124 (cell 06_myths-006)
+# course/06_myths.py:121 (cell 06_myths-006)
 def steps_with_a_slow_rank(stage: int, steps: int, delay: float) -> dict:
     """Every rank: the MLP at ``stage``, the last rank ``delay`` s late in step 2; one process."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -200,7 +200,7 @@ def steps_with_a_slow_rank(stage: int, steps: int, delay: float) -> dict:
     return out
 
 
-# course/06_myths.py:175 (cell 06_myths-009)
+# course/06_myths.py:172 (cell 06_myths-009)
 def one_step_ledgers(stage: int) -> dict:
     """On every rank: the MLP at ``stage``; ledgers of the wrapper's construction and of step 1."""
     model, batch = compare.workload("mlp", 4, rank_device())
@@ -214,7 +214,7 @@ def one_step_ledgers(stage: int) -> dict:
     return dict(psi=count_params(model), setup=built, step=ledger)
 
 
-# course/06_myths.py:219 (cell 06_myths-013)
+# course/06_myths.py:216 (cell 06_myths-013)
 def train_three_steps(make, data, stage) -> dict:
     """3 AdamW steps of ``make()`` on ``data``; ``stage=None``: one process, the whole batch."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -231,15 +231,15 @@ def train_three_steps(make, data, stage) -> dict:
     return {k: v.cpu() for k, v in full_state_dict(model).items()}
 
 
-# course/06_myths.py:286 (cell 06_myths-018)
+# course/06_myths.py:283 (cell 06_myths-018)
 LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # s = 128
 
 
-# course/06_myths.py:290 (cell 06_myths-018)
+# course/06_myths.py:287 (cell 06_myths-018)
 fused = partial(torch.optim.AdamW, lr=1e-3, fused=True)  # the memory experiments' optimizer
 
 
-# course/06_myths.py:294 (cell 06_myths-018)
+# course/06_myths.py:291 (cell 06_myths-018)
 def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
     """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``), bf16, ``stage``; one step."""
     dev = rank_device()
@@ -262,7 +262,7 @@ def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
     return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
 
 
-# course/06_myths.py:355 (cell 06_myths-021)
+# course/06_myths.py:352 (cell 06_myths-021)
 def zero_vs_stage1(stage: int, opt_class, torch_zero: bool = False) -> dict:
     """On every rank: 3 steps of TinyGPT tiny; the last one's ledger, optimizer bytes, params."""
     make = partial(ZeroRedundancyOptimizer, optimizer_class=opt_class) if torch_zero else opt_class
@@ -277,7 +277,7 @@ def zero_vs_stage1(stage: int, opt_class, torch_zero: bool = False) -> dict:
     return dict(moved=ledger.by_op(), states=states, params=full_state_dict(net))
 
 
-# course/06_myths.py:492 (cell 06_myths-029)
+# course/06_myths.py:489 (cell 06_myths-029)
 def on_first(n: int, fn, *args) -> dict | None:
     """On every rank: a group of the first ``n`` ranks; its members run ``fn(*args, group=it)``."""
     group = dist.new_group(list(range(n)))  # every rank creates every group
