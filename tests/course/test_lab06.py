@@ -9,7 +9,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from minizero.course.labs import lesson06 as lab  # noqa: E402
-from minizero.models import GPTConfig  # noqa: E402
+from minizero.course.labs.saved import zero_vs_stage1  # noqa: E402
+from minizero.models import GPTConfig, TinyGPT, count_params  # noqa: E402
 
 
 def test_every_rank_computes_the_whole_model(capsys):
@@ -57,12 +58,19 @@ def test_activations_are_the_same_at_every_stage(capsys):
 
 
 def test_torch_zero_broadcasts_and_stage_1_refuses_adafactor(capsys):
-    per_rank = lab.torch_zero_vs_stage1(2, {"Adafactor": torch.optim.Adafactor})
-    runs = per_rank[0]["runs"]
-    assert "broadcast" in runs["torch Adafactor"]["by_op"]
-    assert "refused" in runs["stage 1 Adafactor"]
+    per_rank = lab.torch_zero_vs_stage1(2, {"Adafactor": torch.optim.Adafactor}, zero_vs_stage1)
+    psi = count_params(TinyGPT(GPTConfig.tiny()))
+    runs = [p["runs"] for p in per_rank]
+    assert runs[0]["torch Adafactor"]["moved"] == {"all_reduce": 2 * psi, "broadcast": psi}
+    assert runs[0]["DDP Adafactor"]["moved"] == {"all_reduce": 2 * psi}
+    assert "elementwise" in runs[0]["stage 1 Adafactor"]["refused"]
+    for r in runs:  # torch's step is DDP's, bit for bit, and its owners split DDP's states
+        ddp, zro = r["DDP Adafactor"]["params"], r["torch Adafactor"]["params"]
+        assert all(torch.equal(zro[k], ddp[k]) for k in ddp)
+    assert sum(r["torch Adafactor"]["states"] for r in runs) == runs[0]["DDP Adafactor"]["states"]
     lab.show_torch_zero_vs_stage1(per_rank)
-    assert "stage 1 Adafactor: refused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stage 1 Adafactor: refused" in out and "(bit-identical)" in out
 
 
 def test_stage2_vs_stage3_and_the_floor(capsys):

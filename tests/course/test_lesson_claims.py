@@ -108,6 +108,14 @@ def test_every_command_a_lesson_names_is_the_readmes():
             assert f"python -m minizero {cmd}" in readme, f"{path.name}: `{cmd}` not in README"
 
 
+def test_the_grade_paragraph_is_said_once():
+    """How to grade yourself and give a slow check more time: the README and lesson 00 say it;
+    the other lessons name their grade command only."""
+    said = [p.name for p in LESSONS if re.search(r"--check-timeout|Grade yourself", markdown(p))]
+    assert said == ["00_collectives.py"], f"the grade paragraph in {said}"
+    assert "--check-timeout" in README.read_text() and "Grade yourself" in markdown(LESSONS[0])
+
+
 def test_the_library_gives_reasons_not_the_kits_issue_numbers():
     """``issue 32`` tells a reader of minizero/ nothing; another project's issue is cited with its
     repository (``pytorch/pytorch issue #65650``, ``nccl-tests/issues/212``, ``nccl-tests#196``)."""

@@ -6,8 +6,9 @@ What each rank runs is the lesson's, written in the open and saved (``# @save``,
 ``synchronous`` (myth 2, ``steps_with_a_slow_rank``) step times with a slow rank, and parameters
 against one process; ``step_ledgers`` (myths 3, 5, ``one_step_ledgers``) each rank's collectives
 in one step; ``not_a_transformer`` (myth 4, ``train_three_steps``) an MLP and a ConvNet at stages
-0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7) torch's
-ZeroRedundancyOptimizer beside stage 1 (in :mod:`.lesson06_torch`).
+0 and 3 against one process; ``torch_zero_vs_stage1`` (myth 7, ``zero_vs_stage1``) torch's
+ZeroRedundancyOptimizer beside DDP and stage 1 (in :mod:`.lesson06_torch`, with
+``torch_broadcasts_on_ledger``, which puts torch's own broadcasts on the ledger).
 Myths 6, 8 and 9 (memory: ``step_memory``, and ``on_first`` for 9) are launched
 and shown by :mod:`.lesson06_memory`. Both reach the lesson from here.
 """
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
@@ -42,6 +45,7 @@ from minizero.course.labs.lesson06_memory import stage3_by_n as stage3_by_n
 from minizero.course.labs.lesson06_torch import (
     show_torch_zero_vs_stage1 as show_torch_zero_vs_stage1,
 )
+from minizero.course.labs.lesson06_torch import torch_broadcasts_on_ledger
 from minizero.course.labs.lesson06_torch import torch_zero_vs_stage1 as torch_zero_vs_stage1
 from minizero.course.labs.saved import adamw as adamw
 from minizero.course.labs.saved import (
@@ -60,6 +64,7 @@ __all__ = ["hint", "lab", "minizero", "setup", "torch", "GPTConfig", "lesson06",
 __all__ += ["time", "CommLedger", "FlopCounterMode", "GPT", "TinyGPT", "MLP", "compare"]
 __all__ += ["count_params", "full_state_dict", "parallelize", "rank_device", "synthetic_batch"]
 __all__ += ["assign_params", "select_units", "MemoryMeter", "model_state_bytes"]
+__all__ += ["partial", "ZeroRedundancyOptimizer", "torch_broadcasts_on_ledger"]
 
 
 def who_computes_what(nprocs: int, fn=forward_on_rank) -> list[dict]:

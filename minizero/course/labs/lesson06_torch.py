@@ -1,24 +1,31 @@
-"""Lesson 06's myth 7 (``course/06_myths.py``): torch's ZeroRedundancyOptimizer beside
-minizero's stage 1, on the ledger; :mod:`minizero.course.labs.lesson06` brings it into the lesson.
+"""Lesson 06's myth 7 (``course/06_myths.py``): torch's ZeroRedundancyOptimizer beside DDP and
+minizero's stage 1, on the ledger. What each rank runs is the lesson's (``zero_vs_stage1``, in
+:mod:`.saved`); this module makes torch's own broadcasts visible to a ``CommLedger``, launches the
+runs and shows them. :mod:`minizero.course.labs.lesson06` brings it into the lesson.
+
+It does not import :mod:`.saved`, which imports ``torch_broadcasts_on_ledger`` from here: the
+lesson passes its function to ``torch_zero_vs_stage1``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from unittest import mock
 
-import torch
 import torch.distributed as dist
 import torch.distributed.optim.zero_redundancy_optimizer as zro_module
 
 import minizero
 from minizero import collectives as C
-from minizero.analysis.ledger import CommLedger
-from minizero.analysis.memory import format_bytes, model_state_bytes
-from minizero.course.labs import describe, rank_device, run_info
-from minizero.models import GPTConfig, TinyGPT, count_params, synthetic_batch
-from minizero.parallelize import parallelize
+from minizero.analysis.memory import format_bytes
+from minizero.course.labs import describe, run_info
+from minizero.models import GPTConfig, TinyGPT, count_params
 
 GPT = GPTConfig.tiny()
+# (name, stage, torch_zero): DDP with the optimizer over every tensor; DDP, then torch's
+# ZeroRedundancyOptimizer of it (the recipe torch documents); minizero's stage 1
+RUNS = (("DDP", 0, False), ("torch", 0, True), ("stage 1", 1, False))
 
 
 class LedgeredDist:
@@ -33,75 +40,58 @@ class LedgeredDist:
         return C.broadcast(tensor, src=group_src, group=group, async_op=async_op, tag="zro")
 
 
-def _torch_zero(opt_class, dev, rank: int, world: int) -> dict:
-    """3 steps of TinyGPT: DDP's all-reduce, then torch's ZeroRedundancyOptimizer, whose
-    broadcasts go through the ledger; against one process on the whole batch."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    torch.manual_seed(0)
-    model = TinyGPT(GPT).to(dev)
-    torch.manual_seed(0)
-    ref = TinyGPT(GPT).to(dev)  # one process, the whole batch
-    zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=opt_class, lr=1e-2)
-    ref_opt = opt_class(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-        model(x, y).backward()
-        with CommLedger() as ledger, mock.patch.object(zro_module, "dist", LedgeredDist()):
-            for p in model.parameters():  # DDP: the average gradient on every rank
-                C.all_reduce(p.grad, tag="ddp")
-                p.grad /= world
-            zro.step()
-        zro.zero_grad()
-        ref(*synthetic_batch("gpt", 4 * world, step, device=dev)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    opt_bytes = model_state_bytes(None, zro.optim)["optimizer"]  # zro.optim: this rank's
-    return dict(by_op=ledger.by_op(), opt=opt_bytes, diff=diff)
+@contextmanager
+def torch_broadcasts_on_ledger() -> Iterator[None]:
+    """Inside the block, torch's ZeroRedundancyOptimizer calls ``minizero.broadcast`` where it
+    calls ``torch.distributed.broadcast``: a ``CommLedger`` records its traffic."""
+    with mock.patch.object(zro_module, "dist", LedgeredDist()):
+        yield
 
 
-def _stage1(opt_class, dev, rank: int, world: int) -> dict:
-    try:
-        net, opt = parallelize(TinyGPT(GPT), 1, lambda p, cls=opt_class: cls(p, lr=1e-2))
-    except TypeError as e:
-        return dict(refused=str(e))
-    for step in range(2):
-        x, y = synthetic_batch("gpt", 4 * world, step, rank=rank, world=world, device=dev)
-        with CommLedger() as ledger:
-            net(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    return dict(by_op=ledger.by_op(), opt=model_state_bytes(net, opt)["optimizer"])
-
-
-def _torch_zero_vs_stage1(optimizers) -> dict:
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
-    out = {}
+def _zero_vs_stage1(fn: Callable, optimizers: dict) -> dict:
+    runs = {}
     for name, cls in optimizers.items():
-        out[f"torch {name}"] = _torch_zero(cls, dev, rank, world)
-        out[f"stage 1 {name}"] = _stage1(cls, dev, rank, world)
-    return dict(runs=out, info=run_info())
+        for how, stage, torch_zero in RUNS:
+            try:
+                got = fn(stage, cls, torch_zero)
+            except TypeError as e:  # minizero's stages 1-3 refuse a non-elementwise optimizer
+                runs[f"{how} {name}"] = dict(refused=str(e))
+                continue
+            params = {k: v.detach().cpu() for k, v in got["params"].items()}
+            runs[f"{how} {name}"] = {**got, "params": params}
+    return dict(runs=runs, info=run_info())
 
 
-def torch_zero_vs_stage1(nprocs: int, optimizers: dict) -> list[dict]:
-    """Myth 7: for each optimizer class, torch's ZeroRedundancyOptimizer (after DDP's all-reduce)
-    and minizero's stage 1 on TinyGPT in fp32: volume per op, optimizer bytes per rank, torch's
-    distance from one process after 3 steps; stage 1's refusal where it refuses."""
-    return minizero.launch(_torch_zero_vs_stage1, nprocs, optimizers, verbose=False)
+def torch_zero_vs_stage1(nprocs: int, optimizers: dict, fn: Callable) -> list[dict]:
+    """Myth 7: for each optimizer class, ``fn(stage, cls, torch_zero)`` (the lesson's
+    ``zero_vs_stage1``) for each of ``RUNS`` on every rank: the last step's volume per op, this
+    rank's optimizer bytes, the parameters after; stage 1's refusal where it refuses."""
+    return minizero.launch(_zero_vs_stage1, nprocs, fn, optimizers, verbose=False)
+
+
+def _from_ddp(per_rank: list[dict], key: str, ddp: str) -> float:
+    """The largest |difference| between ``key``'s parameters and ``ddp``'s, over every rank."""
+    runs = [p["runs"] for p in per_rank]
+    return max(
+        (r[key]["params"][k] - r[ddp]["params"][k]).abs().max().item()
+        for r in runs
+        for k in r[ddp]["params"]
+    )
 
 
 def show_torch_zero_vs_stage1(per_rank: list[dict]) -> None:
     psi = count_params(TinyGPT(GPT))
     runs = per_rank[0]["runs"]
-    print(f"TinyGPT tiny, Ψ = {psi:,}, fp32, one step, {describe(per_rank[0]['info'])}")
+    print(f"TinyGPT tiny, Ψ = {psi:,}, fp32, step 3 of 3, {describe(per_rank[0]['info'])}")
     for key, r in runs.items():
         if "refused" in r:
             print(f"{key}: refused: {r['refused'][:130]}...")
             continue
-        moved = {op: f"{v / psi:.2f}Ψ" for op, v in r["by_op"].items()}
-        total = sum(r["by_op"].values()) / psi
-        per = ", ".join(format_bytes(p["runs"][key]["opt"]) for p in per_rank)
-        d = r.get("diff")  # torch's: against one process after 3 steps
-        diff = "" if d is None else f"; max |params - one process| after 3 steps {d:.1e}"
-        print(f"{key}: moved {total:.2f}Ψ {moved}; optimizer states per rank: {per}{diff}")
+        moved = ", ".join(f"{op} {v / psi:.2f}Ψ" for op, v in r["moved"].items())
+        total = sum(r["moved"].values()) / psi
+        per = ", ".join(format_bytes(p["runs"][key]["states"]) for p in per_rank)
+        ddp = "DDP " + key.split(" ")[-1]
+        d = None if key == ddp else _from_ddp(per_rank, key, ddp)
+        vs = "" if d is None else f"; parameters vs {ddp}'s, every rank: max |difference| {d:.1e}"
+        vs += " (bit-identical)" if d == 0 else ""
+        print(f"{key}: moved {total:.2f}Ψ ({moved}); optimizer states per rank: {per}{vs}")

@@ -5,9 +5,11 @@ the lesson, not this file. Each definition names the source line and the noteboo
 it is copied from."""
 
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.flop_counter import FlopCounterMode
 
 import minizero
@@ -17,6 +19,7 @@ from minizero.analysis.memory import MemoryMeter, model_state_bytes
 from minizero.course import compare
 from minizero.course.labs import rank_device, run_info
 from minizero.course.labs.common import GPT, adam, gpt_batch
+from minizero.course.labs.lesson06_torch import torch_broadcasts_on_ledger
 from minizero.models import MLP, GPTConfig, TinyGPT, count_params, synthetic_batch
 from minizero.parallelize import full_state_dict, parallelize
 from minizero.units import assign_params, select_units
@@ -123,12 +126,11 @@ def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = No
     return dict(marks=meter.marks, info=run_info())
 
 
-# course/06_myths.py:28 (cell 06_myths-001)
-def adamw(params):  # the optimizer of every experiment below
-    return torch.optim.AdamW(params, lr=1e-2)
+# course/06_myths.py:25 (cell 06_myths-001)
+adamw = partial(torch.optim.AdamW, lr=1e-2)  # the optimizer of myths 1 to 4: adamw(params)
 
 
-# course/06_myths.py:47 (cell 06_myths-003)
+# course/06_myths.py:43 (cell 06_myths-003)
 def watch_units(net) -> dict:
     """Hooks on ZeRO-3's units: per unit, its elements, those present while it runs and after."""
     present = lambda ps: sum(p.numel() for p in ps if p.untyped_storage().nbytes())  # with data
@@ -147,7 +149,7 @@ def watch_units(net) -> dict:
     return ran
 
 
-# course/06_myths.py:67 (cell 06_myths-004)
+# course/06_myths.py:63 (cell 06_myths-004)
 def forward_on_rank(rows: int = 4) -> dict:
     """On every rank: one stage-3 forward of TinyGPT on its rows, beside a plain TinyGPT's."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -172,10 +174,9 @@ def forward_on_rank(rows: int = 4) -> dict:
     )
 
 
-# course/06_myths.py:125 (cell 06_myths-006)
+# course/06_myths.py:121 (cell 06_myths-006)
 def steps_with_a_slow_rank(stage: int, steps: int, delay: float) -> dict:
-    """On every rank: the MLP at ``stage``, the last rank ``delay`` s late in step 2; this rank's
-    step times and full parameters after each step, and one process's on the whole batch."""
+    """Every rank: the MLP at ``stage``, the last rank ``delay`` s late in step 2; one process."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     model, batch = compare.workload("mlp", 4, dev)  # this rank's 4 rows of each step
     ref, _ = compare.workload("mlp", 4 * world, dev)  # one process, the whole global batch
@@ -199,7 +200,7 @@ def steps_with_a_slow_rank(stage: int, steps: int, delay: float) -> dict:
     return out
 
 
-# course/06_myths.py:178 (cell 06_myths-009)
+# course/06_myths.py:172 (cell 06_myths-009)
 def one_step_ledgers(stage: int) -> dict:
     """On every rank: the MLP at ``stage``; ledgers of the wrapper's construction and of step 1."""
     model, batch = compare.workload("mlp", 4, rank_device())
@@ -213,7 +214,7 @@ def one_step_ledgers(stage: int) -> dict:
     return dict(psi=count_params(model), setup=built, step=ledger)
 
 
-# course/06_myths.py:222 (cell 06_myths-013)
+# course/06_myths.py:216 (cell 06_myths-013)
 def train_three_steps(make, data, stage) -> dict:
     """3 AdamW steps of ``make()`` on ``data``; ``stage=None``: one process, the whole batch."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -230,19 +231,17 @@ def train_three_steps(make, data, stage) -> dict:
     return {k: v.cpu() for k, v in full_state_dict(model).items()}
 
 
-# course/06_myths.py:289 (cell 06_myths-018)
+# course/06_myths.py:283 (cell 06_myths-018)
 LONG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)  # s = 128
 
 
-# course/06_myths.py:293 (cell 06_myths-018)
-def fused(params):  # the memory experiments' optimizer
-    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+# course/06_myths.py:287 (cell 06_myths-018)
+fused = partial(torch.optim.AdamW, lr=1e-3, fused=True)  # the memory experiments' optimizer
 
 
-# course/06_myths.py:298 (cell 06_myths-018)
+# course/06_myths.py:291 (cell 06_myths-018)
 def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
-    """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``) in bf16 at ``stage``; its
-    second step, measured (myths 8 and 9 reuse it)."""
+    """On every rank of ``group``: TinyGPT (``cfg``, b = ``rows``), bf16, ``stage``; one step."""
     dev = rank_device()
     torch.manual_seed(0)
     cap = None if stage == 3 else 0.05  # stage 3 cuts by units, not buckets
@@ -263,9 +262,23 @@ def step_memory(stage: int, cfg=LONG, rows: int = 2, group=None) -> dict:
     return dict(states=states, fwd=fwd, peak=end["peak"], psi=count_params(TinyGPT(cfg)))
 
 
-# course/06_myths.py:478 (cell 06_myths-028)
+# course/06_myths.py:352 (cell 06_myths-021)
+def zero_vs_stage1(stage: int, opt_class, torch_zero: bool = False) -> dict:
+    """On every rank: 3 steps of TinyGPT tiny; the last one's ledger, optimizer bytes, params."""
+    make = partial(ZeroRedundancyOptimizer, optimizer_class=opt_class) if torch_zero else opt_class
+    model, batch = compare.workload("gpt", 4, rank_device())  # batch(step): this rank's 4 rows
+    net, opt = parallelize(model, stage, partial(make, lr=1e-2))  # stage 0 is DDP
+    for step in range(3):
+        with CommLedger() as ledger, torch_broadcasts_on_ledger():  # torch's broadcasts too
+            net(*batch(step)).backward()  # stage 0: DDP's all-reduce, in backward
+            opt.step()  # torch's: each rank steps the tensors it owns, then broadcasts them
+            opt.zero_grad()
+    states = model_state_bytes(net, opt.optim if torch_zero else opt)["optimizer"]  # this rank's
+    return dict(moved=ledger.by_op(), states=states, params=full_state_dict(net))
+
+
+# course/06_myths.py:489 (cell 06_myths-029)
 def on_first(n: int, fn, *args) -> dict | None:
-    """On every rank: a process group of the first ``n`` ranks; on its members, ``fn(*args,
-    group=that group)``."""
+    """On every rank: a group of the first ``n`` ranks; its members run ``fn(*args, group=it)``."""
     group = dist.new_group(list(range(n)))  # every rank creates every group
     return fn(*args, group=group) if dist.get_rank() < n else None
