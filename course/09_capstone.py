@@ -136,18 +136,19 @@ lesson09.check_train(train, NPROCS)
 # %% [markdown]
 # ## 2. Four stages, one curve
 #
-# nanoGPT's CPU configuration, for a short budget: 40 iterations of 2 micro-batches with the
-# warm-up shortened to 5 (so the loss moves), an evaluation every 10 iterations on one fixed
-# batch per split. First one process in plain PyTorch (minizero's own loop, `python -m minizero
-# train`'s, with no minizero and no process group, one thread as each rank has), then **your**
-# `train` at each stage on `NPROCS` ranks. The lab watches your loop from outside (torch's
-# global hooks) for the memory and the step times of section 3, and samples from the state dict
-# you return in section 4. (The loss over the whole validation split, which the full run of
-# section 5 prints at its end, is left out here: `val_full=False`.)
+# nanoGPT's CPU configuration (one micro-batch a step, as its README runs it; the check above ran
+# yours with two), for a short budget: 40 iterations with the warm-up shortened to 5 (so the loss
+# moves), an evaluation every 10 iterations on one fixed batch per split. First one process in
+# plain PyTorch (minizero's own loop, `python -m minizero train`'s, with no minizero and no
+# process group, one thread as each rank has), then **your** `train` at each stage on `NPROCS`
+# ranks. The lab watches your loop from outside (torch's global hooks) for the memory and the step
+# times of section 3, and samples from the state dict you return in section 4. (The loss over the
+# whole validation split, which the full run of section 5 prints at its end, is left out here:
+# `val_full=False`.)
 
 # %%
-SHORT = TrainConfig(  # nanoGPT's CPU model and schedule: 40 iterations of 2 micro-batches
-    max_iters=40, gradient_accumulation_steps=2, warmup_iters=5, eval_interval=10, eval_iters=1
+SHORT = TrainConfig(  # nanoGPT's CPU model and schedule, 40 iterations
+    max_iters=40, warmup_iters=5, eval_interval=10, eval_iters=1
 )
 SHORT.sample_tokens, SHORT.val_full = 150, False  # 150 characters sampled; no whole-split loss
 RUNS = lab.train_every_stage(train, SHORT, NPROCS, stages=(0, 1, 2, 3))  # one process first

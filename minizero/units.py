@@ -69,11 +69,9 @@ def select_units(root: nn.Module, units: Units = None, min_params: int = 0) -> l
 
     ``units``: a module class or a tuple of them (every module of those classes is a unit), a
     function ``module -> bool``, or None for the repeated blocks (see the module docstring).
-    ``min_params``: a picked module whose own trainable parameters (those no smaller unit inside
-    it holds) number fewer is not a unit; they go to the unit around it. Each unit costs an
-    all-gather in forward, one in backward and a reduce-scatter, whatever its size: on a small
-    model that latency, not the bytes, is the price (FSDP1's ``size_based_auto_wrap_policy``
-    ``min_num_params``; DeepSpeed's ``stage3_param_persistence_threshold`` for single tensors).
+    ``min_params``: a picked module with fewer own trainable parameters (not in a unit inside it)
+    is no unit; they join the unit around it. A unit costs three collectives whatever its size:
+    small ones cost their latency (FSDP1's ``min_num_params``, DeepSpeed's persistence threshold).
     """
     if not isinstance(min_params, int) or isinstance(min_params, bool) or min_params < 0:
         raise ValueError(f"min_params must be an int >= 0 (parameters a unit), got {min_params!r}")
@@ -96,17 +94,13 @@ def select_units(root: nn.Module, units: Units = None, min_params: int = 0) -> l
 
 
 def _at_least(root: nn.Module, picked: set[nn.Module], min_params: int) -> set[nn.Module]:
-    """``picked`` without the units under ``min_params`` own parameters, innermost first (a unit
-    dropped gives its parameters to the one around it, which is counted after it)."""
+    """``picked`` less the units of under ``min_params`` own parameters, innermost first."""
     kept = set(picked)
-    for m in reversed(list(root.modules())):  # every module after (here: before) its ancestors
-        if m not in kept or m is root:
-            continue
+    for m in reversed(list(root.modules())):  # descendants before their ancestors
         inner = {id(p) for k in m.modules() if k is not m and k in kept for p in k.parameters()}
-        own = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values()
-                  if p.requires_grad and id(p) not in inner)  # fmt: skip
-        if own < min_params:
-            kept.discard(m)
+        own = {id(p): p.numel() for p in m.parameters() if p.requires_grad and id(p) not in inner}
+        if m in kept and sum(own.values()) < min_params:
+            kept.discard(m)  # its parameters go to the unit around it
     return kept
 
 
