@@ -59,7 +59,8 @@ class ZeRO3(ZeRO2):
     per step).
 
     ZeRO++ (hpZ ``reshard_after_forward``, qwZ ``quantize_weights``, qgZ
-    ``quantize_gradients``) is a subclass of this one: minizero/zeropp.py.
+    ``quantize_gradients``) is a subclass of this one, minizero/zeropp.py: it overrides the
+    moments ``subclass_moments`` names and reads, beside the face, ``subclass_reads`` (below).
 
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
@@ -80,6 +81,11 @@ class ZeRO3(ZeRO2):
 
     stage = 3
     sharded = Sharded(state=True, grads=True, params=True)
+    # A subclass outside the stage files (ZeRO++, zeropp.py) may override these moments and read
+    # these fields, beside the face (docs/design.md, "Two ways to extend a stage"; test_layout)
+    subclass_moments = ("start_gather", "release", "pre_forward", "reduce_scatter", "after_step",
+                        "held_tensors")  # fmt: skip
+    subclass_reads = ("param_shards", "flat_params", "gather")
 
     def __init__(
         self,
