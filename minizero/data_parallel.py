@@ -45,7 +45,6 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
-    replicate_group = None  # HSDP's: the group over the nodes (hsdp.py)
 
     def __init__(
         self,
@@ -55,6 +54,7 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,  # HSDP (stages 1-3): hsdp.py
         extension: type[Extension] = Extension,
     ):
         super().__init__()
@@ -65,7 +65,7 @@ class DataParallel(nn.Module):
             )
         self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
         self.module = module
-        self.group = process_group
+        self.group, self.replicate_group = process_group, replicate_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -93,7 +93,9 @@ class DataParallel(nn.Module):
         return self.extension.missing_attribute(name)  # (outside the except: no chained error)
 
     def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
-        """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes too, hsdp.py)."""
+        """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes first, then the node)."""
+        if self.replicate_group is not None:
+            C.broadcast(t, src=0, group=self.replicate_group, tag=tag)
         C.broadcast(t, src=0, group=self.group, tag=tag)
 
     def cast_working(self) -> None:

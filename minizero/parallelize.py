@@ -89,7 +89,7 @@ def parallelize(
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
     if mesh is not None:  # HSDP: shard inside a node, replicate across nodes (hsdp.py)
-        cls, process_group, stage_options = hsdp.on_mesh(cls, mesh, process_group, stage_options)
+        process_group, stage_options = hsdp.on_mesh(cls, mesh, process_group, stage_options)
     policy = resolve(precision)
     built = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):

@@ -1,7 +1,7 @@
 """A stage's two seams: the face it shows, and the extension it calls.
 
 **The face** (:class:`Face`, with :class:`Sharded` and :class:`Fragment`): all that the modules
-around the stages (the habits, the optimizer, optimizer/state.py, checkpoint/, analysis/, HSDP,
+around the stages (the habits, the optimizer, optimizer/state.py, checkpoint/, analysis/,
 ZeRO++) read of a wrapper, beside nn.Module's own: what is sharded, the fragments and what each
 rank owns, the gradients the step reads, the tensors it holds, a fragment's range read and
 written. docs/design.md's table says who reads which field; tests/library/test_layout.py fails
@@ -66,7 +66,7 @@ class Sharded:
 
 class Face(Protocol):
     """A stage's face: all that the modules around the stages (the habits, the optimizer,
-    optimizer/state.py, the checkpoint, analysis/, HSDP, ZeRO++) read of a wrapper, beside
+    optimizer/state.py, the checkpoint, analysis/, ZeRO++) read of a wrapper, beside
     nn.Module's own. docs/design.md's table says who reads which; tests/library/test_layout.py
     fails on any other wrapper attribute read outside the stage files."""
 
@@ -75,7 +75,7 @@ class Face(Protocol):
     params: list[nn.Parameter]  # trainable, registration order
     param_names: dict[int, str]  # id(param) -> its first name
     group: dist.ProcessGroup | None
-    replicate_group: dist.ProcessGroup | None  # HSDP: the same shard on every node (else None)
+    replicate_group: dist.ProcessGroup | None  # HSDP: the same shards on every node (else None)
     world: int
     rank: int
     stage: int  # a label, for messages and records: what differs is read from ``sharded``

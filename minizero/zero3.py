@@ -358,13 +358,10 @@ class ZeRO3(ZeRO2):
             self._last_use = {i: j for j, m in enumerate(self.order) for i in self.units_of[m]}
 
     # -- ranks must run the same modules ---------------------------------------------------------
-    def module_check_group(self) -> dist.ProcessGroup | None:
-        """The ranks that check_modules compares: this stage's group (HSDP: every rank)."""
-        return self.group
-
     def _module_check(self, m: nn.Module, backward: bool) -> U.SameModule:
         code = 2 * self._module_index[m] + backward
-        return U.SameModule(code, self._module_names, self.module_check_group(), self._check_device)
+        group = self.group if self.replicate_group is None else None  # HSDP: every rank
+        return U.SameModule(code, self._module_names, group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     def summon_full_params(self, writeback: bool = True):
