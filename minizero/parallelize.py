@@ -113,7 +113,7 @@ def parallelize(
     if built is None:
         return wrapped
     wrapped.extension.check_optimizer(built)  # its parameters are the model's, once each
-    if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
+    if any(f.is_flat_view for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
     return wrapped, wrapped.extension.attached(attach(built, wrapped))  # (a scheduler built before)
 

@@ -49,8 +49,8 @@ class Fragment:
         return self.end - self.start
 
     @property
-    def is_master(self) -> bool:
-        """True when the optimizer steps a master view (not the parameter itself)."""
+    def is_flat_view(self) -> bool:
+        """The optimizer steps a flat view, of the masters (fp32 ZeRO: of the working copy)."""
         return self.tensor is not self.param
 
 
@@ -188,7 +188,7 @@ class Extension:
     def grad_accumulated(self, p: nn.Parameter) -> None:
         """Autograd accumulated ``p.grad``; before the stage's ``on_grad_ready(p)``."""
 
-    def after_backward(self) -> None:
+    def backward_end(self) -> None:
         """Once a synchronised backward is over, after the stage's ``backward_end()``."""
 
     def params_without_grad(self) -> set[int] | None:

@@ -95,7 +95,7 @@ class ZeRO1(DDP):
     # -- gradients: full buffers, reduced at the step ------------------------------------------
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         if self.require_sync:
-            # backward's end: no collective here, but the habits' after_backward() then puts a
+            # backward's end: no collective here, but the habits' backward_end() then puts a
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
             # unaveraged gradients without a word) and checks that every parameter got one
             self.queue_backward_end()
