@@ -131,9 +131,10 @@ def hsdp_reduce(grad, shard_group, replicate_group):
 lesson08.check_hsdp_reduce(hsdp_reduce)
 
 # %% [markdown]
-# `minizero.parallelize(model, stage, optimizer, mesh=mesh)` does exactly this at stages 1-3
-# (minizero/hsdp.py), with `mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate",
-# "shard"))`; stage 3 gathers the parameters over "shard" only.
+# `minizero.parallelize(model, stage, optimizer, mesh=mesh)` does exactly this at stages 1-3, with
+# `mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))`: minizero/hsdp.py
+# makes the two groups, and the stage, given the "replicate" one, all-reduces over it where it
+# reduces (as FSDP2 does, HSDP is data, not another class); stage 3 gathers over "shard" only.
 #
 # ## 3. ZeRO++: hpZ and qwZ
 #

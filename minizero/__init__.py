@@ -9,7 +9,8 @@ cli. A module imports its own layer and those below, never above, and no import 
   load, reshard, consolidate). The stages form the paper's chain, each class extending the one
   before: ``DataParallel`` (what every stage shares) <- ``DDP`` <- ``ZeRO1`` (P_os) <- ``ZeRO2``
   (+g) <- ``ZeRO3`` (+p); each stage's file is the delta and opens with the moments it
-  overrides. ZeRO++ (``zeropp.py``) and HSDP (``hsdp.py``) sit beside the stages.
+  overrides. ZeRO++ (``zeropp.py``) is a subclass of ZeRO3; HSDP is a stage's option, its
+  replicate group, which ``hsdp.py`` makes from a mesh.
 * habits: ``minizero/habits/``, the habits of a PyTorch loop a wrapper must notice (a parameter
   without gradient, ``clip_grad_norm_`` on ``p.grad``, double backward, the wrapped model's
   attributes, ...). The core calls them only through ``seams.Extension``'s methods.

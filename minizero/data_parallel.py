@@ -45,7 +45,6 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
-    replicate_group = None  # HSDP's: the group over the nodes (hsdp.py)
 
     def __init__(
         self,
@@ -55,6 +54,7 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,  # HSDP (stages 1-3): hsdp.py
         extension: type[Extension] = Extension,
     ):
         super().__init__()
@@ -65,7 +65,7 @@ class DataParallel(nn.Module):
             )
         self.param_names = {id(p): n for n, p in reversed(list(module.named_parameters()))}
         self.module = module
-        self.group = process_group
+        self.group, self.replicate_group = process_group, replicate_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.precision = resolve(precision)
@@ -93,7 +93,9 @@ class DataParallel(nn.Module):
         return self.extension.missing_attribute(name)  # (outside the except: no chained error)
 
     def broadcast_from_rank0(self, t: torch.Tensor, tag: str) -> None:
-        """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes too, hsdp.py)."""
+        """Rank 0's ``t`` to every rank, in place (HSDP: over the nodes first, then the node)."""
+        if self.replicate_group is not None:
+            C.broadcast(t, src=0, group=self.replicate_group, tag=tag)
         C.broadcast(t, src=0, group=self.group, tag=tag)
 
     def cast_working(self) -> None:
@@ -168,13 +170,13 @@ class DataParallel(nn.Module):
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
         """Every per-parameter hook, in the order they run: ``extension.before_accumulate()``,
-        then :meth:`grad_accumulated`: the extension's (the habits', the bucket rebuild's), the
+        then :meth:`post_accumulate_hook`: the extension's (the habits', the bucket rebuild's), the
         stage's ``on_grad_ready``."""
         for p in params:
             p.register_hook(lambda grad: self.extension.before_accumulate())  # (deepcopy drops it)
-            p.register_post_accumulate_grad_hook(self.grad_accumulated)
+            p.register_post_accumulate_grad_hook(self.post_accumulate_hook)
 
-    def grad_accumulated(self, p: nn.Parameter) -> None:  # argument: the parameter
+    def post_accumulate_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
         self.extension.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
         self.on_grad_ready(p)
 
@@ -183,7 +185,7 @@ class DataParallel(nn.Module):
         self.queue_backward_end()
 
     def queue_backward_end(self) -> None:
-        """From any hook: ``backward_end()``, then ``habits.after_backward()``, once it is over."""
+        """From any hook: ``backward_end()``, then ``extension.backward_end()``, once it is over."""
         if not self.backward_end_queued:
             self.backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_once)
@@ -193,7 +195,7 @@ class DataParallel(nn.Module):
         C.mark("backward end")
         self.backward_end()
         if self.require_sync:
-            self.extension.after_backward()
+            self.extension.backward_end()
 
     def backward_end(self) -> None:
         """Runs once when backward is over: finish this backward's collectives."""
@@ -244,7 +246,7 @@ class DataParallel(nn.Module):
             g = grads[f.bucket]
             if id(f.param) in skip or g is None:
                 f.tensor.grad = None  # as torch DDP and FSDP2: no gradient anywhere, no step
-            elif f.is_master:  # its range, in fp32 (fp32 DDP's parameter holds its own already)
+            elif f.is_flat_view:  # its range, in fp32 (fp32 DDP's parameter holds its own already)
                 f.tensor.grad = g[f.offset : f.offset + f.numel]
         return True
 
@@ -254,7 +256,7 @@ class DataParallel(nn.Module):
 
     def end_step(self) -> None:
         for f in self.fragments:
-            if f.is_master:
+            if f.is_flat_view:
                 f.tensor.grad = None
         self.forget_step_grads()
 
@@ -281,7 +283,7 @@ class DataParallel(nn.Module):
         p.data.copy_(full)
         flat = full.reshape(-1).to(p.device)
         for f in self.fragments_of.get(id(p), []):
-            if f.is_master:
+            if f.is_flat_view:
                 f.tensor.copy_(flat[f.start : f.end])
 
     def params_written(self) -> None:
@@ -289,7 +291,7 @@ class DataParallel(nn.Module):
         the fp32 masters from it (exact in fp32; 16-bit values otherwise)."""
         with torch.no_grad():
             for f in self.fragments:
-                if f.is_master:
+                if f.is_flat_view:
                     f.tensor.copy_(f.param.detach().reshape(-1)[f.start : f.end])
 
     def full_params(self) -> dict[int, torch.Tensor]:

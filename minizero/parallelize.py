@@ -90,7 +90,7 @@ def parallelize(
     if bucket_cap_mb is not None:
         stage_options["bucket_cap_mb"] = bucket_cap_mb
     if mesh is not None:  # HSDP: shard inside a node, replicate across nodes (hsdp.py)
-        cls, process_group, stage_options = hsdp.on_mesh(cls, mesh, process_group, stage_options)
+        process_group, stage_options = hsdp.on_mesh(cls, mesh, process_group, stage_options)
     policy = resolve(precision)
     built = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -114,7 +114,7 @@ def parallelize(
     if built is None:
         return wrapped
     wrapped.extension.check_optimizer(built)  # its parameters are the model's, once each
-    if any(f.is_master for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
+    if any(f.is_flat_view for f in wrapped.fragments):  # stages 1-3, or a 16-bit working copy
         regroup(built, wrapped)  # it steps this rank's fp32 fragments, not the parameters
     return wrapped, wrapped.extension.attached(attach(built, wrapped))  # (a scheduler built before)
 

@@ -1,7 +1,7 @@
 """A stage's two seams: the face it shows, and the extension it calls.
 
 **The face** (:class:`Face`, with :class:`Sharded` and :class:`Fragment`): all that the modules
-around the stages (the habits, the optimizer, optimizer/state.py, checkpoint/, analysis/, HSDP,
+around the stages (the habits, the optimizer, optimizer/state.py, checkpoint/, analysis/,
 ZeRO++) read of a wrapper, beside nn.Module's own: what is sharded, the fragments and what each
 rank owns, the gradients the step reads, the tensors it holds, a fragment's range read and
 written. docs/design.md's table says who reads which field; tests/library/test_layout.py fails
@@ -49,8 +49,8 @@ class Fragment:
         return self.end - self.start
 
     @property
-    def is_master(self) -> bool:
-        """True when the optimizer steps a master view (not the parameter itself)."""
+    def is_flat_view(self) -> bool:
+        """The optimizer steps a flat view, of the masters (fp32 ZeRO: of the working copy)."""
         return self.tensor is not self.param
 
 
@@ -66,7 +66,7 @@ class Sharded:
 
 class Face(Protocol):
     """A stage's face: all that the modules around the stages (the habits, the optimizer,
-    optimizer/state.py, the checkpoint, analysis/, HSDP, ZeRO++) read of a wrapper, beside
+    optimizer/state.py, the checkpoint, analysis/, ZeRO++) read of a wrapper, beside
     nn.Module's own. docs/design.md's table says who reads which; tests/library/test_layout.py
     fails on any other wrapper attribute read outside the stage files."""
 
@@ -75,7 +75,7 @@ class Face(Protocol):
     params: list[nn.Parameter]  # trainable, registration order
     param_names: dict[int, str]  # id(param) -> its first name
     group: dist.ProcessGroup | None
-    replicate_group: dist.ProcessGroup | None  # HSDP: the same shard on every node (else None)
+    replicate_group: dist.ProcessGroup | None  # HSDP: the same shards on every node (else None)
     world: int
     rank: int
     stage: int  # a label, for messages and records: what differs is read from ``sharded``
@@ -188,7 +188,7 @@ class Extension:
     def grad_accumulated(self, p: nn.Parameter) -> None:
         """Autograd accumulated ``p.grad``; before the stage's ``on_grad_ready(p)``."""
 
-    def after_backward(self) -> None:
+    def backward_end(self) -> None:
         """Once a synchronised backward is over, after the stage's ``backward_end()``."""
 
     def params_without_grad(self) -> set[int] | None:

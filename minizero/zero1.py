@@ -21,6 +21,7 @@ The moments it overrides, and what each does differently from DDP:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from minizero import collectives as C
@@ -94,7 +95,7 @@ class ZeRO1(DDP):
     # -- gradients: full buffers, reduced at the step ------------------------------------------
     def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
         if self.require_sync:
-            # backward's end: no collective here, but the habits' after_backward() then puts a
+            # backward's end: no collective here, but the habits' backward_end() then puts a
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
             # unaveraged gradients without a word) and checks that every parameter got one
             self.queue_backward_end()
@@ -129,7 +130,21 @@ class ZeRO1(DDP):
         if before:  # the local sums back (exact when N is a power of 2)
             for g in self.grad_buffers:
                 g.mul_(self.world)
+        if self.replicate_group is not None:  # HSDP: over the nodes too
+            for i, s in enumerate(shards):
+                self.average_replicas(s, f"zero1 replicas {i}")
         return shards  # (shard,) per bucket, averaged over ranks
+
+    def average_replicas(self, shard: torch.Tensor, tag: str) -> None:
+        """HSDP: a gradient shard (shard,), averaged over this node, averaged over the R nodes
+        that hold the same shard: all-reduce over ``replicate_group``, / R (fp16: first)."""
+        r = dist.get_world_size(self.replicate_group)
+        before = divides_before_sum(shard)  # fp16: the sum of R scaled shards could overflow
+        if before:
+            shard.div_(r)
+        C.all_reduce(shard, group=self.replicate_group, tag=tag)
+        if not before:
+            shard.div_(r)
 
     # -- the optimizer's side ----------------------------------------------------------------
     def after_step(self) -> None:

@@ -11,7 +11,7 @@ The moments it overrides, and what each does differently from ZeRO1:
     reduce_bucket(b)    async reduce-scatter into chunk r, one in flight at a time
     finish_in_flight()  wait, average, add into ``grad_shards``, free the buffer
     backward_end()      DDP's again: reduce what unused parameters left incomplete, then finish
-    reduce_gradients()  nothing left to reduce: the shards backward reduced
+    reduce_gradients()  the shards backward reduced (HSDP: what it held back from the nodes)
     visible_grad(p), clear_grad(p), reset_grads(): no local full gradient to keep
     no_sync()           DataParallel's, as DDP: full gradients accumulate in ``filling`` (Ψ)
 """
@@ -50,6 +50,7 @@ class ZeRO2(ZeRO1):
 
     stage = 2
     sharded = Sharded(state=True, grads=True)
+    requires_all_reduce = True  # HSDP: False holds the shards back from the nodes (FSDP2's)
 
     def init_grads(self) -> None:
         # (shard,) per bucket: rank r's chunk of the averaged gradient, accumulated over backwards;
@@ -58,6 +59,7 @@ class ZeRO2(ZeRO1):
         # (padded,) per bucket while it fills, until its reduce-scatter is done; else None
         self.filling: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.in_flight = None  # (bucket, work, buffer, output) of the running reduce-scatter
+        self.unreplicated: dict[int, torch.Tensor] = {}  # HSDP: bucket -> (shard,) not yet over R
 
     # no_sync() is DataParallel's (the table): the bucket buffers stay, accumulating, until the
     # next synchronised backward reduce-scatters their sum, as FSDP2 keeps its unsharded gradients;
@@ -126,9 +128,11 @@ class ZeRO2(ZeRO1):
             self.in_flight = None  # the last reference to the buffer (out is a view): freed
 
     def add_to_shard(self, i: int, out: torch.Tensor) -> None:
-        """Bucket ``i``'s chunk, averaged over the group, into this rank's gradient shard (HSDP:
-        averaged over the nodes too)."""
-        self.grad_shards[i].add_(out)
+        """Bucket ``i``'s chunk, averaged over the group, into this rank's gradient shard."""
+        if self.replicate_group is not None:  # HSDP: averaged over the nodes too, or held back
+            out = self.over_nodes(i, out)
+        if out is not None:
+            self.grad_shards[i].add_(out)
 
     # Stage 1's backward_end does nothing (it reduces at the step); stage 2 reduces during
     # backward again, as DDP does, so it needs DDP's: reduce the buckets that parameters unused in
@@ -137,7 +141,9 @@ class ZeRO2(ZeRO1):
     backward_end = DDP.backward_end
 
     def reduce_gradients(self) -> list[torch.Tensor | None]:
-        """Nothing left to reduce (backward reduce-scattered each bucket): the step's moment."""
+        """The shards backward reduced (HSDP: with what it held back from the nodes, averaged)."""
+        for i in sorted(self.unreplicated):
+            self.grad_shards[i].add_(self.over_nodes(i, self.unreplicated.pop(i), step=True))
         return self.grad_shards  # (shard,) per bucket; None: no backward since zero_grad()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
@@ -151,6 +157,7 @@ class ZeRO2(ZeRO1):
 
     def reset_grads(self, set_to_none: bool) -> None:
         self.filling = [None] * len(self.buckets)  # no_sync() backwards' sums: dropped
+        self.unreplicated.clear()  # (HSDP)
         if set_to_none:  # freed; the next backward allocates them again
             self.grad_shards = [None] * len(self.buckets)
         for g in self.grad_shards:
@@ -158,3 +165,21 @@ class ZeRO2(ZeRO1):
                 g.zero_()
         for p in self.params:
             p.grad = None
+
+    # -- HSDP (hsdp.py): a replicate group, the same shards on every node ----------------------
+    def over_nodes(self, i: int, out: torch.Tensor, step: bool = False) -> torch.Tensor | None:
+        """Bucket ``i``'s chunk ``out``, with what earlier backwards held back, averaged over the
+        nodes (``replicate_group``); None: held back instead, after
+        ``set_requires_all_reduce(False)``, until a backward with it True, or the ``step``."""
+        if i in self.unreplicated:
+            out.add_(self.unreplicated.pop(i))
+        if not (step or self.requires_all_reduce):
+            self.unreplicated[i] = out.clone()
+            return None
+        self.average_replicas(out, f"zero2 replicas {i}")
+        return out
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """FSDP2's switch for HSDP's gradient accumulation (:meth:`over_nodes`); False on every
+        micro-batch averages over the nodes once a step, as DeepSpeed MiCS does."""
+        self.requires_all_reduce = bool(requires)

@@ -61,7 +61,8 @@ class ZeRO3(ZeRO2):
     per step).
 
     ZeRO++ (hpZ ``reshard_after_forward``, qwZ ``quantize_weights``, qgZ
-    ``quantize_gradients``) is a subclass of this one: minizero/zeropp.py.
+    ``quantize_gradients``) is a subclass of this one, minizero/zeropp.py: it overrides the
+    moments ``subclass_moments`` names and reads, beside the face, ``subclass_reads`` (below).
 
     ``check_modules``: before each unit's forward and at the start of backward the ranks
     all-gather one int64 naming the module, so that ranks that run different modules get a
@@ -82,6 +83,11 @@ class ZeRO3(ZeRO2):
 
     stage = 3
     sharded = Sharded(state=True, grads=True, params=True)
+    # A subclass outside the stage files (ZeRO++, zeropp.py) may override these moments and read
+    # these fields, beside the face (docs/design.md, "Two ways to extend a stage"; test_layout)
+    subclass_moments = ("start_gather", "release", "pre_forward", "reduce_scatter", "after_step",
+                        "held_tensors")  # fmt: skip
+    subclass_reads = ("param_shards", "flat_params", "gather")
 
     def __init__(
         self,
@@ -355,13 +361,10 @@ class ZeRO3(ZeRO2):
             self._last_use = {i: j for j, m in enumerate(self.order) for i in self.units_of[m]}
 
     # -- ranks must run the same modules ---------------------------------------------------------
-    def module_check_group(self) -> dist.ProcessGroup | None:
-        """The ranks that check_modules compares: this stage's group (HSDP: every rank)."""
-        return self.group
-
     def _module_check(self, m: nn.Module, backward: bool) -> U.SameModule:
         code = 2 * self._module_index[m] + backward
-        return U.SameModule(code, self._module_names, self.module_check_group(), self._check_device)
+        group = self.group if self.replicate_group is None else None  # HSDP: every rank
+        return U.SameModule(code, self._module_names, group, self._check_device)
 
     # -- full parameters outside forward ----------------------------------------------------------
     def summon_full_params(self, writeback: bool = True):

@@ -15,7 +15,9 @@ quantisation per contribution; minizero.tools.bench_zeropp simulates the alterna
 
 :class:`ZeROPlusPlus` is ZeRO3 with these three options: it overrides how a unit is gathered
 (``start_gather``), released after forward (``release``) and its gradient reduce-scattered
-(``reduce_scatter``). ``parallelize(model, 3, opt, reshard_after_forward=..., ...)`` builds it.
+(``reduce_scatter``), the moments ``ZeRO3.subclass_moments`` offers a subclass, and reads of
+stage 3 only the face and ``ZeRO3.subclass_reads``. ``parallelize(model, 3, opt,
+reshard_after_forward=..., ...)`` builds it.
 Its parts: ``SecondaryShards`` (hpZ), ``QuantizedGather`` (qwZ), ``QuantizedReduceScatter``
 (qgZ), and the block quantiser, ``quantize_blockwise``.
 """

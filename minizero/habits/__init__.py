@@ -91,8 +91,8 @@ class Habits(Extension):
         autograd.densify(p)
         self.rebuild.note(p)
 
-    def after_backward(self) -> None:
-        self.grads.after_backward()
+    def backward_end(self) -> None:
+        self.grads.backward_end()
 
     def params_without_grad(self) -> set[int] | None:
         return self.grads.params_without_grad()

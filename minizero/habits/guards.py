@@ -32,7 +32,7 @@ class GradGuards:
         self.grads_none = True  # zero_grad(set_to_none=True) (or none yet): every p.grad None
         self.hidden = False  # p.grad is a ShardedGrad until the next forward
 
-    def after_backward(self) -> None:
+    def backward_end(self) -> None:
         """A synchronised backward is over: every parameter got a gradient (unless
         ``find_unused_parameters``); hide them where no rank holds them whole."""
         w = self.wrapper

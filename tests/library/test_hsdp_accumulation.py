@@ -1,5 +1,5 @@
-"""HSDP's gradient accumulation (minizero/hsdp.py ``Replicas``): ``set_requires_all_reduce(False)``
-on all but the last micro-batch (FSDP2's switch), or on every one (DeepSpeed MiCS: once, at the
+"""HSDP's gradient accumulation (``ZeRO2.over_nodes``): ``set_requires_all_reduce(False)`` on
+all but the last micro-batch (FSDP2's switch), or on every one (DeepSpeed MiCS: once, at the
 step), sends the "replicate" all-reduce once per step instead of once per micro-batch, and the
 step is the one one process takes. 4 gloo ranks as 2 "nodes" x 2, in float64 (``fp64``)."""
 

@@ -295,12 +295,13 @@ def import_closure(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     """A reader of a stage opens only the stages before it and what they share (issue 23):
-    HSDP and ZeRO++ compose around the stages (hsdp.py's ``hybrid``, zeropp.py's subclass), the
-    habits around the core (``Extension``), and the instruments (the ledger, the ring model)
-    watch the collectives from ``analysis/`` (``collectives.recorder``), the bucket rebuild
-    (optimizer/state.py) is part of the habits. zero2.py's import closure stays what a reader
-    can follow: at most 1,450 lines, counted by tools/closure.py (it was 2,666 in 13 files; 1,299
-    before issue 40 gave the stages a face, seams.py's ``Face``, and their methods)."""
+    HSDP is a stage's option (``replicate_group``; hsdp.py makes the groups), ZeRO++ a
+    subclass (zeropp.py), the habits are composed around the core (``Extension``), and the
+    instruments (the ledger, the ring model) watch the collectives from ``analysis/``
+    (``collectives.recorder``); the bucket rebuild (optimizer/state.py) is part of the habits.
+    zero2.py's import closure stays what a reader can follow: at most 1,485 lines, counted by
+    tools/closure.py (it was 2,666 in 13 files; 1,299 before issue 40 gave the stages a face,
+    seams.py's ``Face``, and their methods, 1,447 before HSDP's all-reduce moved into them)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
             "minizero.optimizer")  # fmt: skip
@@ -310,7 +311,7 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
         assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
     lines, closure = CLOSURE.import_closure_lines("minizero.zero2")
     assert set(closure) == import_closure("minizero.zero2", graph) | {"minizero.zero2"}
-    assert lines <= 1450, f"zero2.py's import closure is {lines} lines: {closure}"
+    assert lines <= 1485, f"zero2.py's import closure is {lines} lines: {closure}"
     assert import_closure(
         "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
     ) == {"minizero.b", "minizero.c"}
@@ -320,8 +321,8 @@ def test_one_step_calls_at_most_860_lines_at_ddp_and_1110_at_stage_2():
     """The call closure of ``parallelize(MLP, stage, AdamW)`` and two steps, on rank 0 of 2 gloo
     ranks (tools/closure.py: every minizero function that ran, whole, and its class's header, the
     habits that run in the step included; the models and the launcher left out): what a reader
-    follows through one step. docs/design.md gives the counts (issue 40: DDP 855, stage 2
-    1,101; 496 and 699 of them outside the habits)."""
+    follows through one step. docs/design.md gives the counts (issue 40: DDP 856, stage 2
+    1,110; 497 and 708 of them outside the habits)."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 860, f"DDP's call closure is {ddp} lines: {by_file}"
     assert "minizero/optimizer/state.py" in by_file and "minizero/ddp.py" in by_file  # traced
@@ -642,11 +643,6 @@ STAGE_FILES = ("data_parallel", "ddp", "zero1", "zero2", "zero3", "units", "naiv
 CHAIN = ("DataParallel", "DDP", "ZeRO1", "ZeRO2", "ZeRO3")
 # a wrapper, where the code outside the stage files holds one: its names for it
 WRAPPER = re.compile(r"(w|wrapper|model|wrapped|(.+\.)?_?wrapper)")
-# The reads that HSDP and ZeRO++ still make of their stage's insides, as subclasses (issue 40:
-# to be stated as data and hooks, as FSDP2 does): each must still occur, so the list only shrinks.
-NOT_YET = {
-    "minizero/zeropp.py": {"self.param_shards", "self.flat_params", "self.gather"},
-}
 
 
 def face_names() -> set[str]:
@@ -672,25 +668,53 @@ def stage_names() -> set[str]:
     return names - set(dir(torch.nn.Module))
 
 
-def face_crossings(tree: ast.AST, private: set[str], me: str) -> list[str]:
+def subclass_surfaces() -> dict[str, tuple[set[str], set[str]]]:
+    """Chain class -> (the moments a subclass outside the stage files may override, the fields
+    it may read beside the face): what the class declares, ``subclass_moments`` and
+    ``subclass_reads`` (zero3.py's, for ZeRO++), nothing where it declares none."""
+    from minizero.ddp import DDP
+    from minizero.zero1 import ZeRO1
+    from minizero.zero2 import ZeRO2
+    from minizero.zero3 import ZeRO3
+
+    return {c.__name__: (set(vars(c).get("subclass_moments", ())),
+                         set(vars(c).get("subclass_reads", ())))
+            for c in (DataParallel, DDP, ZeRO1, ZeRO2, ZeRO3)}  # fmt: skip
+
+
+def face_crossings(
+    tree: ast.AST,
+    private: set[str],
+    me: str,
+    surfaces: dict[str, tuple[set[str], set[str]]] | None = None,
+    chain: set[str] = frozenset(),
+) -> list[str]:
     """Where ``tree`` reads a wrapper attribute in ``private`` (``w.grad_shards``), switches on a
     stage's number (``w.stage > 0``, ``type(w).stage == 3``) or probes a wrapper with
     ``hasattr``/``getattr`` (``hasattr(w, "param_shards")``). ``self`` is a wrapper inside a class
-    that extends one (HSDP, ZeRO++)."""
-    selves = set()
+    that extends one of the chain (ZeRO++): there it may read what its base's surface
+    (``surfaces``: base -> (moments, reads)) adds to the face, and it may override a method of
+    the chain (``chain``) only where the base names it a moment."""
+    surfaces, extra, out = surfaces or {}, {}, []
     for c in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
-        bases = {ast.unparse(b) for b in c.bases}
-        if bases & set(CHAIN) or c.name == "HSDP":
-            selves |= {id(n) for n in ast.walk(c)}
+        bases = [ast.unparse(b) for b in c.bases if ast.unparse(b) in CHAIN]
+        if not bases:
+            continue
+        moments = set().union(*(surfaces.get(b, ((), ()))[0] for b in bases))
+        reads = set().union(*(surfaces.get(b, ((), ()))[1] for b in bases))
+        extra |= {id(n): reads for n in ast.walk(c)}
+        out += [f"{me}:{f.lineno} overrides {c.name}.{f.name}, not a moment its base names"
+                for f in c.body if isinstance(f, ast.FunctionDef)
+                and f.name in (chain | private) - moments - {"__init__"}]  # fmt: skip
 
     def wrapper(node: ast.AST) -> bool:
         held = ast.unparse(node)
-        return bool(WRAPPER.fullmatch(held)) or (held == "self" and id(node) in selves)
+        return bool(WRAPPER.fullmatch(held)) or (held == "self" and id(node) in extra)
 
-    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and wrapper(node.value) and node.attr in private:
-            out.append(f"{me}:{node.lineno} reads {ast.unparse(node)}")
+            if node.attr not in extra.get(id(node), ()) or ast.unparse(node.value) != "self":
+                out.append(f"{me}:{node.lineno} reads {ast.unparse(node)}")
         elif isinstance(node, ast.Compare):  # (the cost model's own Config has a stage number)
             sides = [node.left, *node.comparators]
             if any(isinstance(s, ast.Attribute) and s.attr == "stage" and (wrapper(s.value) or
@@ -703,46 +727,66 @@ def face_crossings(tree: ast.AST, private: set[str], me: str) -> list[str]:
             and WRAPPER.fullmatch(ast.unparse(node.args[0]))
         ):
             out.append(f"{me}:{node.lineno} probes a wrapper: {ast.unparse(node)}")
-    return out
+    return sorted(out, key=lambda c: int(c.split(":")[1].split()[0]))
 
 
 def test_outside_the_stage_files_a_wrapper_is_read_only_through_its_face():
-    """The habits, optimizer/, checkpoint/, analysis/, HSDP and ZeRO++ read of
-    a wrapper only what ``minizero.seams.Face`` names (nn.Module's own aside): no other attribute
-    of the chain's classes, no switch on a stage's number, no ``hasattr`` probe. The stage files
-    and parallelize (which composes them) are the chain's inside."""
-    face, private = face_names(), stage_names() - face_names()
+    """The habits, optimizer/, checkpoint/, analysis/, HSDP and ZeRO++ read of a wrapper only
+    what ``minizero.seams.Face`` names (nn.Module's own aside): no other attribute of the chain's
+    classes, no switch on a stage's number, no ``hasattr`` probe. A subclass of a stage (ZeRO++)
+    reads besides only the fields its base declares (``subclass_reads``) and overrides only the
+    moments it declares (``subclass_moments``). The stage files and parallelize (which composes
+    them) are the chain's inside."""
+    face, chain = face_names(), stage_names()
+    private, surfaces = chain - face, subclass_surfaces()
     assert {"sharded", "fragments", "step_grads", "held_tensors", "fragment_values"} <= face
     assert {"grad_shards", "flat_params", "averaged", "in_flight", "grad_buffers"} <= private
-    bad, left = [], {path: set(reads) for path, reads in NOT_YET.items()}
+    assert surfaces["ZeRO3"][1] <= private and surfaces["ZeRO3"][0] <= chain, surfaces["ZeRO3"]
+    bad = []
     for path in library_files():
         if path.parent == PACKAGE and path.stem in STAGE_FILES:
             continue
-        rel = path.relative_to(ROOT).as_posix()
-        for crossing in face_crossings(ast.parse(path.read_text()), private, module_name(path)):
-            read = crossing.split(" reads ")[-1]
-            if read in NOT_YET.get(rel, ()):
-                left[rel].discard(read)
-            else:
-                bad.append(crossing)
+        tree = ast.parse(path.read_text())
+        bad += face_crossings(tree, private, module_name(path), surfaces, chain)
     assert not bad, "read outside the stage files, not through the face:\n" + "\n".join(bad)
-    assert not any(left.values()), f"NOT_YET lists reads that are gone (drop them): {left}"
     caught = ast.parse(
         "w.grad_shards\nw.fragments\nself.wrapper.averaged\nif w.stage > 0: pass\n"
         "hasattr(model, 'param_shards')\nC.reduce_scatter\nclass H(ZeRO2):\n"
-        "    x = self.in_flight\ncfg.stage == 3\n"
+        "    x = self.in_flight\ncfg.stage == 3\nclass P(ZeRO3):\n"
+        "    def start_gather(self, i):\n        return self.param_shards[i], self.in_flight\n"
+        "    def finish_in_flight(self):\n        self.wrapper.param_shards\n"
+        "class Q(ZeRO2):\n    def start_gather(self, i):\n        return self.param_shards\n"
     )
-    found = face_crossings(caught, {"grad_shards", "averaged", "in_flight", "reduce_scatter"}, "m")
-    assert [c.split(" ", 1)[0] for c in found] == ["m:1", "m:3", "m:4", "m:5", "m:8"], found
+    names = {"grad_shards", "averaged", "in_flight", "reduce_scatter", "param_shards",
+             "start_gather", "finish_in_flight"}  # fmt: skip
+    surface = {"ZeRO3": ({"start_gather"}, {"param_shards"})}
+    found = face_crossings(caught, names, "m", surface, names)
+    lines = ["m:1", "m:3", "m:4", "m:5", "m:8", "m:12", "m:13", "m:14", "m:16", "m:17"]
+    assert [c.split(" ", 1)[0] for c in found] == lines, found
+
+
+def classes_made_at_run_time(tree: ast.AST) -> list[int]:
+    """Lines of every ``type(name, bases, namespace)`` call: a class made at run time."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", "") == "type" and len(n.args) == 3]  # fmt: skip
+
+
+# The classes minizero makes at run time, each around a class of the user's (docs/design.md, "What
+# minizero changes on your objects"); none around a stage.
+USER_CLASSES = {
+    "minizero/optimizer/__init__.py": "StageStep before the user's optimizer class (attach)",
+    "minizero/units.py": "the guarded subclass of a parameter's class (stage 3, set_guard)",
+}
 
 
 def test_nothing_is_inherited_by_accident():
     """Stages 2-3 never make DDP's ``grad_buffers``: no method they inherit from DDP or ZeRO1
-    reads them (DDP's ``accumulate`` once did: it is the bucket's ``hold_grad`` now). HSDP
-    overrides only the moments docs/design.md names ("Two ways to extend a stage"), none of a
-    stage's internals (it once carried a copy of ZeRO2's ``finish_in_flight``)."""
+    reads them (DDP's ``accumulate`` once did: it is the bucket's ``hold_grad`` now). HSDP is
+    data, as FSDP2 keeps it: a stage's ``replicate_group`` option, not a class placed before the
+    stage's at run time (``hsdp.hybrid`` once made one, and carried a copy of ZeRO2's
+    ``finish_in_flight``): no library module makes a class with ``type(name, bases, ns)`` but
+    around a class of the user's (``USER_CLASSES``)."""
     from minizero.ddp import DDP
-    from minizero.hsdp import HSDP
     from minizero.zero1 import ZeRO1
     from minizero.zero2 import ZeRO2
     from minizero.zero3 import ZeRO3
@@ -754,10 +798,10 @@ def test_nothing_is_inherited_by_accident():
             if owner in (DDP, ZeRO1) and inspect.isfunction(value):
                 read = "grad_buffers" in inspect.getsource(value)
                 assert not read, f"{cls.__name__} inherits {owner.__name__}.{name}"
-    chain = set().union(*(vars(c) for c in (DataParallel, DDP, ZeRO1, ZeRO2, ZeRO3)))
-    overrides = {n for n in vars(HSDP) if n in chain and not n.startswith("__")}
-    moments = {"broadcast_from_rank0", "add_to_shard", "reduce_gradients", "reset_grads",
-               "module_check_group"}  # fmt: skip
-    assert overrides == moments, overrides
-    design = (ROOT / "docs" / "design.md").read_text()
-    assert all(f"`{m}`" in design for m in moments)
+    made = {p.relative_to(ROOT).as_posix() for p in library_files()
+            if classes_made_at_run_time(ast.parse(p.read_text()))}  # fmt: skip
+    assert made == set(USER_CLASSES), f"classes made at run time: {made}"
+    hsdp = ast.parse((PACKAGE / "hsdp.py").read_text())
+    assert not [n.name for n in hsdp.body if isinstance(n, ast.ClassDef)], "HSDP is data"
+    toy = ast.parse("H = type(f'HSDP{s.__name__}', (HSDP, s), {})\ntype(x)\n")
+    assert classes_made_at_run_time(toy) == [1]

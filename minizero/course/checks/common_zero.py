@@ -223,7 +223,7 @@ def train(
             [
                 (f.name, f.start, f.end, f.tensor.detach().double().cpu().clone())
                 for f in getattr(model, "fragments", [])
-                if f.is_master
+                if f.is_flat_view
             ]
         )
         out["records"].append([(r.op, r.numel, r.async_op, r.index, r.tag) for r in ledger.records])
