@@ -47,6 +47,8 @@ class DDP(DataParallel):
         bucket_cap_mb: float | None = None,  # MiB; None: 25, first bucket 1 (torch DDP's)
         **options,  # precision, process_group, broadcast_buffers, ...: see DataParallel
     ):
+        if self.stage == 0 and options.get("replicate_group") is not None:  # never averaged here
+            raise TypeError("DDP takes no replicate_group: HSDP shards (stages 1-3, hsdp.py)")
         super().__init__(module, **options)
         self.params = trainable_parameters(module)
         self.bucket_cap_mb = bucket_cap_mb

@@ -292,3 +292,10 @@ def test_stage3_checks_the_modules_across_nodes(ranks):
         e = res["modules"]
         assert "ranks ran different modules" in e, (r, e)
         assert "rank 0: forward of 'layers.0'" in e and "rank 2: forward of 'layers.1'" in e, e
+
+
+def test_ddp_refuses_a_replicate_group_it_would_never_average_over():
+    """HSDP is data on stages 1-3; DDP (stage 0) over a replicate group would broadcast over it
+    and then average over its own group only: a silent wrong answer, refused before anything."""
+    with pytest.raises(TypeError, match=r"DDP takes no replicate_group: HSDP shards \(stages 1-3"):
+        minizero.DDP(nn.Linear(2, 2), replicate_group=object())
