@@ -181,8 +181,8 @@ def test_each_model_writes_its_own_json(what, model, path):
 def test_bench_parts_counts_each_stages_collectives(tmp_path, capsys):
     """The capstone's step at every stage: every part printed, and one step's collectives per
     kind, exactly: DDP's two buckets all-reduced; stages 1-2 reduce-scatter and all-gather them,
-    plus clip_grad_norm_'s all-reduce of the norms; stage 3 gathers its 5 units twice (forward,
-    backward) and reduce-scatters each once."""
+    plus clip_grad_norm_'s all-reduce of the norms; stage 3, the model in one unit as train runs
+    it (min_unit_params), gathers it twice (forward, backward) and reduce-scatters it once."""
     out = tmp_path / "p.json"
     argv = ["bench", "parts", "--nprocs", "2", "--rounds", "1", "--steps", "1", "--json",
             str(out)]  # fmt: skip
@@ -191,9 +191,9 @@ def test_bench_parts_counts_each_stages_collectives(tmp_path, capsys):
     assert "the capstone's model (0.8M parameters), fp32" in text
     for part in ("forward", "backward", "clip", "optimizer.step", "zero_grad", "median step"):
         assert re.search(rf"^{part} +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$", text, re.M), part
-    assert re.search(r"^all_gather per step +0 +2 +2 +10$", text, re.M)
+    assert re.search(r"^all_gather per step +0 +2 +2 +2$", text, re.M)
     assert re.search(r"^all_reduce per step +2 +1 +1 +1$", text, re.M)
-    assert re.search(r"^reduce_scatter per step +0 +2 +2 +5$", text, re.M)
+    assert re.search(r"^reduce_scatter per step +0 +2 +2 +1$", text, re.M)
     data = json.loads(out.read_text())
-    assert data["stages"]["3"]["collectives"] == {"all_gather": 10, "reduce_scatter": 5,
+    assert data["stages"]["3"]["collectives"] == {"all_gather": 2, "reduce_scatter": 1,
                                                   "all_reduce": 1}  # fmt: skip
