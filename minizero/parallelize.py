@@ -53,8 +53,8 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
 ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
-STAGE3_OPTIONS = {"units", "min_unit_params", "prefetch", "reshard_root", "check_modules"}
-STAGE3_OPTIONS |= ZEROPP_OPTIONS
+STAGE3_OPTIONS = {"units", "min_unit_params", "prefetch", "reshard_root",
+                  "check_modules"} | ZEROPP_OPTIONS  # fmt: skip
 TORCH_DDP_ONLY = {  # torch DDP's arguments a user carries over, and why minizero needs none
     "gradient_as_bucket_view": "minizero's p.grad is always a view of its bucket, as with True",
     "static_graph": "minizero needs no declaration that the graph is static",

@@ -96,10 +96,10 @@ def select_units(root: nn.Module, units: Units = None, min_params: int = 0) -> l
 def _at_least(root: nn.Module, picked: set[nn.Module], min_params: int) -> set[nn.Module]:
     """``picked`` less the units of under ``min_params`` own parameters, innermost first."""
     kept = set(picked)
-    for m in reversed(list(root.modules())):  # descendants before their ancestors
+    for m in [m for m in reversed(list(root.modules())) if m in kept]:  # innermost first
         inner = {id(p) for k in m.modules() if k is not m and k in kept for p in k.parameters()}
         own = {id(p): p.numel() for p in m.parameters() if p.requires_grad and id(p) not in inner}
-        if m in kept and sum(own.values()) < min_params:
+        if sum(own.values()) < min_params:
             kept.discard(m)  # its parameters go to the unit around it
     return kept
 

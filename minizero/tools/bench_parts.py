@@ -28,6 +28,7 @@ import argparse
 import collections
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -66,8 +67,8 @@ def _rank(stages: list[int], rounds: int, steps: int, progress=None) -> dict:
     for s in stages:
         torch.manual_seed(cfg.seed)
         model = TinyGPT(cfg.gpt(data.vocab_size))
-        units = {"min_unit_params": cfg.min_unit_params} if s == 3 else {}  # as train's
-        wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **units)
+        options = replace(cfg, stage=s).stage_options()  # as train's
+        wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
         for moment in ("reduce_gradients", "after_step"):  # the stage's moments, per instance
             setattr(wrapped, moment, _timed(acc, (s, moment), getattr(wrapped, moment)))
         runs[s] = wrapped, opt

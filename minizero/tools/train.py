@@ -94,6 +94,10 @@ class TrainConfig:
         if self.mesh is not None and self.resume is not None:
             raise ValueError("resume takes no mesh: minizero.load_checkpoint refuses HSDP")
 
+    def stage_options(self) -> dict:
+        """``parallelize``'s options beyond the stage and precision (stage 3: the unit floor)."""
+        return {"min_unit_params": self.min_unit_params} if self.stage == 3 else {}
+
     def gpt(self, vocab_size: int) -> GPTConfig:
         """nanoGPT's model for this run: no biases (its ``bias=False``), weights tied."""
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -268,8 +272,8 @@ def train_rank(cfg: TrainConfig, progress=None) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(dev.type, cfg.mesh, mesh_dim_names=("replicate", "shard"))
-    units = {"min_unit_params": cfg.min_unit_params} if cfg.stage == 3 else {}
-    model, opt = parallelize(model, cfg.stage, opt, precision=cfg.precision, mesh=mesh, **units)
+    model, opt = parallelize(model, cfg.stage, opt, precision=cfg.precision, mesh=mesh,
+                             **cfg.stage_options())  # fmt: skip
     start, history = 0, None
     if cfg.resume:
         extra = load_checkpoint(cfg.resume, model, opt)
