@@ -63,6 +63,7 @@ def counted(filename: str) -> Path | None:
 def trace_steps(stage: int) -> set[tuple[str, int]]:
     """(file, first line) of every counted function that ran on this rank."""
     import torch
+    import torch._dynamo  # noqa: F401  (AdamW's constructor imports it: outside the profile)
 
     from minizero.models import MLP, synthetic_batch
     from minizero.parallelize import parallelize
