@@ -8,7 +8,7 @@ outputs, goes to a folder that every xdist worker of this run shares, under a lo
 the first test that asks runs it, the others (on any worker) read it.
 
 :func:`needs_exercises` says which given cells of an unsolved lesson use an exercise's name: only
-those lessons need their unsolved run in the fast tier (docs/testing.md).
+those lessons run unsolved in the fast tier, and only their :func:`stub_cells` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -36,15 +36,24 @@ def shared_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def executed(tmp_path_factory, variant: str, stem: str) -> grade.Run:
-    """``variant/stem.ipynb`` run once in this pytest run (see the module's docstring)."""
+def executed(tmp_path_factory, variant: str, stem: str, stubs_only: bool = False) -> grade.Run:
+    """``variant/stem.ipynb`` run once in this pytest run (see the module's docstring);
+    ``stubs_only``: only its :func:`stub_cells`, a notebook of its own."""
     folder = shared_dir(tmp_path_factory)
-    done = folder / f"{variant}-{stem}.pickle"
-    with open(folder / f"{variant}-{stem}.lock", "w") as lock:
+    name = f"{variant}-{stem}" + ("-stubs" if stubs_only else "")
+    done = folder / f"{name}.pickle"
+    with open(folder / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second asker waits here for the first one's run
         if not done.exists():
             env = KERNELS["portable"] if variant == "solutions" else {}
-            run = grade.run(ROOT / variant / f"{stem}.ipynb", timeout=900, env=env)
+            path = ROOT / variant / f"{stem}.ipynb"
+            if stubs_only:  # the cut notebook in the lessons' folder's place (the kernel's cwd)
+                nb = json.loads(path.read_text())
+                nb["cells"] = [nb["cells"][i] for i in stub_cells(nb["cells"])]
+                path = folder / variant / f"{stem}.ipynb"
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(json.dumps(nb))
+            run = grade.run(path, timeout=900, env=env)
             done.write_bytes(pickle.dumps(run))
         return pickle.loads(done.read_bytes())
 
@@ -75,6 +84,51 @@ def needs_exercises(cells: list[dict]) -> dict[int, list[str]]:
         if used & names:
             uses[i] = sorted(used & names)
     return uses
+
+
+def _bound(tree: ast.AST) -> set[str]:
+    """Names a cell binds or changes at its top level: assignments (``X =``, ``X.a = ``,
+    ``X[k] = ``, ``X += ``), definitions, imports, loop and ``with`` targets."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        targets += [item.optional_vars for item in getattr(node, "items", [])]
+        for target in filter(None, targets):
+            while isinstance(target, ast.Attribute | ast.Subscript | ast.Starred):
+                target = target.value
+            names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def stub_cells(cells: list[dict]) -> list[int]:
+    """The code cells of an unsolved lesson that its stubs can change, and what they need: the
+    first code cell, the exercises, the checks, the given cells that use an exercise's name
+    (:func:`needs_exercises`) or a name such a cell made, and every earlier cell that binds or
+    changes a name one of these reads, transitively. Every other code cell is given, identical to
+    the solution's (test_notebooks.py), never meets a stub, and ran in the solution's run."""
+    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    trees = {i: ast.parse("".join(cells[i]["source"])) for i in code}
+    tags = {i: cells[i]["metadata"].get("tags", []) for i in code}
+    keep = {code[0], *needs_exercises(cells)}
+    keep |= {i for i in code if {"exercise", "check"} & set(tags[i])}
+    tainted = set().union(*(_bound(trees[i]) for i in keep if i != code[0]))
+    reads = {i: {n.id for n in ast.walk(trees[i]) if isinstance(n, ast.Name)} for i in code}
+    for i in code:  # and the cells that read what those made (lesson 09's RUNS, from train)
+        if i not in keep and reads[i] & tainted:
+            keep.add(i)
+            tainted |= _bound(trees[i])
+    todo = sorted(keep)
+    while todo:
+        i = todo.pop()
+        for j in code:
+            if j < i and j not in keep and reads[i] & _bound(trees[j]):
+                keep.add(j)
+                todo.append(j)
+    return sorted(keep)
 
 
 def lesson_cells(stem: str, variant: str = "lessons") -> list[dict]:

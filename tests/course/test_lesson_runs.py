@@ -4,11 +4,12 @@ PASS) and what a student sees (every figure cell shows an image); each unsolved 
 exactly at its check cells.
 
 A class per lesson: xdist (``--dist loadscope``) hands a lesson's tests to one worker, and
-different lessons to different workers. The unsolved run of a lesson whose given cells use no
-exercise name is in the soak tier: those cells are the solution's own (test_notebooks.py) and
-never meet an exercise's stub, so they run as the solution's run did; the check cells' failure
-on a stub is asserted by the lessons whose given cells do meet one (``UNSOLVED_FAST``), by the
-browser test on lesson 00, and by test_checks_reject.py."""
+different lessons to different workers. The unsolved lessons' full runs are in the soak tier: their
+given cells are the solution's own (test_notebooks.py), and those that meet no exercise's stub,
+directly or through what such a cell made, run as the solution's run did. The fast tier runs, for
+the lessons with a given cell that meets a stub (``UNSOLVED_FAST``: 05, 08, 09), the cells a stub
+can change (``stub_cells``); the check cells' failure on a stub is asserted there, by the browser
+test on lesson 00, and by test_checks_reject.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import re
 
 import pytest
 
-from lessons import STEMS, UNSOLVED_FAST, executed, lesson_cells, needs_exercises
+from lessons import STEMS, UNSOLVED_FAST, executed, lesson_cells, needs_exercises, stub_cells
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -65,35 +66,34 @@ class LessonRuns:
             drawn += pngs
         assert drawn, f"{self.stem}: no figure at all"
 
+    @pytest.mark.soak
     def test_unsolved_fails_exactly_at_the_check_cells(self, tmp_path_factory):
-        runs = executed(tmp_path_factory, "lessons", self.stem).runs
-        failed = {r.index: r.error for r in runs if r.error}
-        check_cells = {r.index for r in runs if r.check}
-        assert set(failed) == check_cells, failed
-        for i in check_cells:  # the TODO named, and nothing else (no guess at what went wrong)
-            assert "CheckFailed" in failed[i] and "NotImplementedError: TODO: write" in failed[i]
-            said = failed[i].split("NotImplementedError: TODO: write", 1)[1].splitlines()[0]
-            assert re.fullmatch(r" [\w.]+(\(\))?( \(at line \d+: .*\))?\.?", said), failed[i]
-            assert "ranks" not in said and "assumed 2" not in failed[i], failed[i]
+        assert_fails_at_checks(executed(tmp_path_factory, "lessons", self.stem).runs)
+
+    def test_unsolved_cells_that_meet_a_stub_fail_exactly_at_the_check_cells(
+        self, tmp_path_factory
+    ):
+        """The unsolved lesson's :func:`stub_cells` only: the other cells are the solution's."""
+        runs = executed(tmp_path_factory, "lessons", self.stem, stubs_only=True).runs
+        assert_fails_at_checks(runs)
 
 
-def _in_soak(test):
-    """``test`` in the soak tier for one lesson's class (a function of its own: marks are per
-    function, and the other lessons keep theirs)."""
-
-    def soaked(self, tmp_path_factory):
-        return test(self, tmp_path_factory)
-
-    soaked.__name__ = soaked.__qualname__ = test.__name__
-    return pytest.mark.soak(soaked)
+def assert_fails_at_checks(runs) -> None:
+    """Every cell that raised is a check cell and every check cell raised, naming its TODO."""
+    failed = {r.index: r.error for r in runs if r.error}
+    check_cells = {r.index for r in runs if r.check}
+    assert set(failed) == check_cells, failed
+    for i in check_cells:  # the TODO named, and nothing else (no guess at what went wrong)
+        assert "CheckFailed" in failed[i] and "NotImplementedError: TODO: write" in failed[i]
+        said = failed[i].split("NotImplementedError: TODO: write", 1)[1].splitlines()[0]
+        assert re.fullmatch(r" [\w.]+(\(\))?( \(at line \d+: .*\))?\.?", said), failed[i]
+        assert "ranks" not in said and "assumed 2" not in failed[i], failed[i]
 
 
 for _stem in STEMS:
     _attrs = {"stem": _stem, "__module__": __name__}
-    if _stem not in UNSOLVED_FAST:  # its unsolved run is in the soak tier (the docstring says why)
-        _attrs["test_unsolved_fails_exactly_at_the_check_cells"] = _in_soak(
-            LessonRuns.test_unsolved_fails_exactly_at_the_check_cells
-        )
+    if _stem not in UNSOLVED_FAST:  # no given cell meets a stub: the soak tier's full run only
+        _attrs["test_unsolved_cells_that_meet_a_stub_fail_exactly_at_the_check_cells"] = None
     globals()[f"TestLesson{_stem[:2]}"] = type(f"TestLesson{_stem[:2]}", (LessonRuns,), _attrs)
 
 
@@ -111,3 +111,13 @@ def test_the_fast_tier_runs_every_unsolved_lesson_that_meets_a_stub():
         {"cell_type": "code", "metadata": {}, "source": "g = 1"},
     ]
     assert needs_exercises(probe) == {1: ["f"]}
+    probe += [  # what the stub made, read later; a cell that mutates what a kept cell reads
+        {"cell_type": "code", "metadata": {}, "source": "print(x)"},
+        {"cell_type": "code", "metadata": {}, "source": "h = g + 1"},
+    ]
+    probe.insert(1, {"cell_type": "code", "metadata": {}, "source": "import os\nos.n = 1"})
+    probe.insert(0, {"cell_type": "code", "metadata": {}, "source": "import sys"})
+    probe[3]["source"] = "x = [f() for _ in range(os.n)]"  # reads what cell 2 changed
+    assert stub_cells(probe) == [0, 1, 2, 3, 4, 6]  # not g = 1, not h = g + 1
+    cut = {s: len(stub_cells(lesson_cells(s))) for s in UNSOLVED_FAST}  # of 19, 23 and 7
+    assert cut == {"05_all_stages": 11, "08_beyond_one_node": 11, "09_capstone": 7}, cut
