@@ -121,6 +121,16 @@ def stub_cells(cells: list[dict]) -> list[int]:
         if i not in keep and reads[i] & tainted:
             keep.add(i)
             tainted |= _bound(trees[i])
+    return needed_by(cells, keep)
+
+
+def needed_by(cells: list[dict], seeds) -> list[int]:
+    """``seeds`` (code cell indices), the first code cell, and every earlier code cell that binds
+    or changes a name one of these reads, transitively: what running ``seeds`` needs."""
+    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    trees = {i: ast.parse("".join(cells[i]["source"])) for i in code}
+    reads = {i: {n.id for n in ast.walk(trees[i]) if isinstance(n, ast.Name)} for i in code}
+    keep = {code[0], *seeds}
     todo = sorted(keep)
     while todo:
         i = todo.pop()

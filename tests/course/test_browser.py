@@ -8,10 +8,13 @@ full, and every widget that holds a slider or a dropdown and a figure redraws th
 control moves. For the first unsolved lesson: its first check cell shows the exercise's failure
 message.
 
-The fast tier runs the lessons whose widgets a student moves (``WIDGETS``: sliders and dropdowns,
-what only a browser can show) and the unsolved lesson; the soak tier the other solutions, each
-asserted to draw no slider or dropdown (so that ``WIDGETS``, read from the sources, misses none;
-their progress bars are widgets too, checked drawn and full in either tier). A screenshot of the
+The fast tier runs, of the lessons whose widgets a student moves (``WIDGETS``: sliders and
+dropdowns, what only a browser can show), the widget cells and the cells they need
+(``widget_cells``: lesson 08's without its 4-rank measurement), and the unsolved lesson; the
+whole solutions, every cell of every lesson, already ran in the fast tier's shared execution. The
+soak tier runs every solution whole here, each lesson without widgets asserted to draw no slider
+or dropdown (so that ``WIDGETS``, read from the sources, misses none; progress bars are widgets
+too, checked drawn and full). A screenshot of the
 whole notebook goes to ``runs/browser/`` when a test fails, and for every notebook under
 ``--soak``.
 
@@ -35,6 +38,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from lessons import needed_by
 
 ROOT = Path(__file__).resolve().parents[2]
 STEMS = sorted(p.stem for p in (ROOT / "course").glob("[0-9][0-9]_*.py"))
@@ -152,6 +157,11 @@ def lab(tmp_path_factory):
     root = tmp / "notebooks"
     for variant in ("solutions", "lessons"):
         shutil.copytree(ROOT / variant, root / variant)
+    (root / "widgets").mkdir()
+    for stem in WIDGETS:  # the fast tier's notebooks: each widget cell and what it needs
+        nb = json.loads((ROOT / "solutions" / f"{stem}.ipynb").read_text())
+        nb["cells"] = [nb["cells"][i] for i in widget_cells(nb["cells"])]
+        (root / "widgets" / f"{stem}.ipynb").write_text(json.dumps(nb))
     server = Lab(root, tmp)
     yield server
     server.close()
@@ -360,20 +370,36 @@ def interact(page: Page) -> tuple[int, list[str]]:
     return boxes.count(), stuck
 
 
+def widget_cells(cells: list[dict]) -> list[int]:
+    """A solution's cells that draw a widget a student moves, and every cell they need."""
+    calls = re.compile(r"\blab\.(calculator|\w*widget)\(")
+    return needed_by(cells, [i for i, c in enumerate(cells) if calls.search("".join(c["source"]))])
+
+
 # -- the tests ----------------------------------------------------------------------------------
-def soak_unless_widgets(stem: str):
-    return pytest.param(stem, marks=[] if stem in WIDGETS else [pytest.mark.soak])
+@pytest.mark.soak
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
+@pytest.mark.parametrize("stem", STEMS)
+def test_solution_runs_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
+    runs_in_jupyterlab(lab, page, "solutions", stem, request)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
-@pytest.mark.parametrize("stem", [soak_unless_widgets(s) for s in STEMS])
-def test_solution_runs_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
-    with opened(page, lab, f"solutions/{stem}.ipynb", stem):
+@pytest.mark.parametrize("stem", WIDGETS)
+def test_widget_cells_run_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
+    """The fast tier: each widget lesson's widget cells and the cells they need (the whole
+    solution ran in the shared execution; the soak tier runs it whole here too)."""
+    runs_in_jupyterlab(lab, page, "widgets", stem, request)
+
+
+def runs_in_jupyterlab(lab: Lab, page: Page, folder: str, stem: str, request) -> None:
+    shot = stem if folder == "solutions" else f"{stem}-{folder}"
+    with opened(page, lab, f"{folder}/{stem}.ipynb", shot):
         cells = run_all(page)
         code = [c for c in cells if c["code"]]
         unfinished = unrun(cells)
         assert not unfinished, f"code cells that did not finish: {unfinished}"
-        nb = save(page, lab.root / "solutions" / f"{stem}.ipynb", len(code))
+        nb = save(page, lab.root / folder / f"{stem}.ipynb", len(code))
         saved = [c for c in nb["cells"] if c["cell_type"] == "code"]
         assert len(saved) == len(code)
         widgets = 0
@@ -412,7 +438,7 @@ def test_solution_runs_in_jupyterlab(lab: Lab, page: Page, stem: str, request):
         if stem not in WIDGETS:  # WIDGETS (read from the sources) misses no lesson with controls
             assert controls == 0, f"{stem} drew {controls} controls: add its call to WIDGETS"
         if request.config.getoption("--soak"):
-            screenshot(page, stem)
+            screenshot(page, shot)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
