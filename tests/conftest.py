@@ -171,13 +171,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    """Writes every test's CPU-seconds to ``runs/test-cpu.json`` (``python tools/test_times.py``
-    reads it) and prints the total and the heaviest ten."""
+    """Writes every test's CPU-seconds to ``runs/test-cpu.json``, which ``python
+    tools/test_times.py`` reads (the soak tier alone, ``--soak -m soak``, to
+    ``runs/test-cpu-soak.json``, so that CI's run keeps both), and prints the total and the
+    heaviest ten."""
     if not _CPU or hasattr(config, "workerinput"):
         return
     import json
 
-    out = Path(config.rootpath) / "runs" / "test-cpu.json"
+    soak_only = config.getoption("--soak") and config.getoption("markexpr") == "soak"
+    out = Path(config.rootpath) / "runs" / ("test-cpu-soak.json" if soak_only else "test-cpu.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(sorted(_CPU.items(), key=lambda kv: -kv[1])), indent=1))
     top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:10]
