@@ -77,7 +77,7 @@ class FrozenFlags:
         self.flags = [(p, p.requires_grad) for p in module.parameters()]
         self.names = names
 
-    @torch._disable_dynamo  # torch.compiler.disable at first call (torch.optim's lazy import)
+    @torch._disable_dynamo  # never traced (bookkeeping); Dynamo imported at first call, as optim
     def check(self) -> None:
         changed = [p for p, flag in self.flags if p.requires_grad != flag]
         if changed:
