@@ -164,8 +164,9 @@ lin(torch.randn(4, 3)).sum().backward()
 # one flat buffer per bucket; a count of gradients still expected per bucket; a hook on every
 # parameter; and `_finish()`, queued to run once when backward is over.
 #
-# * `on_grad_ready(param)`: copy `param.grad` into its slot of its bucket's flat buffer; decrement
-#   the bucket's count; at 0, start the bucket's all-reduce with `all_reduce(flat, group=self.group,
+# * `post_accumulate_grad_hook(param)` (torch's name for such a hook: autograd calls it with the
+#   parameter): copy `param.grad` into its slot of its bucket's flat buffer; decrement the bucket's
+#   count; at 0, start the bucket's all-reduce with `all_reduce(flat, group=self.group,
 #   async_op=True, tag=...)` and keep `(bucket, work)` in `self.works`.
 # * `_finish()`: for each `(bucket, work)`: `work.wait()`, divide the flat buffer by the world size,
 #   copy each parameter's slice back into its `p.grad`.
@@ -191,12 +192,12 @@ class BucketedDDP(torch.nn.Module):
         self.works = []  # (bucket, async work) of the all-reduces in flight
         self._finish_queued = False
         for p in params:
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+            p.register_post_accumulate_grad_hook(self.post_accumulate_grad_hook)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+    def post_accumulate_grad_hook(self, param: torch.nn.Parameter) -> None:
         """Autograd calls this when ``param.grad`` holds this backward's gradient."""
         if not self._finish_queued:  # run self._finish() once, when backward is over
             self._finish_queued = True

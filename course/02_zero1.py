@@ -190,12 +190,12 @@ lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world
 # * `self.buckets`; `b.chunk(flat, r)` is the (shard,) view of chunk r, `b.index` its position;
 # * `self.grad_buffers[i]`: bucket i's flat gradient (padded,); every `p.grad` is a view into it;
 # * `self.flat_params[i]`: bucket i's flat parameters (padded,); every `p.data` is a view into it;
-# * `self.masters[i]`: what the optimizer steps for bucket i, (shard,): in fp32 it *is*
+# * `self.optim_params[i]`: what the optimizer steps for bucket i, (shard,): in fp32 it *is*
 #   `b.chunk(self.flat_params[i], self.rank)`, in mixed precision a separate fp32 copy (part of K);
 # * `self.rank`, `self.world`, `self.group` (pass `group=self.group` to every collective),
 #   `self.precision.master` (True in mixed precision).
 #
-# The optimizer's `step()` runs `before_step()` (given: it calls `reduce_gradients()` and hands the
+# The optimizer's `step()` runs `before_step()` (given: it calls `finish_grad_sync()` and hands the
 # optimizer its chunk's gradients), the optimizer's step on this rank's elements, and
 # `after_step()`. How your optimizer's param groups are kept:
 # [fragments](../docs/machinery.md#stage-1s-fragments).
@@ -203,7 +203,7 @@ lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world
 # %% [markdown]
 # ## Exercise 2 — `MyZeRO1`: the two collectives of stage 1
 #
-# * `reduce_gradients()`: leave in each of this rank's chunks the gradient **averaged** over the
+# * `finish_grad_sync()`: leave in each of this rank's chunks the gradient **averaged** over the
 #   ranks of `self.group`, for that chunk only, moving Ψ in all. Which collective of lesson 00 does
 #   that, and what must follow it? (Its output may be the chunk of its own input, in place.) Divide
 #   by N after the sum, except in fp16, a 16-bit format whose largest value is 65504 (section 7):
@@ -221,7 +221,7 @@ lab.show_bucket_ownership(lab.bucket_ownership(MLP(), bucket_cap_mb=0.002, world
 class MyZeRO1(ZeRO1):
     """ZeRO stage 1 (P_os): your reduce-scatter and all-gather around the optimizer's step."""
 
-    def reduce_gradients(self) -> list[torch.Tensor]:
+    def finish_grad_sync(self) -> list[torch.Tensor]:
         """Average every bucket's gradient over the ranks into this rank's chunk of it."""
         # (shard,) per bucket: chunk `self.rank` of the (padded,) flat gradient buffer
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
@@ -253,11 +253,13 @@ class MyZeRO1(ZeRO1):
     def after_step(self) -> None:
         """The optimizer has stepped this rank's masters: give every rank every updated chunk."""
         with torch.no_grad():
-            for b, master, flat in zip(self.buckets, self.masters, self.flat_params, strict=True):
+            for b, master, flat in zip(
+                self.buckets, self.optim_params, self.flat_params, strict=True
+            ):
                 own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
                 # BEGIN SOLUTION
                 # TODO: every rank's flat holds every rank's updated chunk
-                # HINT: The optimizer stepped self.masters. In fp32 the master IS this rank's chunk
+                # HINT: The optimizer stepped self.optim_params. In fp32 each IS this rank's chunk
                 #       own; in mixed precision (self.precision.master) it is a separate fp32 copy,
                 #       so copy it into own (16-bit) first.
                 # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives

@@ -62,15 +62,15 @@ lab.show_stage1_gradients(lab.stage1_gradients(NPROCS), FORMULA)
 #
 # ## Exercise 1 — `MyZeRO2`: the gradient hook of stage 2
 #
-# Write `on_grad_ready(p)` (steps 1–3; autograd calls it with the **parameter** once `p.grad` holds
-# this backward's gradient) and `finish_in_flight()` (step 4).
+# Write `post_accumulate_grad_hook(p)` (steps 1–3; autograd calls it with the **parameter** once
+# `p.grad` holds this backward's gradient) and `finish_in_flight()` (step 4).
 
 
 # %%
 class MyZeRO2(ZeRO2):
     """ZeRO stage 2 (P_os+g): gradients live in full only in a bucket, until its reduce-scatter."""
 
-    def on_grad_ready(self, p: torch.nn.Parameter) -> None:
+    def post_accumulate_grad_hook(self, p: torch.nn.Parameter) -> None:
         """Autograd calls this when ``p.grad`` holds this backward's gradient (``p``: the param)."""
         b = self.bucket_of(p)  # the bucket p belongs to
         self.queue_backward_end()  # given: runs self.backward_end() once backward is over

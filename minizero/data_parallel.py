@@ -29,13 +29,17 @@ from minizero import collectives as C
 from minizero.precision import LossScaler, Precision, cast_floating, full_dtype, resolve
 from minizero.seams import Extension, Fragment, Sharded
 
+# A moment's old name -> its name now: a subclass written before (a lesson's notebook) fails at once
+RENAMED = {"on_grad_ready": "post_accumulate_grad_hook", "reduce_gradients": "finish_grad_sync",
+           "take_master": "take_optim_params"}  # fmt: skip
+
 
 class DataParallel(nn.Module):
     """Base class: ``module`` replicated on every rank of ``process_group``, same start.
 
     The moments a stage may override, the one list (each stage file's table names its own):
-    backward: ``on_grad_ready(p)`` (every hook's order: ``register_hooks``), ``backward_end()``;
-    step: ``reduce_gradients()`` (per bucket this rank's averaged range, reduced by now),
+    backward: ``post_accumulate_grad_hook(p)`` (torch's name; order: ``register_hooks``),
+    ``backward_end()``; step: ``finish_grad_sync()`` (per bucket this rank's averaged range),
     ``after_step()`` (masters -> working copy); ``zero_grad()``: ``reset_grads(set_to_none)``;
     ``p.grad``: ``visible_grad(p)``, ``clear_grad(p)``; layout and loading: ``cast_working()``,
     ``full_params()``, ``load_param(p, full)``, ``params_written()``. A stage sets ``params``
@@ -45,6 +49,13 @@ class DataParallel(nn.Module):
     stage = 0
     sharded = Sharded()  # nothing: every rank holds the whole model states
     rebuilds_buckets = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if old := sorted(RENAMED.keys() & vars(cls).keys()):
+            raise TypeError(f"{cls.__name__}.{old[0]}: minizero calls this moment "
+                            f"{RENAMED[old[0]]} now (and self.masters is self.optim_params); "
+                            "rename it in your class, as the lesson does")  # fmt: skip
 
     def __init__(
         self,
@@ -170,17 +181,17 @@ class DataParallel(nn.Module):
     # -- backward ----------------------------------------------------------------------------------
     def register_hooks(self, params: list[nn.Parameter]) -> None:
         """Every per-parameter hook, in the order they run: ``extension.before_accumulate()``,
-        then :meth:`post_accumulate_hook`: the extension's (the habits', the bucket rebuild's), the
-        stage's ``on_grad_ready``."""
+        then :meth:`_post_accumulate`: the extension's (the habits', the bucket rebuild's), the
+        stage's ``post_accumulate_grad_hook``."""
         for p in params:
             p.register_hook(lambda grad: self.extension.before_accumulate())  # (deepcopy drops it)
-            p.register_post_accumulate_grad_hook(self.post_accumulate_hook)
+            p.register_post_accumulate_grad_hook(self._post_accumulate)
 
-    def post_accumulate_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
+    def _post_accumulate(self, p: nn.Parameter) -> None:  # argument: the parameter
         self.extension.grad_accumulated(p)  # first: it counts p as used, densifies a sparse grad
-        self.on_grad_ready(p)
+        self.post_accumulate_grad_hook(p)
 
-    def on_grad_ready(self, p: nn.Parameter) -> None:
+    def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:
         """The stage's hook: ``p.grad`` holds this backward's gradient (accumulated)."""
         self.queue_backward_end()
 
@@ -209,7 +220,7 @@ class DataParallel(nn.Module):
         raise NotImplementedError
 
     # -- the step: what the optimizer returned by parallelize() calls ------------------------------
-    def reduce_gradients(self) -> list[torch.Tensor | None]:
+    def finish_grad_sync(self) -> list[torch.Tensor | None]:
         """Per bucket, this rank's owned range of the averaged gradient, (owned,); None for a
         bucket that has had no backward since ``zero_grad()`` (stages 2-3 free them there)."""
         raise NotImplementedError
@@ -228,7 +239,7 @@ class DataParallel(nn.Module):
         """This step's fp32 gradients, per bucket (owned,), unscaled; made once a step."""
         if self.averaged is None:  # in the masters' dtype (fp32; fp64): no copy when already so
             full = full_dtype(self.precision)
-            self.averaged = [None if g is None else g.to(full) for g in self.reduce_gradients()]
+            self.averaged = [None if g is None else g.to(full) for g in self.finish_grad_sync()]
             scaler, dev = self.scaler, self.params[0].device  # fp16: unscale; all skip on an inf
             self.grads_ok = scaler is None or scaler.unscale(self.averaged, self.group, dev)
         return self.averaged

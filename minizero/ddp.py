@@ -5,15 +5,15 @@ of the chain (data_parallel.py): ZeRO1 (zero1.py) extends it.
 
 The moments it overrides (data_parallel.py lists them all), and the bucket moments it adds:
 
-    on_grad_ready(p)    p.grad becomes its view of the bucket; the bucket's last gradient:
+    post_accumulate_grad_hook(p)  p.grad becomes its view of the bucket; the bucket's last one:
                         reduce_in_order(b) -> reduce_bucket(b), an async all-reduce
     backward_end()      all-reduce the buckets unused parameters left incomplete, wait for all
-    reduce_gradients()  the gradient buffers themselves: averaged in backward, all this rank's
+    finish_grad_sync()  the gradient buffers themselves: averaged in backward, all this rank's
     after_step()        mixed precision: fp32 masters -> 16-bit working copy (fp32: nothing)
     reset_grads()       zero the buffers (they persist, as torch DDP's reducer buckets)
     visible_grad(p), clear_grad(p), full_params(): the bucket view of p, the masters
 
-Bucket moments, overridden below: cut_buckets(ready), owned(b), take_master(b), init_grads(),
+Bucket moments, overridden below: cut_buckets(ready), owned(b), take_optim_params(b), init_grads(),
 reduce_bucket(b), finish_in_flight(). The bucket rebuild (optimizer.state.Rebuild, in the habits
 parallelize composes) cuts them again once, in the order the first backward made gradients ready.
 """
@@ -60,9 +60,9 @@ class DDP(DataParallel):
         """Buckets over ``ready`` (the order gradients become ready), and all that sits on them."""
         self.buckets = self.cut_buckets(ready)
         self.param_bucket = {id(p): b for b in self.buckets for p in b.params}
-        self.masters = [self.take_master(b) for b in self.buckets]  # its fp32 range here, or None
+        self.optim_params = [self.take_optim_params(b) for b in self.buckets]  # or None (fp32)
         self.fragments, self.fragments_of = [], {}
-        self.build_fragments([self.owned(b) for b in self.buckets], self.masters)
+        self.build_fragments([self.owned(b) for b in self.buckets], self.optim_params)
         self.init_grads()
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come, per bucket
         self.started = [False] * len(self.buckets)  # bucket b's collective has started
@@ -79,7 +79,7 @@ class DDP(DataParallel):
         """The range [lo, hi) of bucket ``b`` this rank owns: all of it (DDP)."""
         return 0, b.numel
 
-    def take_master(self, b: Bucket) -> torch.Tensor | None:
+    def take_optim_params(self, b: Bucket) -> torch.Tensor | None:
         if not self.precision.master:
             return None
         return b.flatten([p.detach() for p in b.params], torch.float32)  # (numel,) fp32
@@ -96,7 +96,7 @@ class DDP(DataParallel):
         self.works: list = []  # all-reduces in flight
 
     # -- backward: fill the bucket, start its all-reduce once full ----------------------------
-    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter, not its grad
+    def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:  # the parameter, not its grad
         b = self.bucket_of(p)
         b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
         if not self.require_sync:
@@ -146,14 +146,14 @@ class DDP(DataParallel):
         return view if view.dtype == p.dtype else None
 
     # -- the optimizer's side ----------------------------------------------------------------
-    def reduce_gradients(self) -> list[torch.Tensor]:
+    def finish_grad_sync(self) -> list[torch.Tensor]:
         return self.grad_buffers  # (numel,) per bucket, averaged in backward, all of it this rank's
 
     def after_step(self) -> None:
         if not self.precision.master:
             return
         with torch.no_grad():
-            for b, m in zip(self.buckets, self.masters, strict=True):
+            for b, m in zip(self.buckets, self.optim_params, strict=True):
                 for p in b.params:
                     p.copy_(b.view(m, p))  # fp32 master -> 16-bit working copy
 
@@ -171,6 +171,6 @@ class DDP(DataParallel):
             return super().full_params()
         return {
             id(p): b.view(m, p).clone()
-            for b, m in zip(self.buckets, self.masters, strict=True)
+            for b, m in zip(self.buckets, self.optim_params, strict=True)
             for p in b.params
         }

@@ -6,7 +6,7 @@ _fsdp_collectives.py's ``foreach_reduce``, a reduce-scatter over the shard dim, 
 all-reduce of the shard over the replicate dim). DeepSpeed calls the same layout MiCS (Zhang et
 al., arXiv 2205.00119). As in FSDP2, HSDP is data, not a class: a stage takes the replicate
 group as an option (``replicate_group=``; None, the default, is no HSDP) and, where it reduces,
-averages over it too (stage 1: ``ZeRO1.reduce_gradients``; stages 2-3: ``ZeRO2.add_to_shard``);
+averages over it too (stage 1: ``ZeRO1.finish_grad_sync``; stages 2-3: ``ZeRO2.add_to_shard``);
 it broadcasts the initial state over it first (``DataParallel.broadcast_from_rank0``). This file
 makes the groups from a mesh (:func:`mesh_groups`) and the stage's options (:func:`on_mesh`);
 ``parallelize`` calls it:

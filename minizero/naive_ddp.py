@@ -37,7 +37,7 @@ class NaiveDDP(DataParallel):
             extension=extension,
         )
         self.params = trainable_parameters(module)
-        # on_grad_ready (DataParallel's): backward's end is queued; all-reduce everything there
+        # DataParallel's post_accumulate_grad_hook queues backward's end: all-reduce all there
         self.register_hooks(self.params)
 
     def backward_end(self) -> None:

@@ -186,7 +186,7 @@ class Extension:
         """A gradient reaches a parameter, before autograd adds it into ``p.grad``."""
 
     def grad_accumulated(self, p: nn.Parameter) -> None:
-        """Autograd accumulated ``p.grad``; before the stage's ``on_grad_ready(p)``."""
+        """Autograd accumulated ``p.grad``; before the stage's ``post_accumulate_grad_hook(p)``."""
 
     def backward_end(self) -> None:
         """Once a synchronised backward is over, after the stage's ``backward_end()``."""

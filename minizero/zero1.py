@@ -9,12 +9,12 @@ step, and the updated chunks are all-gathered back.
 
 The moments it overrides, and what each does differently from DDP:
 
-    cut_buckets, owned, take_master, cast_working   flat parameter buffers; chunk r is this rank's
-    on_grad_ready(p)    only accumulate into the bucket view: no collective in backward
+    cut_buckets, owned, take_optim_params, cast_working: flat parameter buffers, chunk r is rank r's
+    post_accumulate_grad_hook(p)  only accumulate into the bucket view: no collective in backward
     backward_end()      nothing to finish (no collective was started)
     visible_grad(p)     None once the step has reduced: the local sums are not p's gradient
-    reduce_gradients()  reduce-scatter every bucket now: this rank's chunk, averaged
-    after_step()        masters -> own chunk, all-gather every chunk into the flat parameters
+    finish_grad_sync()  reduce-scatter every bucket now: this rank's chunk, averaged
+    after_step()        optim_params -> own chunk, all-gather every chunk into the flat parameters
     full_params()       all-gather the fp32 masters
 """
 
@@ -42,7 +42,7 @@ class ZeRO1(DDP):
     chunks (above); gradients, views of a flat buffer of the same layout (``grad_buffers``, as
     DDP's), accumulate with no communication (``no_sync()`` needs nothing special) until the step.
 
-    What lesson 02 asks you to write: ``reduce_gradients()``. Called once a step, by the first
+    What lesson 02 asks you to write: ``finish_grad_sync()``. Called once a step, by the first
     of ``clip_grad_norm_`` and ``step()`` (``step_grads()`` keeps its result for both); may
     assume every backward since ``zero_grad()`` has accumulated into ``grad_buffers``; must
     return, per bucket, this rank's ``(shard,)`` chunk of the gradient averaged over the ranks of
@@ -72,7 +72,7 @@ class ZeRO1(DDP):
     def owned(self, b: Bucket) -> tuple[int, int]:
         return self.rank * b.shard, (self.rank + 1) * b.shard
 
-    def take_master(self, b: Bucket) -> torch.Tensor:
+    def take_optim_params(self, b: Bucket) -> torch.Tensor:
         # (shard,) fp32: chunk r of flat_params itself, stepped in place. Mixed precision: a
         # separate fp32 copy of that chunk (the K in KΨ/N includes it)
         chunk = b.chunk(self.flat_params[b.index], self.rank)
@@ -93,7 +93,7 @@ class ZeRO1(DDP):
                 p.data = b.view(flat, p)
 
     # -- gradients: full buffers, reduced at the step ------------------------------------------
-    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+    def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
         if self.require_sync:
             # backward's end: no collective here, but the habits' backward_end() then puts a
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
@@ -109,7 +109,7 @@ class ZeRO1(DDP):
         # local, until the step reduces it
         return None if self.averaged is not None else super().visible_grad(p)
 
-    def reduce_gradients(self) -> list[torch.Tensor]:
+    def finish_grad_sync(self) -> list[torch.Tensor]:
         """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
         tensor. The local buffers keep this rank's own sums, so a second ``step()``, or more
         backwards without ``zero_grad()``, reduce them again rightly."""
@@ -150,7 +150,7 @@ class ZeRO1(DDP):
     def after_step(self) -> None:
         works = []
         with torch.no_grad():
-            for b, m, flat in zip(self.buckets, self.masters, self.flat_params):
+            for b, m, flat in zip(self.buckets, self.optim_params, self.flat_params):
                 own = b.chunk(flat, self.rank)  # (shard,) view, this rank's updated chunk
                 if self.precision.master:
                     own.copy_(m)
@@ -161,7 +161,7 @@ class ZeRO1(DDP):
 
     def full_params(self) -> dict[int, torch.Tensor]:
         full = {}
-        for b, m in zip(self.buckets, self.masters):
+        for b, m in zip(self.buckets, self.optim_params):
             flat = torch.empty(b.padded, dtype=m.dtype, device=m.device)  # (padded,) masters'
             C.all_gather(flat, m, group=self.group, tag="full_state_dict")
             full.update({id(p): b.view(flat, p).clone() for p in b.params})

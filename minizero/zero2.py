@@ -7,11 +7,11 @@ The moments it overrides, and what each does differently from ZeRO1:
 
     init_grads()        no persistent buffers: ``grad_shards`` (shard,) and ``filling`` (padded,)
                         per bucket, None until used
-    on_grad_ready(p)    copy p.grad into the bucket it fills, drop it; last one: reduce_bucket
+    post_accumulate_grad_hook(p)  copy p.grad into the bucket it fills, drop it; last: reduce_bucket
     reduce_bucket(b)    async reduce-scatter into chunk r, one in flight at a time
     finish_in_flight()  wait, average, add into ``grad_shards``, free the buffer
     backward_end()      DDP's again: reduce what unused parameters left incomplete, then finish
-    reduce_gradients()  the shards backward reduced (HSDP: what it held back from the nodes)
+    finish_grad_sync()  the shards backward reduced (HSDP: what it held back from the nodes)
     visible_grad(p), clear_grad(p), reset_grads(): no local full gradient to keep
     no_sync()           DataParallel's, as DDP: full gradients accumulate in ``filling`` (Ψ)
 """
@@ -43,7 +43,7 @@ class ZeRO2(ZeRO1):
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as FSDP2
     does: between steps a rank keeps no gradient; the next backward allocates each again.
 
-    What lesson 03 asks you to write: ``on_grad_ready(p)`` (fill ``filling[b.index]``,
+    What lesson 03 asks you to write: ``post_accumulate_grad_hook(p)`` (fill ``filling[b.index]``,
     count ``pending``, ``reduce_bucket(b)`` when complete) and ``finish_in_flight()`` (wait for
     ``in_flight``, average, add into ``grad_shards``, forget the buffer).
     """
@@ -83,7 +83,7 @@ class ZeRO2(ZeRO1):
         self.filling[b.index] = buf
         return buf
 
-    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+    def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self.bucket_of(p)
         buf = self.filling[b.index]
         if buf is None:
@@ -140,7 +140,7 @@ class ZeRO2(ZeRO1):
     # wait for the one in flight, reset the counts. Its reduce_bucket is this file's.
     backward_end = DDP.backward_end
 
-    def reduce_gradients(self) -> list[torch.Tensor | None]:
+    def finish_grad_sync(self) -> list[torch.Tensor | None]:
         """The shards backward reduced (HSDP: with what it held back from the nodes, averaged)."""
         for i in sorted(self.unreplicated):
             self.grad_shards[i].add_(self.over_nodes(i, self.unreplicated.pop(i), step=True))

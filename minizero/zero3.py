@@ -7,9 +7,9 @@ backward, and freed right after. Which modules are units: minizero/units.py.
 The moments it overrides, and what each does differently from ZeRO2:
 
     cut_buckets(ready)  one bucket per unit (a module's own parameters), not cut by size
-    take_master, cast_working, load_param, params_written: ``param_shards`` are the parameters
+    take_optim_params, cast_working, load_param, params_written: ``param_shards`` are the params
     forward             module hooks: gather a unit before its forward, free it after
-    on_grad_ready(p)    only count: autograd's gradients stay until the unit's last one
+    post_accumulate_grad_hook(p)  only count: autograd's gradients stay until the unit's last one
     reduce_bucket(b)    copy the unit's gradients into a buffer then, reduce-scatter, free it
     backward_end()      ZeRO2's, then free every unit still gathered
     after_step()        masters -> param_shards, no all-gather (the next forward gathers)
@@ -157,7 +157,7 @@ class ZeRO3(ZeRO2):
         self._unit_names = [names[m] for m in owners]  # unit index -> its module's name
         return self.flatten([Bucket(g, i, self.world) for i, g in enumerate(groups)])
 
-    def take_master(self, b: Bucket) -> torch.Tensor:
+    def take_optim_params(self, b: Bucket) -> torch.Tensor:
         # (shard,) the only copy of these parameters this rank keeps between uses
         shard = b.chunk(self.flat_params[b.index], self.rank).clone()
         self.param_shards.append(shard)
@@ -191,7 +191,7 @@ class ZeRO3(ZeRO2):
 
     def params_written(self) -> None:
         with torch.no_grad():
-            for shard, m in zip(self.param_shards, self.masters, strict=True):
+            for shard, m in zip(self.param_shards, self.optim_params, strict=True):
                 if m is not shard:  # only elements edited: a read-only summon must not round
                     changed = shard != m.to(shard.dtype)  # (shard,) bool
                     m[changed] = shard[changed].float()
@@ -314,7 +314,7 @@ class ZeRO3(ZeRO2):
                 self.gather(i, wait=False)
 
     # -- gradients: kept as autograd made them until the unit's last one, as FSDP2 does ----------
-    def on_grad_ready(self, p: nn.Parameter) -> None:  # argument: the parameter
+    def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
         b = self.bucket_of(p)
         self.queue_backward_end()
         if not self.require_sync:  # no_sync(): into the unit's full (padded,) buffer, kept
@@ -376,5 +376,5 @@ class ZeRO3(ZeRO2):
     def after_step(self) -> None:
         if self.precision.master:
             with torch.no_grad():
-                for shard, m in zip(self.param_shards, self.masters):
+                for shard, m in zip(self.param_shards, self.optim_params):
                     shard.copy_(m)

@@ -2,8 +2,8 @@
 restores and runs (:mod:`minizero.course.grade`).
 
 For every exercise of a lesson: the text of its check cell as the kit wrote it, the parts a student
-writes (``MyZeRO2.on_grad_ready()``, from the solution blocks), and the names the check cell reads,
-each with where the kit binds it last before the check:
+writes (``MyZeRO2.post_accumulate_grad_hook()``, from the solution blocks), and the names the
+check cell reads, each with where the kit binds it last before the check:
 
 * an ``import`` of a given cell: the grader imports it itself before any student code runs
   (``imports``), so a rebound ``lesson00`` or ``check_predict_peak`` is never what the check calls;
@@ -38,7 +38,9 @@ class KitCell:
 class Exercise:
     name: str
     check: int  # index of the check cell
-    parts: list[str]  # "MyZeRO2.on_grad_ready", "estimate_loss": what the student writes
+    parts: list[
+        str
+    ]  # "MyZeRO2.post_accumulate_grad_hook", "estimate_loss": what the student writes
     delegates: list[str] = field(default_factory=list)  # parts whose kit solution calls the
     # library's method or function of the same name: the lesson's own way, never flagged
     imports: list[str] = field(default_factory=list)  # check names bound by a given import

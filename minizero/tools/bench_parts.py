@@ -38,7 +38,7 @@ from minizero.tools.cli import Parser, add_nprocs, positive_int
 from minizero.tools.report import header, measured_on, printer, ranks, run_ranks, write_json
 
 PARTS = ("forward", "backward", "clip", "optimizer.step", "zero_grad")
-INSIDE = ("reduce_gradients", "after_step", "waits")  # timed inside the parts above
+INSIDE = ("finish_grad_sync", "after_step", "waits")  # timed inside the parts above
 
 
 def _timed(acc: dict, key, fn):
@@ -69,7 +69,7 @@ def _rank(stages: list[int], rounds: int, steps: int, progress=None) -> dict:
         model = TinyGPT(cfg.gpt(data.vocab_size))
         options = replace(cfg, stage=s).stage_options()  # as train's
         wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
-        for moment in ("reduce_gradients", "after_step"):  # the stage's moments, per instance
+        for moment in ("finish_grad_sync", "after_step"):  # the stage's moments, per instance
             setattr(wrapped, moment, _timed(acc, (s, moment), getattr(wrapped, moment)))
         runs[s] = wrapped, opt
     waits = C.ReleasedWork.wait  # gloo's works (the only backend timed here)

@@ -168,7 +168,7 @@ def test_bucket_layout_rejects_floor_copies_missing_padding_and_flat_views():
 
 # -- lesson 02: stage 1 ----------------------------------------------------------------------------
 class _SumNotAverage(ZeRO1):
-    def reduce_gradients(self):
+    def finish_grad_sync(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
             reduce_scatter(chunk, flat, group=self.group)  # the sum: no division by N
@@ -196,7 +196,7 @@ def test_zero1_rejects_a_sum_and_a_forgotten_master():
         starts="bf16, step 0, rank 0: parameter",
         has=(
             "from the fp32 master the optimizer stepped",
-            "separate fp32 master (self.masters[i])",
+            "separate fp32 master (self.optim_params[i])",
         ),
     )
 
@@ -300,7 +300,7 @@ class _CopyNotAdd(ZeRO2):
 
 
 class _KeepsGrad(ZeRO2):
-    def on_grad_ready(self, p):
+    def post_accumulate_grad_hook(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
         buf = self.filling[b.index]
@@ -313,7 +313,7 @@ class _KeepsGrad(ZeRO2):
 
 
 class _Fp32Buffers(ZeRO2):
-    def on_grad_ready(self, p):
+    def post_accumulate_grad_hook(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
         buf = self.filling[b.index]

@@ -27,11 +27,11 @@ def _rejects(check, wrong, *has: str) -> str:
     return msg
 
 
-# -- lesson 02: MyZeRO1.reduce_gradients -----------------------------------------------------------
+# -- lesson 02: MyZeRO1.finish_grad_sync -----------------------------------------------------------
 class _ZeRO1Twice(ZeRO1):
     """Divides before the sum in fp16, as it should, and after it in every dtype."""
 
-    def reduce_gradients(self):
+    def finish_grad_sync(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
             if divides_before_sum(flat):
@@ -44,7 +44,7 @@ class _ZeRO1Twice(ZeRO1):
 class _ZeRO1Never(ZeRO1):
     """Divides after the sum where it should, and forgets the fp16 division before it."""
 
-    def reduce_gradients(self):
+    def finish_grad_sync(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
             reduce_scatter(chunk, flat, group=self.group)
@@ -57,7 +57,7 @@ class _ZeRO1AfterInFp16(ZeRO1):
     """Divides after the sum in every dtype: right in value, one fp16 rounding off (and an fp16
     sum of N loss-scaled gradients can overflow)."""
 
-    def reduce_gradients(self):
+    def finish_grad_sync(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
             reduce_scatter(chunk, flat, group=self.group)
@@ -111,7 +111,7 @@ class _ZeRO2Twice(ZeRO2):
 class _ZeRO2BufferInParamDtype(ZeRO2):
     """The bucket made in p.grad's dtype (bf16), where the policy reduces in fp32."""
 
-    def on_grad_ready(self, p):
+    def post_accumulate_grad_hook(self, p):
         b = self.bucket_of(p)
         self.queue_backward_end()
         buf = self.filling[b.index]

@@ -119,7 +119,7 @@ class _Buckets(torch.nn.Module):
         self.works = []
         self._finish_queued = False
         for p in params:
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+            p.register_post_accumulate_grad_hook(self.post_accumulate_grad_hook)
 
     def world_size(self, group) -> int:
         return dist.get_world_size(group)
@@ -130,7 +130,7 @@ class _Buckets(torch.nn.Module):
     def start(self, flat: torch.Tensor, b):
         return all_reduce(flat, group=self.group, async_op=True, tag=f"bucket {b.index}")
 
-    def on_grad_ready(self, param) -> None:
+    def post_accumulate_grad_hook(self, param) -> None:
         if not self._finish_queued:
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)

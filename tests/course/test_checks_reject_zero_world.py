@@ -44,7 +44,7 @@ class _ZeRO1(ZeRO1):
 
     ag_group = rs_group
 
-    def reduce_gradients(self):
+    def finish_grad_sync(self):
         chunks = [b.chunk(g, self.rank) for b, g in zip(self.buckets, self.grad_buffers)]
         for flat, chunk in zip(self.grad_buffers, chunks, strict=True):
             before = divides_before_sum(flat)  # fp16
@@ -57,7 +57,9 @@ class _ZeRO1(ZeRO1):
 
     def after_step(self):
         with torch.no_grad():
-            for b, master, flat in zip(self.buckets, self.masters, self.flat_params, strict=True):
+            for b, master, flat in zip(
+                self.buckets, self.optim_params, self.flat_params, strict=True
+            ):
                 own = b.chunk(flat, self.rank)
                 if self.precision.master:
                     own.copy_(master)

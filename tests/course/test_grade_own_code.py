@@ -13,14 +13,14 @@ from minizero.course.checks import lesson00, lesson02, lesson03, own_code
 from minizero.tools.train import estimate_loss as library_estimate_loss
 from minizero.zero2 import ZeRO2
 
-ZERO2_PARTS = ["MyZeRO2.on_grad_ready", "MyZeRO2.finish_in_flight"]
+ZERO2_PARTS = ["MyZeRO2.post_accumulate_grad_hook", "MyZeRO2.finish_in_flight"]
 
 
 class _HandsOnGradReady(solution("03_zero2", "MyZeRO2")["MyZeRO2"]):
     """The issue's cheat for one method; the lesson's solution (the student's own) for the other."""
 
-    def on_grad_ready(self, p):
-        return ZeRO2.on_grad_ready(self, p)
+    def post_accumulate_grad_hook(self, p):
+        return ZeRO2.post_accumulate_grad_hook(self, p)
 
 
 def test_a_method_that_calls_minizeros_own_fails_named_and_the_students_own_does_not(capsys):
@@ -28,7 +28,8 @@ def test_a_method_that_calls_minizeros_own_fails_named_and_the_students_own_does
         lesson03.check_zero2(_HandsOnGradReady, 2)  # the check itself passes: same numbers
     assert "PASS" in capsys.readouterr().out
     assert found == [
-        "MyZeRO2.on_grad_ready calls minizero's ZeRO2.on_grad_ready: write it yourself"
+        "MyZeRO2.post_accumulate_grad_hook calls minizero's ZeRO2.post_accumulate_grad_hook: "
+        "write it yourself"
     ]  # recorded on the ranks (forked), where autograd calls the hook
 
 

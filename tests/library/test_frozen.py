@@ -60,7 +60,7 @@ def _frozen_rank(stage: int, precision: str) -> dict:
         opt.zero_grad()
     buckets = getattr(model, "buckets", [])
     bucketed = {id(q) for b in buckets for q in b.params}
-    masters = sum(m.numel() for m in getattr(model, "masters", []) if m is not None)
+    masters = sum(m.numel() for m in model.optim_params if m is not None)
     out = {
         "grads": grads,
         "in_buckets": [

@@ -239,7 +239,7 @@ def reduce_fp32_rank(stage):
     model = build("gpt")
     model, opt = minizero.parallelize(model, stage, nanogpt_optimizer(model), precision=policy)
     model(*local_batch("gpt", 0, rank, world)).backward()  # stages 2-3 make their shards here
-    dtypes = {str(t.dtype) for t in model.reduce_gradients()}
+    dtypes = {str(t.dtype) for t in model.finish_grad_sync()}
     opt.zero_grad()  # and drop them: train() starts from the same state as the reference
     res = train(model, opt, "gpt", rank, world)
     return {**res, "dtypes": dtypes}

@@ -177,12 +177,12 @@ def typo_rank():
     from minizero.zero1 import ZeRO1
 
     class MyZeRO1(ZeRO1):  # a lesson's subclass, with a typo in its own attribute's name
-        def reduce_gradients(self):
+        def finish_grad_sync(self):
             return self.grad_buffer  # grad_buffers
 
     model = MyZeRO1(build("mlp"), extension=Habits)  # as the lessons' checks compose it
     try:
-        model.reduce_gradients()
+        model.finish_grad_sync()
     except AttributeError as e:
         return str(e)
 
@@ -192,3 +192,25 @@ def test_a_typo_in_a_subclass_names_the_subclass_and_the_attribute():
     got = run(typo_rank, 2)[0]
     want = "'MyZeRO1' object has no attribute 'grad_buffer' (nor has the model it wraps, MLP)"
     assert got == want, got
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("on_grad_ready", "post_accumulate_grad_hook"),
+        ("reduce_gradients", "finish_grad_sync"),
+        ("take_master", "take_optim_params"),
+    ],
+)
+def test_a_subclass_with_a_moments_old_name_is_refused_with_the_new_one(old, new):
+    """Issue 40: a lesson's class written before the rename would never be called; it fails where
+    it is defined, and the message names what to write."""
+    from minizero.zero1 import ZeRO1
+
+    with pytest.raises(TypeError) as e:
+        type("MyZeRO1", (ZeRO1,), {old: lambda self, *a: None})
+    assert str(e.value) == (
+        f"MyZeRO1.{old}: minizero calls this moment {new} now (and self.masters is "
+        "self.optim_params); rename it in your class, as the lesson does"
+    )
+    type("MyZeRO1", (ZeRO1,), {new: lambda self, *a: None})  # the new name is taken

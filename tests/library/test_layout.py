@@ -299,10 +299,11 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     subclass (zeropp.py), the habits are composed around the core (``Extension``), and the
     instruments (the ledger, the ring model) watch the collectives from ``analysis/``
     (``collectives.recorder``); the bucket rebuild (optimizer/state.py) is part of the habits.
-    zero2.py's import closure stays what a reader can follow: at most 1,487 lines, counted by
+    zero2.py's import closure stays what a reader can follow: at most 1,497 lines, counted by
     tools/closure.py (it was 2,666 in 13 files; 1,299 before issue 40 gave the stages a face,
     seams.py's ``Face``, and their methods, 1,447 before HSDP's all-reduce moved into them, 1,485
-    before DDP refused a replicate group it would never average over)."""
+    before DDP refused a replicate group it would never average over, 1,487 before the renamed
+    moments' guard, ``RENAMED`` and ``DataParallel.__init_subclass__``)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
             "minizero.optimizer")  # fmt: skip
@@ -312,7 +313,7 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
         assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
     lines, closure = CLOSURE.import_closure_lines("minizero.zero2")
     assert set(closure) == import_closure("minizero.zero2", graph) | {"minizero.zero2"}
-    assert lines <= 1487, f"zero2.py's import closure is {lines} lines: {closure}"
+    assert lines <= 1497, f"zero2.py's import closure is {lines} lines: {closure}"
     assert import_closure(
         "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
     ) == {"minizero.b", "minizero.c"}

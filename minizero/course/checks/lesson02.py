@@ -224,9 +224,9 @@ def check_zero1(cls, nprocs: int | None = None) -> None:
         res_all,
         "minizero's ZeRO1",
         world,
-        " In 16 bits the optimizer steps a separate fp32 master (self.masters[i]): copy it into "
-        "your 16-bit chunk before the all-gather (when self.precision.master).",
-        " In reduce_gradients: if divides_before_sum(flat), flat.div_(self.world) before the "
+        " In 16 bits the optimizer steps a separate fp32 master (self.optim_params[i]): copy it "
+        "into your 16-bit chunk before the all-gather (when self.precision.master).",
+        " In finish_grad_sync: if divides_before_sum(flat), flat.div_(self.world) before the "
         "reduce-scatter; else chunk.div_(self.world) after it.",
     )
     res = res_all[0]

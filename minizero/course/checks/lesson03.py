@@ -173,8 +173,8 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         "minizero's ZeRO2",
         world,
         hint=" In finish_in_flight: reduce_bucket (given) has divided an fp16 buffer already; "
-        "divide out by self.world only if not divides_before_sum(out). In on_grad_ready: the "
-        "buffer's dtype is self.precision.reduce_dtype.",
+        "divide out by self.world only if not divides_before_sum(out). In "
+        "post_accumulate_grad_hook: the buffer's dtype is self.precision.reduce_dtype.",
     )
     res = res_all[0]
     mine = res["mine"]
@@ -183,8 +183,9 @@ def check_zero2(cls, nprocs: int | None = None) -> None:
         ends = [i for i, label in marks if label == "backward end"]
         if len(ends) != len(starts):
             raise CheckFailed(
-                f"step {step}: {len(starts)} backwards but {len(ends)} 'backward end' marks: keep "
-                "the provided self.queue_backward_end() call at the top of on_grad_ready"
+                f"step {step}: {len(starts)} backwards but {len(ends)} 'backward end' marks: "
+                "keep the provided self.queue_backward_end() call at the top of "
+                "post_accumulate_grad_hook"
             )
         rs = [i for op, _, _, i, _ in recs if op == "reduce_scatter"]
         inside = [i for i in rs if any(b < i < e for b, e in zip(starts, ends, strict=True))]

@@ -1,10 +1,11 @@
 """Your own code, not the library's: while grading checks an exercise, each part a student writes
-(``MyZeRO2.on_grad_ready``, ``estimate_loss``) must not hand its work to minizero's own
+(``MyZeRO2.post_accumulate_grad_hook``, ``estimate_loss``) must not hand its work to minizero's own
 implementation of the same name. Used by :mod:`minizero.course.grading` around a check and, for
 the ranks the check starts, by :func:`.common.launch_check`.
 
 * **static** (:func:`static_findings`): the part is minizero's own object (a method left out, so
-  the base class's runs; ``on_grad_ready = ZeRO2.on_grad_ready``; a function that is minizero's),
+  the base class's runs; ``post_accumulate_grad_hook = ZeRO2.post_accumulate_grad_hook``; a
+  function that is minizero's),
   or a function reads minizero's function of the same name through a global of its own
   (``from minizero.tools.train import estimate_loss as lib``);
 * **at run time** (:func:`wired`): minizero's method of the same name is wrapped on its class

@@ -48,7 +48,7 @@ def _stage1_gradients() -> dict:
     model, opt = minizero.parallelize(TinyGPT(GPT), 1, adam, precision="bf16")
     model(*gpt_batch()).backward()
     held = model_state_bytes(model, opt)["grads"]
-    chunks = model.reduce_gradients()  # (shard,) per bucket: what the optimizer steps with
+    chunks = model.finish_grad_sync()  # (shard,) per bucket: what the optimizer steps with
     return dict(held=held, read=sum(c.numel() * c.element_size() for c in chunks), info=run_info())
 
 
