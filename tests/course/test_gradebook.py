@@ -126,17 +126,23 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     check.metadata = {"minizero": {"check": "collective"}}
     cells = [nbformat.v4.new_code_cell(HANG), check]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), subs / "erin" / "01_hang.ipynb")
-    # a cell that never returns; asleep, so that the 20 s it waits costs no core
+    # a cell that never returns; asleep, so that the time it waits costs no core
+    spun = tmp_path / "spun"
+    (spun / "erin").mkdir(parents=True)
     spin = [nbformat.v4.new_code_cell("import time\n\ntime.sleep(10**6)")]
-    nbformat.write(nbformat.v4.new_notebook(cells=spin), subs / "erin" / "02_spin.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=spin), spun / "erin" / "02_spin.ipynb")
     lesson = cut(LESSON, "solutions")  # a lesson of the kit: every exercise still gets its row
     lesson.cells.insert(0, spin[0])
-    write(lesson, subs / "erin" / f"{LESSON}.ipynb")
-    out = tmp_path / "g.csv"
-    argv = [str(subs), "--out", str(out), "--check-timeout", "4", "--timeout", "20"]
-    assert gradebook.main(argv) == 0
-    with out.open(newline="") as f:
-        rows = {r["lesson"]: r for r in csv.DictReader(f)}
+    write(lesson, spun / "erin" / f"{LESSON}.ipynb")
+    rows = {}
+    # the hung check's cell needs its imports and the 4 s; the sleeping cells fail at the first
+    # --timeout, nothing before them to wait for
+    for folder, timeouts in ((subs, ["--check-timeout", "4", "--timeout", "20"]),
+                             (spun, ["--timeout", "5"])):  # fmt: skip
+        out = tmp_path / f"{folder.name}.csv"
+        assert gradebook.main([str(folder), "--out", str(out), *timeouts]) == 0
+        with out.open(newline="") as f:
+            rows |= {r["lesson"]: r for r in csv.DictReader(f)}
     hang = rows["01_hang"]
     assert hang["exercise"] == "collective" and hang["status"] == "failed"
     assert "ranks [0, 1, 2] had not finished after 4 s" in hang["message"]
