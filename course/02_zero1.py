@@ -251,11 +251,9 @@ class MyZeRO1(ZeRO1):
         return chunks
 
     def after_step(self) -> None:
-        """The optimizer has stepped this rank's masters: give every rank every updated chunk."""
+        """The optimizer has stepped this rank's optim_params: every rank gets every new chunk."""
         with torch.no_grad():
-            for b, master, flat in zip(
-                self.buckets, self.optim_params, self.flat_params, strict=True
-            ):
+            for b, stepped, flat in zip(self.buckets, self.optim_params, self.flat_params):
                 own = b.chunk(flat, self.rank)  # (shard,) view: this rank's chunk of the params
                 # BEGIN SOLUTION
                 # TODO: every rank's flat holds every rank's updated chunk
@@ -265,10 +263,10 @@ class MyZeRO1(ZeRO1):
                 # HINT: An all-gather of own (shard,) into flat (padded,) over self.group gives
                 #       every rank every chunk, Ψ in all:
                 #       if self.precision.master:
-                #           own.copy_(...)  # the 16-bit chunk takes the stepped master
+                #           own.copy_(...)  # the 16-bit chunk takes the stepped fp32 master
                 #       all_gather(...)  # flat from own over self.group, tag f"params {b.index}"
                 if self.precision.master:
-                    own.copy_(master)  # fp32 master -> bf16/fp16 working copy
+                    own.copy_(stepped)  # fp32 master -> bf16/fp16 working copy
                 all_gather(flat, own, group=self.group, tag=f"params {b.index}")
                 # END SOLUTION
 

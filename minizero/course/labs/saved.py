@@ -107,7 +107,7 @@ def adam_in_pieces(steps: int = 5, numel: int = 10, lr: float = 0.1) -> dict:
     return dict(steps=steps, diff=diff, whole=shapes(opt_whole, whole), half=half)
 
 
-# course/02_zero1.py:353 (cell 02_zero1-022)
+# course/02_zero1.py:351 (cell 02_zero1-022)
 def one_step_memory(stage: int, precision: str, bucket_cap_mb: float | None = None) -> dict:
     """On every rank: TinyGPT through one Adam step at ``stage``, read by a ``MemoryMeter``."""
     torch.manual_seed(0)
