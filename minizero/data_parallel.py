@@ -40,7 +40,7 @@ class DataParallel(nn.Module):
     The moments a stage may override, the one list (each stage file's table names its own):
     backward: ``post_accumulate_grad_hook(p)`` (torch's name; order: ``register_hooks``),
     ``backward_end()``; step: ``finish_grad_sync()`` (per bucket this rank's averaged range),
-    ``after_step()`` (masters -> working copy); ``zero_grad()``: ``reset_grads(set_to_none)``;
+    ``after_step()`` (stepped -> working copy); ``zero_grad()``: ``reset_grads(set_to_none)``;
     ``p.grad``: ``visible_grad(p)``, ``clear_grad(p)``; layout and loading: ``cast_working()``,
     ``full_params()``, ``load_param(p, full)``, ``params_written()``. A stage sets ``params``
     (trainable, registration order), ``buckets`` (bucket.py's), ``fragments``
@@ -116,11 +116,11 @@ class DataParallel(nn.Module):
 
     # -- the layout the optimizer sees -------------------------------------------------------------
     def build_fragments(
-        self, owned: list[tuple[int, int]], masters: list[torch.Tensor | None]
+        self, owned: list[tuple[int, int]], stepped: list[torch.Tensor | None]
     ) -> None:
-        """Bucket b's range [owned[b][0], owned[b][1]) is this rank's; ``masters[b]`` holds it
+        """Bucket b's range [owned[b][0], owned[b][1]) is this rank's; ``stepped[b]`` holds it
         (None: the optimizer steps the parameters themselves, fp32 DDP)."""
-        for b, (lo, hi), m in zip(self.buckets, owned, masters, strict=True):
+        for b, (lo, hi), m in zip(self.buckets, owned, stepped, strict=True):
             for p, o in zip(b.params, b.offsets, strict=True):
                 s, e = max(o, lo), min(o + p.numel(), hi)
                 if s < e:

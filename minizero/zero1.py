@@ -47,7 +47,7 @@ class ZeRO1(DDP):
     assume every backward since ``zero_grad()`` has accumulated into ``grad_buffers``; must
     return, per bucket, this rank's ``(shard,)`` chunk of the gradient averaged over the ranks of
     ``self.group`` (N = ``self.world``), and leave no collective in flight. And ``after_step()``:
-    called once the optimizer has stepped ``masters``; copy each (mixed precision) into this
+    called once the optimizer has stepped ``optim_params``; copy each (mixed precision) into this
     rank's chunk of ``flat_params`` and all-gather every chunk over ``self.group``.
     """
 

@@ -12,7 +12,7 @@ The moments it overrides, and what each does differently from ZeRO2:
     post_accumulate_grad_hook(p)  only count: autograd's gradients stay until the unit's last one
     reduce_bucket(b)    copy the unit's gradients into a buffer then, reduce-scatter, free it
     backward_end()      ZeRO2's, then free every unit still gathered
-    after_step()        masters -> param_shards, no all-gather (the next forward gathers)
+    after_step()        optim_params -> param_shards, no all-gather (the next forward gathers)
 """
 
 from __future__ import annotations
