@@ -18,6 +18,11 @@ the timed steps of each part of the step, in ms on the slowest rank:
 
 and the median step with its ratio to stage 0's, and one step's collectives per kind (a
 ``CommLedger``; stage 3's module-order check, a small all-gather per unit, is outside it).
+Two more columns, run in the same rounds (``--no-peers``: without them): **alone**, each rank
+training its rows with no communication at all (the step's compute on these ranks: what DDP
+would take if its collectives were free), and **torch DDP**, PyTorch's own DDP on the same ranks
+(the peer stage 0 is held to). Between them lies what data parallelism costs on this machine,
+whoever implements it; between torch DDP and the stages, what minizero and ZeRO add.
 Lesson 09 trains this model; docs/results.md holds the figures, before and after the changes
 they led to.
 """
@@ -52,7 +57,10 @@ def _timed(acc: dict, key, fn):
     return timed
 
 
-def _rank(stages: list[int], rounds: int, steps: int, progress=None) -> dict:
+PEERS = ("alone", "torch DDP")  # the columns beside the stages (--no-peers: none)
+
+
+def _rank(stages: list, rounds: int, steps: int, progress=None) -> dict:
     from minizero.analysis.ledger import CommLedger
     from minizero.models import TinyGPT
     from minizero.parallelize import parallelize
@@ -67,6 +75,10 @@ def _rank(stages: list[int], rounds: int, steps: int, progress=None) -> dict:
     for s in stages:
         torch.manual_seed(cfg.seed)
         model = TinyGPT(cfg.gpt(data.vocab_size))
+        if s in PEERS:  # no communication; PyTorch's DDP (its defaults, as stage 0's)
+            ddp = torch.nn.parallel.DistributedDataParallel
+            runs[s] = (model if s == "alone" else ddp(model)), make_optimizer(model, cfg)
+            continue
         options = replace(cfg, stage=s).stage_options()  # as train's
         wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
         for moment in ("finish_grad_sync", "after_step"):  # the stage's moments, per instance
@@ -115,7 +127,8 @@ def _rank(stages: list[int], rounds: int, steps: int, progress=None) -> dict:
             now[0] = s
             with CommLedger() as ledger:
                 step(s)
-            counts[s] = dict(collections.Counter(r.op for r in ledger.records))
+            ops = collections.Counter(r.op for r in ledger.records)  # (torch's DDP: not seen)
+            counts[s] = None if s in PEERS else dict(ops)
         acc.clear()
         times: dict[int, list[float]] = {s: [] for s in stages}
         for _ in range(rounds):
@@ -146,12 +159,18 @@ def bench_parts(argv: list[str]) -> int:
     p.add_argument("--rounds", type=positive_int, default=8, help="rounds of every stage (8)")
     p.add_argument("--steps", type=positive_int, default=10, help="steps per stage a round (10)")
     p.add_argument("--stages", default="0,1,2,3", help="which stages (0,1,2,3)")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="without the columns 'alone' (no collectives) and 'torch DDP'")  # fmt: skip
     p.add_argument("--json", default="runs/bench-parts.json", help="where to write the figures")
     add_nprocs(p)
     a = p.parse_args(argv)
-    stages = [int(s) for s in a.stages.split(",")]
+    try:
+        stages = [int(s) for s in a.stages.split(",")]
+    except ValueError:
+        stages = [-1]
     if any(s not in (0, 1, 2, 3) for s in stages):
         p.error(f"--stages takes stages 0-3, comma-separated, got {a.stages!r}")
+    stages = [*PEERS, *stages] if a.peers else stages
     n = ranks(a.nprocs)
 
     def body(progress=None):
@@ -171,18 +190,23 @@ def bench_parts(argv: list[str]) -> int:
 
 
 def format_table(table: dict, rank0: dict) -> str:
+    """A column per stage (and peer: its moments and the ledger's counts are "-")."""
     stages = list(table)
-    base = table[stages[0]]["median_ms"] if stages[0] == 0 else None
-    rows = [["ms per step (mean; slowest rank)"] + [f"stage {s}" for s in stages]]
+    base = table[0]["median_ms"] if 0 in table else None
+    rows = [["ms per step (mean; slowest rank)"] + [s if s in PEERS else f"stage {s}"
+                                                    for s in stages]]  # fmt: skip
     for k in PARTS + INSIDE:
         label = k if k in PARTS else f"  of which {k.replace('_', ' ')}"
-        rows.append([label] + [f"{table[s][k]:.1f}" for s in stages])
+        peer = k in INSIDE  # minizero's moments and works only
+        rows.append([label] + ["-" if s in PEERS and peer else f"{table[s][k]:.1f}"
+                               for s in stages])  # fmt: skip
     rows.append(["median step"] + [f"{table[s]['median_ms']:.1f}" for s in stages])
     if base:
         rows.append(["/ stage 0"] + [f"{table[s]['median_ms'] / base:.2f}" for s in stages])
-    kinds = sorted({op for s in stages for op in rank0[s]["collectives"]})
-    for op in kinds:
-        rows.append([f"{op} per step"] + [str(rank0[s]["collectives"].get(op, 0)) for s in stages])
+    counted = [s for s in stages if rank0[s]["collectives"] is not None]
+    for op in sorted({op for s in counted for op in rank0[s]["collectives"]}):
+        rows.append([f"{op} per step"] + [str(rank0[s]["collectives"].get(op, 0))
+                                          if s in counted else "-" for s in stages])  # fmt: skip
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width)))
