@@ -123,14 +123,16 @@ def _rank(stages: list, rounds: int, steps: int, progress=None) -> dict:
             for _ in range(3):
                 step(s)
         counts = {}
-        for s in stages:
+        for s in stages:  # (the ledger sees minizero's collectives only: none for the peers)
             now[0] = s
+            if s in PEERS:
+                counts[s] = None
+                continue
             with CommLedger() as ledger:
                 step(s)
-            ops = collections.Counter(r.op for r in ledger.records)  # (torch's DDP: not seen)
-            counts[s] = None if s in PEERS else dict(ops)
+            counts[s] = dict(collections.Counter(r.op for r in ledger.records))
         acc.clear()
-        times: dict[int, list[float]] = {s: [] for s in stages}
+        times: dict[int | str, list[float]] = {s: [] for s in stages}
         for _ in range(rounds):
             for s in stages:
                 now[0] = s
@@ -161,16 +163,14 @@ def bench_parts(argv: list[str]) -> int:
     p.add_argument("--stages", default="0,1,2,3", help="which stages (0,1,2,3)")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="without the columns 'alone' (no collectives) and 'torch DDP'")  # fmt: skip
-    p.add_argument("--json", default="runs/bench-parts.json", help="where to write the figures")
+    p.add_argument("--json", default="runs/bench-parts.json",
+                   help="where to write the figures ('' for nowhere)")  # fmt: skip
     add_nprocs(p)
     a = p.parse_args(argv)
-    try:
-        stages = [int(s) for s in a.stages.split(",")]
-    except ValueError:
-        stages = [-1]
-    if any(s not in (0, 1, 2, 3) for s in stages):
+    stages = [s.strip() for s in a.stages.split(",")]
+    if any(s not in ("0", "1", "2", "3") for s in stages):
         p.error(f"--stages takes stages 0-3, comma-separated, got {a.stages!r}")
-    stages = [*PEERS, *stages] if a.peers else stages
+    stages = [*(PEERS if a.peers else ()), *map(int, stages)]
     n = ranks(a.nprocs)
 
     def body(progress=None):
@@ -184,6 +184,7 @@ def bench_parts(argv: list[str]) -> int:
     if printer():
         print(header("parts", where) + ", the capstone's model (0.8M parameters), fp32")
         print(format_table(table, results[0][0]))
+    if printer() and a.json:
         write_json(a.json, {"where": where, "stages": {str(s): dict(table[s],
                    collectives=results[0][0][s]["collectives"]) for s in stages}})  # fmt: skip
     return 0
@@ -197,8 +198,8 @@ def format_table(table: dict, rank0: dict) -> str:
                                                     for s in stages]]  # fmt: skip
     for k in PARTS + INSIDE:
         label = k if k in PARTS else f"  of which {k.replace('_', ' ')}"
-        peer = k in INSIDE  # minizero's moments and works only
-        rows.append([label] + ["-" if s in PEERS and peer else f"{table[s][k]:.1f}"
+        ours = k in INSIDE  # minizero's moments and works: not in a peer
+        rows.append([label] + ["-" if s in PEERS and ours else f"{table[s][k]:.1f}"
                                for s in stages])  # fmt: skip
     rows.append(["median step"] + [f"{table[s]['median_ms']:.1f}" for s in stages])
     if base:

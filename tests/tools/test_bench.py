@@ -206,6 +206,18 @@ def test_bench_parts_counts_each_stages_collectives(tmp_path, capsys):
     assert data["stages"]["torch DDP"]["median_ms"] > 0
 
 
+def test_bench_parts_without_peers_or_json_prints_the_stages_asked_only(tmp_path, capsys,
+                                                                        monkeypatch):  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # (the default json would go to runs/ here)
+    argv = ["bench", "parts", "--nprocs", "2", "--rounds", "1", "--steps", "1", "--stages",
+            "0, 2", "--no-peers", "--json", ""]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^ms per step.* +stage 0 +stage 2$", text, re.M), text
+    assert re.search(r"^all_gather per step +0 +2$", text, re.M), text
+    assert "alone" not in text and "wrote" not in text and not list(tmp_path.iterdir())
+
+
 def test_bench_parts_refuses_a_stage_it_does_not_know(capsys):
     for bad in ("4", "x", "0,,1"):
         with pytest.raises(SystemExit):
