@@ -10,8 +10,10 @@ torch DDP without ``device_ids``).
   optimizer)``, rank 0 writes) the resume equals torch DDP's;
 * stage 3: rank 0's evaluation alone is refused, naming the pattern and the fix.
 
-Tiny sizes, iterations 0-4 (saves at 2 and 4), then 4-6 resumed. Skipped without a nanoGPT
-checkout (the bench's: $MINIZERO_NANOGPT or ~/.cache/minizero/nanoGPT); nothing is downloaded."""
+Tiny sizes, iterations 0-4 (saves at 2 and 4), then 4-6 resumed: 15 torchrun launches, about 190
+CPU-seconds, so the soak tier runs the whole matrix and the fast tier the stage-2 pair alone (2
+launches; docs/testing.md). Skipped without a nanoGPT checkout (the bench's: $MINIZERO_NANOGPT or
+~/.cache/minizero/nanoGPT, which ``.ci/run`` tries to clone); nothing is downloaded here."""
 
 import os
 import re
@@ -108,6 +110,23 @@ def ok(done, what: str) -> None:
     assert "terminate called" not in done.stderr, f"{what}\n{done.stderr[-3000:]}"
 
 
+def test_nanogpt_train_py_at_stage_2_with_micro_batches_prints_torch_ddps_losses(work):
+    """The fast tier's run of nanoGPT's script: the stage that changes most in backward (ZeRO-2's
+    reduce-scatter in the hooks) with 2 micro-batches per rank (``no_sync``), beside torch DDP;
+    every printed loss equal, exit 0, and rank 0's save warns that it holds its shard. The soak
+    tier runs every stage, 1 and 2 micro-batches, the consolidated save and the resume."""
+    first = runs(work, {"ddp2": ("train_ddp.py", "ddp2", 2, 4),
+                        "s2m2": ("train_mz.py", "s2m2", 2, 4, 2)})  # fmt: skip
+    ok(first["ddp2"][0], "torch DDP")
+    ok(first["s2m2"][0], "stage 2")
+    want = first["ddp2"][1]
+    assert len(want) == 5 + 3 and first["s2m2"][1] == want, f"{first['s2m2'][1]}\n{want}"
+    err = first["s2m2"][0].stderr
+    assert "at ZeRO stage 2 holds rank 0's shard only" in err, err[-3000:]
+    assert "call minizero.consolidate_state_dict(model, optimizer) on every rank" in err
+
+
+@pytest.mark.soak
 def test_nanogpt_train_py_with_minizero_trains_saves_and_resumes_as_torch_ddp(work):
     first = runs(work, {
         "ddp1": ("train_ddp.py", "ddp1", 1, 4), "ddp2": ("train_ddp.py", "ddp2", 2, 4),

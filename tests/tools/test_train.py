@@ -245,7 +245,7 @@ def test_welch_t_and_its_degrees_of_freedom():
     assert df == pytest.approx((vx + vy) ** 2 / (vx**2 / 2 + vy**2 / 3))
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # four runs each scoring the whole validation split: ~70 CPU-s (docs/testing.md)
 @pytest.mark.timeout(1800)  # four runs, nanoGPT's among them, each a process of its own
 def test_bench_nanogpt_scores_every_run_on_the_whole_split(tmp_path, capsys):
     """With a nanoGPT checkout (else skipped): nanoGPT fed minizero's batches, one process and
