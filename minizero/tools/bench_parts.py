@@ -60,7 +60,7 @@ def _timed(acc: dict, key, fn):
 PEERS = ("alone", "torch DDP")  # the columns beside the stages (--no-peers: none)
 
 
-def _rank(stages: list, rounds: int, steps: int, progress=None) -> dict:
+def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True, progress=None) -> dict:
     from minizero.analysis.ledger import CommLedger
     from minizero.models import TinyGPT
     from minizero.parallelize import parallelize
@@ -79,7 +79,7 @@ def _rank(stages: list, rounds: int, steps: int, progress=None) -> dict:
             ddp = torch.nn.parallel.DistributedDataParallel
             runs[s] = (model if s == "alone" else ddp(model)), make_optimizer(model, cfg)
             continue
-        options = replace(cfg, stage=s).stage_options()  # as train's
+        options = replace(cfg, stage=s, reshard_root=reshard_root or s != 3).stage_options()
         wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
         for moment in ("finish_grad_sync", "after_step"):  # the stage's moments, per instance
             setattr(wrapped, moment, _timed(acc, (s, moment), getattr(wrapped, moment)))
@@ -163,6 +163,9 @@ def bench_parts(argv: list[str]) -> int:
     p.add_argument("--stages", default="0,1,2,3", help="which stages (0,1,2,3)")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="without the columns 'alone' (no collectives) and 'torch DDP'")  # fmt: skip
+    p.add_argument("--no-reshard-root", dest="reshard_root", action="store_false",
+                   help="stage 3 as train --no-reshard-root: its root unit kept gathered from "
+                        "forward to the end of backward (2Ψ a step)")  # fmt: skip
     p.add_argument("--json", default="runs/bench-parts.json",
                    help="where to write the figures ('' for nowhere)")  # fmt: skip
     add_nprocs(p)
@@ -174,7 +177,7 @@ def bench_parts(argv: list[str]) -> int:
     n = ranks(a.nprocs)
 
     def body(progress=None):
-        return _rank(stages, a.rounds, a.steps, progress), measured_on()
+        return _rank(stages, a.rounds, a.steps, a.reshard_root, progress), measured_on()
 
     results = run_ranks(body, n, 1800.0, total=a.rounds, desc="rounds")
     where = results[0][1]
@@ -182,11 +185,13 @@ def bench_parts(argv: list[str]) -> int:
     table = {s: {k: max(r[0][s][k] for r in results) for k in ("median_ms",) + PARTS + INSIDE}
              for s in stages}  # fmt: skip
     if printer():
-        print(header("parts", where) + ", the capstone's model (0.8M parameters), fp32")
+        kept = "" if a.reshard_root else "; stage 3's root unit kept gathered through backward"
+        print(header("parts", where) + ", the capstone's model (0.8M parameters), fp32" + kept)
         print(format_table(table, results[0][0]))
     if printer() and a.json:
-        write_json(a.json, {"where": where, "stages": {str(s): dict(table[s],
-                   collectives=results[0][0][s]["collectives"]) for s in stages}})  # fmt: skip
+        per = {str(s): dict(table[s], collectives=results[0][0][s]["collectives"])
+               for s in stages}  # fmt: skip
+        write_json(a.json, {"where": where, "reshard_root": a.reshard_root, "stages": per})
     return 0
 
 

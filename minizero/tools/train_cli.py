@@ -249,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
         ("--min-unit-params", {"type": int, "default": d.min_unit_params},
          "stage 3: a block with fewer parameters joins the unit around it (default %(default)s;"
          " 0: every block a unit)"),
+        ("--no-reshard-root", {"dest": "reshard_root", "action": "store_false"},
+         "stage 3: keep the root unit (this model: all of it) gathered from forward to the end "
+         "of backward, as FSDP2 does its root: 2Ψ a step instead of 3Ψ"),
         ("--mesh", {"type": mesh_arg, "default": None, "metavar": "R,S"},
          "HSDP: R replicas of S ranks that shard (R x S = the ranks); no checkpoint"),
         ("--out-dir", {"default": "runs/train"},

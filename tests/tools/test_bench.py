@@ -218,6 +218,23 @@ def test_bench_parts_without_peers_or_json_prints_the_stages_asked_only(tmp_path
     assert "alone" not in text and "wrote" not in text and not list(tmp_path.iterdir())
 
 
+def test_bench_parts_without_resharding_the_root_gathers_stage_3_once(tmp_path, capsys):
+    """``--no-reshard-root`` (train's option, FSDP2's root): the capstone's model, one unit, stays
+    gathered from forward to the end of backward: one all-gather a step where the default makes
+    two; the header and the JSON say so."""
+    out = tmp_path / "p.json"
+    argv = ["bench", "parts", "--nprocs", "2", "--rounds", "1", "--steps", "1", "--stages", "3",
+            "--no-peers", "--no-reshard-root", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fp32; stage 3's root unit kept gathered through backward" in text, text
+    assert re.search(r"^all_gather per step +1$", text, re.M), text
+    data = json.loads(out.read_text())
+    assert data["reshard_root"] is False
+    assert data["stages"]["3"]["collectives"] == {"all_gather": 1, "reduce_scatter": 1,
+                                                  "all_reduce": 1}  # fmt: skip
+
+
 def test_bench_parts_refuses_a_stage_it_does_not_know(capsys):
     for bad in ("4", "x", "0,,1"):
         with pytest.raises(SystemExit):

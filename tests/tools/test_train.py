@@ -117,9 +117,10 @@ def test_the_schedule_is_nanogpts_warmup_then_cosine():
 def test_every_stage_on_two_ranks_trains_one_process_curve():
     one = single_process(SMALL)
     assert one["loss"][-1] < one["loss"][0]  # it learns
-    # stage 3 twice: this model in one unit (train's min_unit_params), and a unit per block
-    for stage, floor in ((0, None), (1, None), (2, None), (3, None), (3, 0)):
-        units = {} if floor is None else {"min_unit_params": floor}
+    # stage 3 three times: this model in one unit (train's min_unit_params), that unit kept
+    # gathered through backward (--no-reshard-root), and a unit per block
+    for stage, units in ((0, {}), (1, {}), (2, {}), (3, {}), (3, {"reshard_root": False}),
+                         (3, {"min_unit_params": 0})):  # fmt: skip
         results = train(replace(SMALL, stage=stage, **units), 2, timeout=240, quiet=True)
         assert _close(curve(results), one["loss"]) <= RTOL, stage
         evals = results[0]["evals"]
@@ -194,6 +195,8 @@ def test_the_command_reports_and_writes_its_plot_history_and_checkpoint(tmp_path
         (["--precision", "fp8"], "minizero train: error: argument --precision: invalid choice"),
         (["--min-unit-params", "-1"], "minizero train: error: min_unit_params must be an int >= "
          "0, got -1"),
+        (["--no-reshard-root"], "minizero train: error: reshard_root=False is a stage 3 option "
+         "(stage 0 gathers no parameters): pass --stage 3, or leave it out"),
     ],
 )  # fmt: skip
 def test_bad_options_end_in_one_line(argv, message, capsys):
