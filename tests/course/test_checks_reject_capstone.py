@@ -159,3 +159,24 @@ def test_the_check_names_the_mistake(wrong, stage, starts, has):
     assert msg.startswith(f"stage {stage} (world size 3): {starts}"), msg
     for part in has:
         assert part in msg, msg
+
+
+def test_the_lessons_stub_fails_naming_its_todo():
+    """The unsolved lesson's ``train`` (its exercise cell, read from lessons/) fails the check
+    naming the TODO and nothing else, as an unsolved lesson's check cell must
+    (test_lesson_runs.py's rule; lesson 09's unsolved run is the soak tier's: tests/lessons.py)."""
+    from test_lesson_runs import assert_fails_at_checks
+
+    from lessons import lesson_cells
+    from minizero.course import grade
+    from minizero.course.labs import lesson09 as lab
+
+    cells = lesson_cells("09_capstone")
+    exercise = [c for c in cells if "exercise" in c["metadata"].get("tags", [])]
+    assert len(exercise) == 1
+    scope = dict(vars(lab))  # what the lesson's first cell star-imports
+    exec("".join(exercise[0]["source"]), scope)
+    with pytest.raises(CheckFailed) as e:
+        lesson09.check_train(scope["train"], 2)
+    assert "NotImplementedError: TODO: write train()" in str(e.value)
+    assert_fails_at_checks([grade.CellRun(5, "train", f"CheckFailed: {e.value}", 0.0)])
