@@ -138,7 +138,7 @@ def test_a_hung_check_is_stopped_and_reported_and_a_hung_cell_too(tmp_path, monk
     # the hung check's cell needs its imports and the 4 s; the sleeping cells fail at the first
     # --timeout, nothing before them to wait for
     for folder, timeouts in ((subs, ["--check-timeout", "4", "--timeout", "20"]),
-                             (spun, ["--timeout", "5"])):  # fmt: skip
+                             (spun, ["--timeout", "3"])):  # fmt: skip
         out = tmp_path / f"{folder.name}.csv"
         assert gradebook.main([str(folder), "--out", str(out), *timeouts]) == 0
         with out.open(newline="") as f:

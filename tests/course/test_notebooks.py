@@ -256,13 +256,20 @@ def test_solutions_pass_under_nbval():
 
 
 @pytest.mark.slow
-def test_grade_prints_pass_and_fail_per_exercise(tmp_path, capsys):
+def test_grade_prints_pass_and_fail_per_exercise(tmp_path, tmp_path_factory, capsys, monkeypatch):
     """A solution passes; a wrong answer whose notebook rebound every primitive its check relies
-    on, and printed PASS in place of the check, fails with the kit's check, naming all of it."""
+    on, and printed PASS in place of the check, fails with the kit's check, naming all of it.
+    The solution's kernel run is the shared one (tests/lessons.py: grade.run on lesson 00's
+    solution; the gradebook's test grades a copy end to end); the cheat runs in its own kernel."""
     from cheats import L00, cut, monkeypatches, write
 
+    from lessons import executed
+
     solved = write(cut(L00, "solutions"), tmp_path / "solved" / f"{L00}.ipynb")
-    assert grade.grade_main([str(solved)]) == 0
+    shared = executed(tmp_path_factory, "solutions", L00)
+    with monkeypatch.context() as m:
+        m.setattr(grade, "run", lambda path, timeout, **kw: shared)
+        assert grade.grade_main([str(solved)]) == 0
     out = capsys.readouterr().out
     assert "PASS  all_reduce_via_rs_ag\n" in out and "1/1 passed" in out and "note" not in out
     cheats = write(monkeypatches(solved=False), tmp_path / "cheats" / f"{L00}.ipynb")
