@@ -79,7 +79,8 @@ def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True, prog
             ddp = torch.nn.parallel.DistributedDataParallel
             runs[s] = (model if s == "alone" else ddp(model)), make_optimizer(model, cfg)
             continue
-        options = replace(cfg, stage=s, reshard_root=reshard_root or s != 3).stage_options()
+        reshard = reshard_root if s == 3 else True  # a stage 3 option (train refuses it elsewhere)
+        options = replace(cfg, stage=s, reshard_root=reshard).stage_options()
         wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
         for moment in ("finish_grad_sync", "after_step"):  # the stage's moments, per instance
             setattr(wrapped, moment, _timed(acc, (s, moment), getattr(wrapped, moment)))

@@ -30,7 +30,7 @@ def _stuck_rank_1(monkeypatch, marker=None):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dist, "init_process_group", stuck_before_joining)
-    monkeypatch.setattr(L, "_JOIN", 4.0)
+    monkeypatch.setattr(L, "_JOIN", 2.5)  # twice (the retry) per launch: a healthy join takes 0.1 s
     monkeypatch.setattr(L, "_NOTICE", 1.0)
 
 
