@@ -109,8 +109,9 @@ for _stem in STEMS:
 
 def test_the_fast_tier_runs_every_unsolved_lesson_that_meets_a_stub():
     """The condition that puts the other unsolved runs in the soak tier, checked on every run:
-    the fast set is exactly the lessons with a given cell that uses an exercise's name, and the
-    analysis finds such a use (lesson 05's budget calls predict_peak)."""
+    the fast set is exactly the lessons with a given cell that uses an exercise's name other than
+    by handing it to a lab function that falls back (lesson 09's), and the analysis finds such a
+    use (lesson 05's budget calls predict_peak)."""
     uses = {stem: needs_exercises(lesson_cells(stem)) for stem in STEMS}
     assert UNSOLVED_FAST == [s for s in STEMS if uses[s] and not falls_back(lesson_cells(s))]
     assert any("predict_peak" in names for names in uses["05_all_stages"].values()), uses
