@@ -18,8 +18,7 @@ parallelize's arguments:
 - ``precision``: "fp32", "bf16", "fp16" or a :class:`minizero.Precision`.
 - ``bucket_cap_mb``: torch DDP's, in MiB (stages 0-2); ``mesh``: HSDP (hsdp.py); ``process_group``,
   ``broadcast_buffers``, ``find_unused_parameters``: as torch DDP's.
-- stage 1's ``overlap_comm`` (DeepSpeed's name: reduce-scatter in backward) and stage 3's
-  options: :func:`class_for_options`.
+- stage 3's options: :func:`class_for_options`.
 
 Under NCCL the model moves to this rank's GPU.
 """
@@ -53,7 +52,6 @@ OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}  # the paper's chain, each extending the last
-STAGE1_OPTIONS = {"overlap_comm"}  # zero1.py: its reduce-scatters started in backward
 ZEROPP_OPTIONS = {"reshard_after_forward", "quantize_weights", "quantize_gradients"}  # zeropp.py
 STAGE3_OPTIONS = {"units", "min_unit_params", "prefetch", "reshard_root",
                   "check_modules"} | ZEROPP_OPTIONS  # fmt: skip
@@ -121,30 +119,23 @@ def parallelize(
     return wrapped, wrapped.extension.attached(attach(built, wrapped))  # (a scheduler built before)
 
 
-def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[DDP]:
-    """The class that ``options`` (beyond the ones every stage takes) build. Stage 1 takes
-    ``overlap_comm`` (its reduce-scatters started in backward, minizero/zero1.py); stage 3 takes
-    ``units`` (module classes or a predicate; default: the repeated blocks),
+def class_for_options(stage: int, options: dict, bucket_cap_mb: float | None) -> type[ZeRO3]:
+    """The class that ``options`` (beyond the ones every stage takes) build; only stage 3 takes
+    any: ``units`` (module classes or a predicate; default: the repeated blocks),
     ``min_unit_params`` (smaller units folded into the one around them), ``prefetch``,
     ``reshard_root``, ``check_modules`` (minizero/zero3.py); with ZeRO++'s
     ``reshard_after_forward`` (True, False, or the ranks per node: hpZ, as FSDP2 defines it),
     ``quantize_weights`` (qwZ: int8 all-gathers) or ``quantize_gradients`` (qgZ):
     minizero/zeropp.py's ZeROPlusPlus. Refuses, with what to do instead, an option that is not
     stage 3's, and ``bucket_cap_mb`` at stage 3."""
-    unknown = sorted(set(options) - STAGE3_OPTIONS - STAGE1_OPTIONS)
+    unknown = sorted(set(options) - STAGE3_OPTIONS)
     if unknown:
         hints = " ".join(f"{k}: {TORCH_DDP_ONLY[k]}." for k in unknown if k in TORCH_DDP_ONLY)
         raise TypeError(
             f"parallelize() got unknown option(s) {unknown}; it takes precision, bucket_cap_mb, "
-            f"process_group, broadcast_buffers, find_unused_parameters, at stage 1 "
-            f"{sorted(STAGE1_OPTIONS)} and at stage 3 {sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
+            f"process_group, broadcast_buffers, find_unused_parameters, and at stage 3 "
+            f"{sorted(STAGE3_OPTIONS)}. {hints}".rstrip()
         )
-    if set(options) <= STAGE1_OPTIONS:
-        if stage != 1:
-            raise TypeError(f"{sorted(options)}: only stage 1 takes this option (stages 2 and 3 "
-                            "always reduce-scatter their gradients in backward; stage 0 "
-                            "all-reduces them there)")  # fmt: skip
-        return ZeRO1
     if stage != 3:
         raise TypeError(f"{sorted(options)}: only stage 3 takes these options")
     if bucket_cap_mb is not None:

@@ -16,13 +16,6 @@ The moments it overrides, and what each does differently from DDP:
     finish_grad_sync()  reduce-scatter every bucket now: this rank's chunk, averaged
     after_step()        optim_params -> own chunk, all-gather every chunk into the flat parameters
     full_params()       all-gather the fp32 masters
-
-With ``overlap_comm=True`` (DeepSpeed's option of that name, off by default there too), the same
-reduce-scatters start in backward, each bucket's as soon as it is complete (DDP's counting), and
-finish_grad_sync() hands over what backward reduced: the same bytes, hidden behind backward's
-compute where the collectives have hardware of their own (NCCL on GPUs); on 2 CPU cores gloo's
-threads take the cores backward computes on, and it gained nothing (docs/results.md). The
-gradients stay whole on every rank: stage 2 partitions them.
 """
 
 from __future__ import annotations
@@ -60,14 +53,6 @@ class ZeRO1(DDP):
 
     stage = 1
     sharded = Sharded(state=True)
-    overlap_comm = False  # True: each bucket reduce-scattered in backward (the section below)
-
-    def __init__(self, module: nn.Module, *, overlap_comm: bool | None = None, **options):
-        if overlap_comm is not None and self.stage != 1:
-            raise TypeError(f"overlap_comm is a stage 1 option: stage {self.stage} always "
-                            "reduce-scatters its gradients in backward")  # fmt: skip
-        super().__init__(module, **options)  # bucket_cap_mb, precision, process_group, ...
-        self.overlap_comm = bool(overlap_comm)
 
     # -- layout: chunk r of every bucket is rank r's -----------------------------------------
     def cut_buckets(self, ready: list[nn.Parameter]) -> list[Bucket]:
@@ -95,8 +80,7 @@ class ZeRO1(DDP):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        comm = [s for s in self.reduced or [] if s is not None]  # overlap_comm: reduced, unused
-        return {**held, "params": self.flat_params + held["params"], "comm": held["comm"] + comm}
+        return {**held, "params": self.flat_params + held["params"]}
 
     def cast_working(self) -> None:
         dtype = self.precision.param_dtype
@@ -109,16 +93,7 @@ class ZeRO1(DDP):
                 p.data = b.view(flat, p)
 
     # -- gradients: full buffers, reduced at the step ------------------------------------------
-    def init_grads(self) -> None:
-        super().init_grads()  # grad_buffers, as DDP's
-        # overlap_comm: (shard,) per bucket, reduced by the last backward and not yet used; None
-        # once anything may have changed the buffers since (a backward, zero_grad, p.grad = None)
-        self.reduced: list[torch.Tensor] | None = None
-
     def post_accumulate_grad_hook(self, p: nn.Parameter) -> None:  # argument: the parameter
-        self.reduced = None  # this backward changes the buffers
-        if self.overlap_comm:  # DDP's hook: count, and reduce_bucket(b) once b is complete
-            return DDP.post_accumulate_grad_hook(self, p)
         if self.require_sync:
             # backward's end: no collective here, but the habits' backward_end() then puts a
             # ShardedGrad in p.grad (without it, clip_grad_norm_ would clip the local,
@@ -128,9 +103,7 @@ class ZeRO1(DDP):
         b.hold_grad(self.grad_buffers[b.index], p)  # p.grad: a view of its bucket
 
     def backward_end(self) -> None:
-        if self.overlap_comm:  # DDP's: reduce the buckets unused parameters left, wait for all
-            DDP.backward_end(self)
-        # else nothing: stage 1 communicates in optimizer.step()
+        pass  # stage 1 communicates in optimizer.step()
 
     def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         # local, until the step reduces it
@@ -140,9 +113,6 @@ class ZeRO1(DDP):
         """Reduce-scatter every bucket: rank r receives the average of chunk r in a new (shard,)
         tensor. The local buffers keep this rank's own sums, so a second ``step()``, or more
         backwards without ``zero_grad()``, reduce them again rightly."""
-        if self.reduced is not None:  # overlap_comm: backward reduce-scattered them already
-            shards, self.reduced = self.reduced, None  # once: clipping scales them in place
-            return self.over_nodes(shards)
         before = divides_before_sum(self.grad_buffers[0]) if self.grad_buffers else False
         if before:
             for g in self.grad_buffers:
@@ -160,13 +130,10 @@ class ZeRO1(DDP):
         if before:  # the local sums back (exact when N is a power of 2)
             for g in self.grad_buffers:
                 g.mul_(self.world)
-        return self.over_nodes(shards)  # (shard,) per bucket, averaged over ranks
-
-    def over_nodes(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.replicate_group is not None:  # HSDP: over the nodes too
             for i, s in enumerate(shards):
                 self.average_replicas(s, f"zero1 replicas {i}")
-        return shards
+        return shards  # (shard,) per bucket, averaged over ranks
 
     def average_replicas(self, shard: torch.Tensor, tag: str) -> None:
         """HSDP: a gradient shard (shard,), averaged over this node, averaged over the R nodes
@@ -178,38 +145,6 @@ class ZeRO1(DDP):
         C.all_reduce(shard, group=self.replicate_group, tag=tag)
         if not before:
             shard.div_(r)
-
-    # -- overlap_comm: the same reduce-scatters, started in backward bucket by bucket ----------
-    def reduce_bucket(self, b: Bucket) -> None:
-        buf = self.grad_buffers[b.index]  # (padded,) this rank's local sums; read until the wait
-        if divides_before_sum(buf):
-            buf.div_(self.world)
-        shard = buf.new_empty(b.shard)  # (shard,) rank r's chunk of the sum over ranks
-        tag = f"zero1 grads {b.index}"
-        work = C.reduce_scatter(shard, buf, group=self.group, async_op=True, tag=tag)
-        self.works.append((b, work, shard))
-        self.started[b.index] = True
-
-    def finish_in_flight(self) -> None:
-        reduced = [None] * len(self.buckets)
-        for b, work, shard in self.works:
-            work.wait()
-            if divides_before_sum(shard):  # the local sums back (as finish_grad_sync; exact at
-                # N = 2 but for fp16 subnormals, which lose their last bit)
-                self.grad_buffers[b.index].mul_(self.world)
-            else:
-                shard.div_(self.world)
-            reduced[b.index] = shard
-        self.works.clear()
-        self.reduced = reduced  # every bucket: backward_end reduced the unfinished ones
-
-    def clear_grad(self, p: nn.Parameter) -> None:
-        super().clear_grad(p)
-        self.reduced = None
-
-    def reset_grads(self, set_to_none: bool) -> None:
-        super().reset_grads(set_to_none)
-        self.reduced = None
 
     # -- the optimizer's side ----------------------------------------------------------------
     def after_step(self) -> None:

@@ -126,21 +126,18 @@ def wrap(
     """Wrap ``model`` as ``spec`` says and build its optimizer.
 
     "naive", "ddp": minizero.ddp's classes with a plain torch optimizer. "stage0".."stage3":
-    ``minizero.parallelize``; "hsdp0".."hsdp3": the same with ``mesh=hsdp_mesh()``;
-    "stage1_overlap", "hsdp1_overlap": stage 1 with ``overlap_comm=True``. "torch_ddp":
+    ``minizero.parallelize``; "hsdp0".."hsdp3": the same with ``mesh=hsdp_mesh()``. "torch_ddp":
     DistributedDataParallel. "torch_zero": torch DDP + ZeroRedundancyOptimizer. "fsdp2":
     ``fully_shard`` on each transformer block, then the root; "fsdp2_hsdp": the same on
     ``hsdp_mesh()`` (FSDP2's HSDP).
     """
     make = optimizer_fn(opt)
     if spec.startswith(("stage", "hsdp")):
-        base, _, variant = spec.partition("_")
-        stage = int(base[-1])
+        stage = int(spec[-1])
         cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
         mesh = hsdp_mesh() if spec.startswith("hsdp") else None  # a (nodes, 2) mesh
-        opts = {"overlap_comm": True} if variant == "overlap" else {}
         return minizero.parallelize(
-            model, stage, make, precision=precision, bucket_cap_mb=cap, mesh=mesh, **opts
+            model, stage, make, precision=precision, bucket_cap_mb=cap, mesh=mesh
         )
     model = model.to(rank_device())
     if spec == "naive":  # composed as parallelize composes a wrapper: the habits around it
@@ -314,7 +311,7 @@ def ledger_step(spec: str, kind: str) -> dict[str, Any]:
         opt.step()  # zero_grad(), or at the forward for a plain optimizer), once, as torch DDP
         opt.zero_grad()
     quiet = None
-    if spec in ("naive", "ddp", "stage0", "stage1", "stage1_overlap"):
+    if spec in ("naive", "ddp", "stage0", "stage1"):
         with CommLedger() as ledger, model.no_sync():
             model(x, y).backward()
         quiet = len(ledger.records)

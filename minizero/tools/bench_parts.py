@@ -60,8 +60,7 @@ def _timed(acc: dict, key, fn):
 PEERS = ("alone", "torch DDP")  # the columns beside the stages (--no-peers: none)
 
 
-def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True,
-          overlap_comm: bool = False, progress=None) -> dict:  # fmt: skip
+def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True, progress=None) -> dict:
     from minizero.analysis.ledger import CommLedger
     from minizero.models import TinyGPT
     from minizero.parallelize import parallelize
@@ -81,8 +80,7 @@ def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True,
             runs[s] = (model if s == "alone" else ddp(model)), make_optimizer(model, cfg)
             continue
         reshard = reshard_root if s == 3 else True  # a stage 3 option (train refuses it elsewhere)
-        overlap = overlap_comm and s == 1  # a stage 1 option
-        options = replace(cfg, stage=s, reshard_root=reshard, overlap_comm=overlap).stage_options()
+        options = replace(cfg, stage=s, reshard_root=reshard).stage_options()
         wrapped, opt = parallelize(model, s, make_optimizer(model, cfg), **options)
         for moment in ("finish_grad_sync", "after_step"):  # the stage's moments, per instance
             setattr(wrapped, moment, _timed(acc, (s, moment), getattr(wrapped, moment)))
@@ -169,9 +167,6 @@ def bench_parts(argv: list[str]) -> int:
     p.add_argument("--no-reshard-root", dest="reshard_root", action="store_false",
                    help="stage 3 as train --no-reshard-root: its root unit kept gathered from "
                         "forward to the end of backward (2Ψ a step)")  # fmt: skip
-    p.add_argument("--overlap-comm", action="store_true",
-                   help="stage 1 as train --overlap-comm: its reduce-scatters in backward, "
-                        "bucket by bucket, not at the step")  # fmt: skip
     p.add_argument("--json", default="runs/bench-parts.json",
                    help="where to write the figures ('' for nowhere)")  # fmt: skip
     add_nprocs(p)
@@ -183,8 +178,7 @@ def bench_parts(argv: list[str]) -> int:
     n = ranks(a.nprocs)
 
     def body(progress=None):
-        parts = _rank(stages, a.rounds, a.steps, a.reshard_root, a.overlap_comm, progress)
-        return parts, measured_on()
+        return _rank(stages, a.rounds, a.steps, a.reshard_root, progress), measured_on()
 
     results = run_ranks(body, n, 1800.0, total=a.rounds, desc="rounds")
     where = results[0][1]
@@ -193,14 +187,12 @@ def bench_parts(argv: list[str]) -> int:
              for s in stages}  # fmt: skip
     if printer():
         kept = "" if a.reshard_root else "; stage 3's root unit kept gathered through backward"
-        kept += "; stage 1 reduce-scatters in backward" if a.overlap_comm else ""
         print(header("parts", where) + ", the capstone's model (0.8M parameters), fp32" + kept)
         print(format_table(table, results[0][0]))
     if printer() and a.json:
         per = {str(s): dict(table[s], collectives=results[0][0][s]["collectives"])
                for s in stages}  # fmt: skip
-        write_json(a.json, {"where": where, "reshard_root": a.reshard_root,
-                            "overlap_comm": a.overlap_comm, "stages": per})  # fmt: skip
+        write_json(a.json, {"where": where, "reshard_root": a.reshard_root, "stages": per})
     return 0
 
 

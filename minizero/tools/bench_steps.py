@@ -60,12 +60,11 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _minizero(stage: int, precision: str, bucket_cap_mb: float, overlap: bool = False) -> Build:
+def _minizero(stage: int, precision: str, bucket_cap_mb: float) -> Build:
     from minizero.parallelize import parallelize
 
     cap = None if stage == 3 else bucket_cap_mb  # stage 3's buckets are its units
-    opts = {"overlap_comm": True} if overlap and stage == 1 else {}  # reduce-scatter in backward
-    return lambda m: parallelize(m, stage, _adamw, precision=precision, bucket_cap_mb=cap, **opts)
+    return lambda m: parallelize(m, stage, _adamw, precision=precision, bucket_cap_mb=cap)
 
 
 def _torch_ddp(zero_optimizer: bool, bucket_cap_mb: float) -> Build:
@@ -371,9 +370,6 @@ def bench_stages(argv: list[str]) -> int:
     p.add_argument(
         "--stages", default="0,1,2,3", help="comma-separated subset of 0,1,2,3 (default: all four)"
     )
-    p.add_argument("--overlap-comm", action="store_true",
-                   help="stage 1 reduce-scatters in backward, bucket by bucket, as its peer's "
-                        "DDP all-reduces, not at the step as lesson 02 writes it")  # fmt: skip
     a = p.parse_args(argv)
     _check(p, a)
     try:
@@ -387,11 +383,8 @@ def bench_stages(argv: list[str]) -> int:
     peers = {0: _torch_ddp(False, cap), 1: _torch_ddp(True, cap), 2: _fsdp2(False, prec),
              3: _fsdp2(True, prec)}  # fmt: skip
     names = [[f"minizero stage {s}", PEERS[s][0]] for s in stages]
-    builds = [[_minizero(s, prec, cap, a.overlap_comm), peers[s]] for s in stages]
+    builds = [[_minizero(s, prec, cap), peers[s]] for s in stages]
     notes = [f"peer of stage {s}: {PEERS[s][1]}" for s in stages]
-    if 1 in stages:
-        notes.append("stage 1 reduce-scatters " + ("bucket by bucket in backward (--overlap-comm)"
-                     if a.overlap_comm else "at the step, as lesson 02 writes it"))  # fmt: skip
     if 3 in stages:
         notes.append("stage 3 frees the root's parameters after forward and gathers them again "
                      "in backward (3Ψ per step, the paper's); FSDP2 keeps its root gathered "

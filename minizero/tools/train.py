@@ -71,10 +71,6 @@ class TrainConfig:
     # stage 3: False keeps the root unit (this model: all of it) gathered from the end of forward
     # to the end of backward, as FSDP2 does for its root: one all-gather fewer, 2Ψ a step, not 3Ψ
     reshard_root: bool = True
-    # stage 1: reduce-scatter each bucket of gradients in backward, as soon as it is complete
-    # (DeepSpeed's overlap_comm), not at the step. Off: on 2 CPU cores it hid nothing (gloo's
-    # threads take the cores backward computes on; docs/results.md), as at stage 0's all-reduce
-    overlap_comm: bool = False
     seed: int = 1337
     out_dir: str | None = None  # checkpoint ``out_dir/ckpt`` at each evaluation (not with mesh)
     resume: str | None = None  # a checkpoint to continue from (any stage, any world size)
@@ -101,18 +97,12 @@ class TrainConfig:
         if not self.reshard_root and self.stage != 3:
             raise ValueError(f"reshard_root=False is a stage 3 option (stage {self.stage} gathers "
                              "no parameters): pass --stage 3, or leave it out")  # fmt: skip
-        if self.overlap_comm and self.stage != 1:
-            verb = "all-reduces" if self.stage == 0 else "reduce-scatters"
-            raise ValueError(f"overlap_comm is a stage 1 option (stage {self.stage} {verb} in "
-                             "backward already): pass --stage 1, or leave it out")  # fmt: skip
         if self.mesh is not None and self.resume is not None:
             raise ValueError("resume takes no mesh: minizero.load_checkpoint refuses HSDP")
 
     def stage_options(self) -> dict:
-        """``parallelize``'s options beyond the stage and precision (stage 1: whether it reduces in
-        backward; stage 3: the unit floor and whether the root unit is resharded after forward)."""
-        if self.stage == 1:
-            return {"overlap_comm": True} if self.overlap_comm else {}
+        """``parallelize``'s options beyond the stage and precision (stage 3: the unit floor and
+        whether the root unit is resharded after forward)."""
         if self.stage != 3:
             return {}
         return {"min_unit_params": self.min_unit_params, "reshard_root": self.reshard_root}

@@ -252,9 +252,6 @@ def parser() -> argparse.ArgumentParser:
         ("--no-reshard-root", {"dest": "reshard_root", "action": "store_false"},
          "stage 3: keep the root unit (this model: all of it) gathered from forward to the end "
          "of backward, as FSDP2 does its root: 2Ψ a step instead of 3Ψ"),
-        ("--overlap-comm", {"action": "store_true"},
-         "stage 1: reduce-scatter the gradients bucket by bucket in backward (DeepSpeed's "
-         "overlap_comm), not at the step as lesson 02 writes it"),
         ("--mesh", {"type": mesh_arg, "default": None, "metavar": "R,S"},
          "HSDP: R replicas of S ranks that shard (R x S = the ranks); no checkpoint"),
         ("--out-dir", {"default": "runs/train"},
