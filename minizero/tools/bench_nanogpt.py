@@ -262,8 +262,9 @@ def run_reference(work: Path, iters: int, timeout: float, seed: int = 1337) -> d
 
 
 def main(argv: list[str]) -> int:
-    from minizero.tools.bench_nanogpt_report import parse, print_rows, print_seeds
-    from minizero.tools.report import write_json
+    from minizero.tools.bench_nanogpt_report import SHAPE, parse, print_rows, print_seeds
+    from minizero.tools.report import cpu_name, write_json
+    from minizero.tools.train import TrainConfig
 
     a = parse(argv, __doc__.split("\n\n")[1].replace("``", ""))
     src, why = find_nanogpt()
@@ -304,8 +305,10 @@ def main(argv: list[str]) -> int:
     print_rows(rows, a)
     if len(a.seeds) > 1:
         print_seeds(rows)
-    if a.json:
+    if a.json:  # the machine, date and configuration: what train checks before its ratio
+        shape = {k: getattr(TrainConfig(), k) for k in SHAPE}  # the runs' (train's defaults)
         write_json(a.json, {"max_iters": a.max_iters, "nprocs": a.nprocs, "cores": os.cpu_count(),
-                            "seeds": a.seeds, "published_val": PUBLISHED_VAL,
+                            "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
+                            "config": shape, "seeds": a.seeds, "published_val": PUBLISHED_VAL,
                             "rows": rows})  # fmt: skip
     return 0

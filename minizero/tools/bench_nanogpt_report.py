@@ -4,9 +4,17 @@ run's spread and Welch's t against nanoGPT's own runs (``minizero/tools/bench_na
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+from pathlib import Path
+
+JSON = "runs/bench_nanogpt.json"  # where the bench writes its figures, and train reads them
+# the TrainConfig fields that make an iteration's work: the bench records them, so that train
+# sets its step beside nanoGPT's iteration only when both ran the same model on the same batches
+SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+         "dropout", "precision")  # fmt: skip
 
 
 def parse(argv: list[str], description: str) -> argparse.Namespace:
@@ -47,7 +55,7 @@ def parse(argv: list[str], description: str) -> argparse.Namespace:
     )
     p.add_argument(
         "--json",
-        default="runs/bench_nanogpt.json",
+        default=JSON,
         help="where to write the results ('' for nowhere)",
     )
     p.add_argument("--timeout", type=positive_int, default=3600,
@@ -147,3 +155,29 @@ def print_seeds(rows: list[dict]) -> None:
                 t, df = welch(vals, base)
                 line += f"   t {t:+.2f} (df {df:.1f})"
             print(line)
+
+
+def beside_nanogpt(cfg, step_ms: float, where: dict, path: str | Path = JSON) -> str | None:
+    """``train``'s line beside nanoGPT: its median step over nanoGPT's median iteration as
+    ``bench nanogpt`` last measured it (``path``) on this machine with ``cfg``'s model and batch;
+    else how to measure that. None on GPUs (the bench runs nanoGPT on the CPU)."""
+    if where["backend"] != "gloo":
+        return None
+    how = "python -m minizero bench nanogpt measures its iteration here, and train then prints "
+    how += "the ratio"
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return f"beside nanoGPT: {how}"
+    own = [r["iter_ms"] for r in rec.get("rows", [])
+           if r.get("name") == "nanoGPT train.py" and r.get("iter_ms")]  # fmt: skip
+    if not own or rec.get("machine") is None:  # (a bench of before it recorded them)
+        return f"beside nanoGPT: {path} records no nanoGPT iteration and machine; {how}"
+    if rec["machine"] != where["device"]:
+        return f"beside nanoGPT: {path} was measured on another machine; {how}"
+    if rec.get("config") != {k: getattr(cfg, k) for k in SHAPE}:
+        return f"beside nanoGPT: {path} was measured with another configuration; {how}"
+    ms = statistics.median(own)
+    return (f"beside nanoGPT: {step_ms / ms:.2f}x its median iteration ({ms:.1f} ms: its own "
+            f"train.py in one process, this configuration, timed by bench nanogpt on this machine "
+            f"on {rec.get('date', '?')}; bench nanogpt times both in one sitting)")  # fmt: skip

@@ -40,18 +40,20 @@ def sync(dev: torch.device) -> None:
 def measured_on() -> dict:
     """Inside a rank: what these figures were measured on (backend, device, world, torch)."""
     dev = rank_device()
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    else:
-        name = "CPU"
-        try:
-            lines = Path("/proc/cpuinfo").read_text().splitlines()
-            name = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        name = f"{name}, {os.cpu_count()} cores"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return dict(backend=dist.get_backend(), device=name, world=dist.get_world_size(),
                 torch=torch.__version__)  # fmt: skip
+
+
+def cpu_name() -> str:
+    """This machine's CPU as the benches name it: its model and core count."""
+    name = "CPU"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def header(title: str, where: dict) -> str:

@@ -121,6 +121,7 @@ def cfg_val_targets() -> int:
 def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
     """Print the evaluations, memory, step time and sample; write the plot and the JSON."""
     from minizero.analysis.memory import format_bytes
+    from minizero.tools.bench_nanogpt_report import beside_nanogpt
 
     r0, world = results[0], len(results)
     where = r0["where"]
@@ -138,6 +139,8 @@ def report(cfg: TrainConfig, results: list, out_dir: Path | None) -> dict:
     step_ms = 1e3 * statistics.median(steps[1:] or steps) if steps else float("nan")
     print(f"time: {r0['seconds']:.1f} s for iterations {r0['start']}-{cfg.max_iters} "
           f"(evaluations included); median step {step_ms:.1f} ms (slowest rank)")  # fmt: skip
+    if (line := beside_nanogpt(cfg, step_ms, where)) is not None:
+        print(line)
     states = r0.get("states", {})
     if states:
         per = [format_bytes(sum(r["states"].values())) for r in results]

@@ -22,6 +22,7 @@ from minizero.models import GPTConfig, TinyGPT
 from minizero.tools import shakespeare
 from minizero.tools.bench_nanogpt import find_nanogpt
 from minizero.tools.full_split import IGNORE, full_split_loss, split_sums, windows
+from minizero.tools.report import cpu_name
 from minizero.tools.train import TrainConfig, get_lr, single_process
 from minizero.tools.train_cli import curve, train
 
@@ -169,6 +170,7 @@ def test_the_command_reports_and_writes_its_plot_history_and_checkpoint(tmp_path
     assert "minizero train: stage 2 = ZeRO-2 (P_os+g), 2 ranks, gloo" in out
     assert "step 0: train loss 4.1" in out and "step 4: train loss" in out
     assert "--- sample (30 characters, temperature 0.8, top_k 200) ---" in out
+    assert "\nbeside nanoGPT: " in out  # its ratio, or how bench nanogpt measures it here
     history = json.loads((tmp_path / "history.json").read_text())
     assert [e[0] for e in history["evals"]] == [0, 2, 4] and len(history["loss"]) == 4
     assert (tmp_path / "loss.png").stat().st_size > 0
@@ -226,6 +228,39 @@ def test_bench_nanogpt_without_nanogpt_says_where_to_place_it(tmp_path, monkeypa
     assert capsys.readouterr().out.startswith("minizero bench nanogpt: skipped: nanoGPT not found")
 
 
+def test_train_sets_its_step_beside_nanogpts_iteration_measured_here(tmp_path):
+    """``train`` prints its median step over nanoGPT's median iteration as ``bench nanogpt``
+    recorded it, only for the same machine and configuration; else how to measure it."""
+    from minizero.tools.bench_nanogpt_report import SHAPE, beside_nanogpt
+
+    cfg, here = TrainConfig(), {"backend": "gloo", "device": "Some CPU, 2 cores"}
+    rows = [{"name": "nanoGPT train.py", "iter_ms": ms} for ms in (50.0, 40.0, 60.0)]  # 3 seeds
+    rows.append({"name": "nanoGPT train.py, minizero's batches", "iter_ms": 10.0})  # not its own
+    rec = {"machine": "Some CPU, 2 cores", "date": "2026-11-29", "rows": rows,
+           "config": {k: getattr(cfg, k) for k in SHAPE}}  # fmt: skip
+    path = tmp_path / "bench_nanogpt.json"
+    path.write_text(json.dumps(rec))
+    assert beside_nanogpt(cfg, 55.0, here, path) == (
+        "beside nanoGPT: 1.10x its median iteration (50.0 ms: its own train.py in one process, "
+        "this configuration, timed by bench nanogpt on this machine on 2026-11-29; bench nanogpt "
+        "times both in one sitting)"
+    )
+    how = "python -m minizero bench nanogpt measures its iteration here, and train then prints "
+    assert beside_nanogpt(replace(cfg, n_layer=2), 55.0, here, path) == (
+        f"beside nanoGPT: {path} was measured with another configuration; {how}the ratio"
+    )
+    assert beside_nanogpt(cfg, 55.0, {**here, "device": "Other CPU, 2 cores"}, path) == (
+        f"beside nanoGPT: {path} was measured on another machine; {how}the ratio"
+    )
+    assert beside_nanogpt(cfg, 55.0, {"backend": "nccl", "device": "H200"}, path) is None
+    missing = beside_nanogpt(cfg, 55.0, here, tmp_path / "none.json")
+    assert missing == f"beside nanoGPT: {how}the ratio"
+    path.write_text(json.dumps({k: v for k, v in rec.items() if k != "machine"}))
+    assert beside_nanogpt(cfg, 55.0, here, path).startswith(
+        f"beside nanoGPT: {path} records no nanoGPT iteration and machine; python -m minizero"
+    )
+
+
 @pytest.mark.gpu(1)
 @pytest.mark.slow
 def test_one_rank_per_gpu_over_nccl_trains_the_cpu_curve():
@@ -261,7 +296,9 @@ def test_bench_nanogpt_scores_every_run_on_the_whole_split(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "one process (plain PyTorch, 1 thread)" in printed and "val all" in printed
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    written = json.loads(out.read_text())
+    assert written["machine"] == cpu_name() and written["config"]["n_embd"] == 128, written
+    rows = {r["name"]: r for r in written["rows"]}
     fed = rows["nanoGPT train.py, minizero's batches"]
     ref = rows["one process (plain PyTorch, 1 thread)"]
     stage0 = rows["minizero train, stage 0, 2 ranks"]
