@@ -6,7 +6,9 @@ so a ``CommLedger`` (minizero/analysis/ledger.py, which counts, times and orders
 ZeRO paper's volumes) opened around a step sees every byte it moves. While a ledger is open each
 call goes through its ``recorder``; otherwise nothing but torch.distributed runs. On gloo,
 ``reduce_scatter`` sends each chunk to its owner and sums there: PyTorch's ProcessGroupGloo
-all-reduces a clone of the input instead, twice the bytes (lesson 00 measures both).
+all-reduces a clone of the input instead, twice the bytes (lesson 00 measures both); and
+``all_gather`` sends this rank's chunk to every other rank and receives theirs in place, the same
+bytes as gloo's own ``all_gather_into_tensor`` in 0.4-0.9 of its time (docs/results.md).
 """
 
 from __future__ import annotations
@@ -123,9 +125,53 @@ def _fold(out: torch.Tensor, rows: torch.Tensor, op, r: int) -> None:
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):
     """``output`` (world * shard,) gets every rank's ``input`` (shard,), rank r's at chunk r.
-    S = output.numel(), the full size."""
-    fn = lambda a: _all_gather(output, input, group=group, async_op=a)
-    return _run("all_gather", fn, (output, input), group, async_op, tag)
+    S = output.numel(), the full size. On gloo, N - 1 sends and receives (:func:`_exchange`)."""
+    n = dist.get_world_size(group)
+    plain = output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype
+    plain = plain and n > 1 and output.numel() == n * input.numel()
+    if dist.get_backend(group) != "gloo" or not plain:
+        fn = lambda a: _all_gather(output, input, group=group, async_op=a)  # NCCL's, or torch's
+        return _run("all_gather", fn, (output, input), group, async_op, tag)  # (and its error)
+    rows, mine = list(output.view(n, -1)), input.view(-1)  # (N, shard): row j is rank j's chunk
+    fn = lambda a: _exchange(rows, mine, group)  # (the views too: gloo's thread lets go of them)
+    return _run("all_gather", fn, (output, input, mine, *rows), group, async_op, tag)
+
+
+class _Works:
+    """An all-gather's sends and receives, waited as one work. gloo completes a send or a receive
+    only in its ``wait()``, so ``is_completed()`` waits: a loop that polls it cannot spin forever
+    (every rank posts its sends when it issues the all-gather; the wait ends once they arrive)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, *args, **kwargs) -> bool:
+        for w in self.works:
+            w.wait(*args, **kwargs)
+        self.works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return self.wait()
+
+
+_GATHER_TAG = 1  # the all-gathers' sends and receives: in issue order on every pair of ranks
+
+
+def _exchange(rows: list[torch.Tensor], mine: torch.Tensor, group) -> _Works:
+    """gloo's all-gather: this rank's chunk to each other rank, theirs straight into their rows,
+    (N-1)/N of S each way. Gloo's own ``all_gather_into_tensor`` moves the same bytes and took
+    1.2-2.8x as long from 1 KiB to 64 MiB on 2 ranks (docs/results.md)."""
+    r, n = dist.get_rank(group), len(rows)
+    if rows[r].data_ptr() != mine.data_ptr():  # (ZeRO's own chunk is a view of it already)
+        rows[r].copy_(mine)
+    ops = []
+    for k in range(1, n):  # round k: to rank r + k, from rank r - k (a pair per round)
+        to, since = (r + k) % n, (r - k) % n
+        ops.append(dist.P2POp(dist.isend, mine, group=group, group_peer=to, tag=_GATHER_TAG))
+        ops.append(dist.P2POp(dist.irecv, rows[since], group=group, group_peer=since,
+                              tag=_GATHER_TAG))  # fmt: skip
+    return _Works(dist.batch_isend_irecv(ops))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):

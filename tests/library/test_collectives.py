@@ -203,6 +203,80 @@ def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
         assert res["refused"] == ["RuntimeError", "RuntimeError"]  # minizero passes it to torch
 
 
+# -- gloo's all-gather: sends and receives into place, against torch's --------------------------
+def all_gather_vs_torch(group_ranks=None):
+    """On every rank: minizero's all-gather (out of place, blocking; in place, async; two in
+    flight at once, of different sizes, waited in reverse order; polled) and torch's
+    ``all_gather_into_tensor`` on the same data, with what a ledger recorded."""
+    group = dist.new_group(group_ranks) if group_ranks is not None else None
+    if group_ranks is not None and dist.get_rank() not in group_ranks:
+        return None
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    same, rows = [], []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for shard in (1, 7, 40_000):
+            x = (torch.randn(shard, generator=g) * 100).to(dtype)
+            theirs = torch.empty(n * shard, dtype=dtype)
+            _all_gather_tensor(theirs, x, group=group)
+            with CommLedger() as ledger:
+                ours = torch.empty(n * shard, dtype=dtype)
+                C.all_gather(ours, x, group=group)
+                inplace = torch.full((n * shard,), -1).to(dtype)  # chunk `me` is the input
+                inplace[me * shard : (me + 1) * shard] = x
+                mine = inplace[me * shard : (me + 1) * shard]
+                C.all_gather(inplace, mine, group=group, async_op=True).wait()
+            rows += [(r.op, r.numel, r.world, r.volume_elements) for r in ledger.records]
+            same.append(torch.equal(ours, theirs) and torch.equal(inplace, theirs))
+    a, b = torch.randn(3, generator=g), torch.randn(11, generator=g)
+    out_a, out_b = torch.empty(3 * n), torch.empty(11 * n)
+    works = [C.all_gather(out_a, a, group=group, async_op=True),
+             C.all_gather(out_b, b, group=group, async_op=True)]  # fmt: skip
+    for w in reversed(works):
+        w.wait()
+    polled = torch.empty(5 * n)
+    work = C.all_gather(polled, torch.full((5,), float(me)), group=group, async_op=True)
+    while not work.is_completed():  # (gloo's receives complete in their wait: it waits)
+        time.sleep(0)
+    theirs_a, theirs_b = torch.empty(3 * n), torch.empty(11 * n)
+    _all_gather_tensor(theirs_a, a, group=group)
+    _all_gather_tensor(theirs_b, b, group=group)
+    same.append(torch.equal(out_a, theirs_a) and torch.equal(out_b, theirs_b))
+    same.append(torch.equal(polled, torch.arange(n).float().repeat_interleave(5)))
+    refused = []
+    for fn in (_all_gather_tensor, C.all_gather):
+        try:  # 2 elements into 2n + 1: neither runs it (before anything is sent: no hang)
+            fn(torch.empty(2 * n + 1), torch.ones(2), group=group)
+        except (RuntimeError, ValueError) as e:
+            refused.append(type(e).__name__)
+    return dict(n=n, same=same, rows=rows, refused=refused)
+
+
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@pytest.mark.parametrize("world,group_ranks", [(2, None), (3, None), (3, [0, 2])])
+def test_gloo_all_gather_equals_torchs(world, group_ranks):
+    """minizero's all-gather on gloo sends this rank's chunk to each other rank and receives
+    theirs straight into their chunks of the output. Equal to torch's, on the world and on a
+    subgroup, in fp32, bf16 and int64, out of place and in place (the input a chunk of the
+    output), two in flight at once waited in reverse order, and polled (``is_completed()`` waits
+    for gloo's sends and receives, which complete only there, so polling ends); the ledger
+    records one all-gather of the full output each; a size that does not fit goes to torch's,
+    which refuses it."""
+    results = run(all_gather_vs_torch, world, group_ranks)
+    for rank, res in enumerate(results):
+        if group_ranks is not None and rank not in group_ranks:
+            assert res is None
+            continue
+        n = res["n"]
+        assert n == (len(group_ranks) if group_ranks else world)
+        assert res["same"] == [True] * 11, (rank, res["same"])
+        shards = [s for _dtype in range(3) for s in (1, 7, 40_000) for _call in range(2)]
+        assert res["rows"] == [("all_gather", n * s, n, n * s) for s in shards]
+        assert len(res["refused"]) == 2 and res["refused"][0] == res["refused"][1], res
+
+
 # -- the ledger records only while open ------------------------------------------------------------
 def ledger_scopes():
     t = torch.ones(4)

@@ -299,11 +299,12 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
     subclass (zeropp.py), the habits are composed around the core (``Extension``), and the
     instruments (the ledger, the ring model) watch the collectives from ``analysis/``
     (``collectives.recorder``); the bucket rebuild (optimizer/state.py) is part of the habits.
-    zero2.py's import closure stays what a reader can follow: at most 1,497 lines, counted by
+    zero2.py's import closure stays what a reader can follow: at most 1,543 lines, counted by
     tools/closure.py (it was 2,666 in 13 files; 1,299 before issue 40 gave the stages a face,
     seams.py's ``Face``, and their methods, 1,447 before HSDP's all-reduce moved into them, 1,485
     before DDP refused a replicate group it would never average over, 1,487 before the renamed
-    moments' guard, ``RENAMED`` and ``DataParallel.__init_subclass__``)."""
+    moments' guard, ``RENAMED`` and ``DataParallel.__init_subclass__``, 1,497 before gloo's
+    all-gather by sends and receives, ``collectives._exchange``)."""
     graph = import_graph()
     away = ("minizero.hsdp", "minizero.zeropp", "minizero.habits", "minizero.analysis",
             "minizero.optimizer")  # fmt: skip
@@ -313,25 +314,26 @@ def test_the_step_path_imports_no_hsdp_zeropp_habits_or_measurement():
         assert not bad, f"minizero/{stage}.py imports, through its imports, {bad}"
     lines, closure = CLOSURE.import_closure_lines("minizero.zero2")
     assert set(closure) == import_closure("minizero.zero2", graph) | {"minizero.zero2"}
-    assert lines <= 1497, f"zero2.py's import closure is {lines} lines: {closure}"
+    assert lines <= 1543, f"zero2.py's import closure is {lines} lines: {closure}"
     assert import_closure(
         "minizero.a", {"minizero.a": {"minizero.b"}, "minizero.b": {"minizero.c"}}
     ) == {"minizero.b", "minizero.c"}
 
 
-def test_one_step_calls_at_most_860_lines_at_ddp_and_1112_at_stage_2():
+def test_one_step_calls_at_most_860_lines_at_ddp_and_1145_at_stage_2():
     """The call closure of ``parallelize(MLP, stage, AdamW)`` and two steps, on rank 0 of 2 gloo
     ranks (tools/closure.py: every minizero function that ran, whole, and its class's header, the
     habits that run in the step included; the models and the launcher left out): what a reader
     follows through one step. docs/design.md gives the counts (issue 40: DDP 856, stage 2
     1,110; 497 and 708 of them outside the habits; then 858 and 1,112 with DDP's refusal of a
-    replicate group, which stage 2's construction runs too)."""
+    replicate group, which stage 2's construction runs too; then stage 2 1,145 with gloo's
+    all-gather by sends and receives, issue 42)."""
     ddp, by_file = CLOSURE.call_closure(0)
     assert ddp <= 860, f"DDP's call closure is {ddp} lines: {by_file}"
     assert "minizero/optimizer/state.py" in by_file and "minizero/ddp.py" in by_file  # traced
     assert "minizero/habits/guards.py" in by_file  # the habits count
     stage2, by_file = CLOSURE.call_closure(2)
-    assert stage2 <= 1112, f"stage 2's call closure is {stage2} lines: {by_file}"
+    assert stage2 <= 1145, f"stage 2's call closure is {stage2} lines: {by_file}"
     assert "minizero/zero2.py" in by_file and "minizero/habits/module.py" in by_file
 
 
