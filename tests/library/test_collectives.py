@@ -42,13 +42,21 @@ def test_unfinished_record_has_no_bandwidth():
 
 
 # -- the wrappers against torch.distributed -----------------------------------------------------
-def all_four(dtype, group_ranks=None, src=0):
-    """On every rank: each wrapper and torch.distributed on the same data, under a ledger.
-    ``group_ranks``: run on dist.new_group(group_ranks) (ranks outside it return None)."""
+def on_group(group_ranks: list[int] | None):
+    """(group, N, this rank in it) of ``dist.new_group(group_ranks)`` (None: the world), made on
+    every rank; None on a rank outside it."""
     group = dist.new_group(group_ranks) if group_ranks is not None else None
     if group_ranks is not None and dist.get_rank() not in group_ranks:
         return None
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_four(dtype, group_ranks=None, src=0):
+    """On every rank: each wrapper and torch.distributed on the same data, under a ledger.
+    ``group_ranks``: run on dist.new_group(group_ranks) (ranks outside it return None)."""
+    if (on := on_group(group_ranks)) is None:
+        return None
+    group, n, me = on
     g = torch.Generator().manual_seed(dist.get_rank())
     x = (torch.randn(n * 5, generator=g) * 4).round().to(dtype)  # integers: sums are exact
     out = {}
@@ -134,10 +142,9 @@ def reduce_scatter_vs_torch(group_ranks=None):
     torch's ``reduce_scatter_tensor`` on the same data, per dtype, op, size and data (random
     floats, integers), with what a ledger recorded; then both given an input that is not N x the
     output. Per case: (name, max |ours - torch's| out of place, in place, torch's max |value|)."""
-    group = dist.new_group(group_ranks) if group_ranks is not None else None
-    if group_ranks is not None and dist.get_rank() not in group_ranks:
+    if (on := on_group(group_ranks)) is None:
         return None
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    group, n, me = on
     g = torch.Generator().manual_seed(dist.get_rank())
     cases, rows = [], []
     for dtype in (torch.float32, torch.bfloat16):
@@ -204,14 +211,16 @@ def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
 
 
 # -- gloo's all-gather: sends and receives into place, against torch's --------------------------
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_vs_torch(group_ranks=None):
     """On every rank: minizero's all-gather (out of place, blocking; in place, async; two in
     flight at once, of different sizes, waited in reverse order; polled) and torch's
     ``all_gather_into_tensor`` on the same data, with what a ledger recorded."""
-    group = dist.new_group(group_ranks) if group_ranks is not None else None
-    if group_ranks is not None and dist.get_rank() not in group_ranks:
+    if (on := on_group(group_ranks)) is None:
         return None
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    group, n, me = on
     g = torch.Generator().manual_seed(dist.get_rank())
     same, rows = [], []
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -250,9 +259,6 @@ def all_gather_vs_torch(group_ranks=None):
         except (RuntimeError, ValueError) as e:
             refused.append(type(e).__name__)
     return dict(n=n, same=same, rows=rows, refused=refused)
-
-
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @pytest.mark.parametrize("world,group_ranks", [(2, None), (3, None), (3, [0, 2])])
