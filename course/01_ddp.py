@@ -349,7 +349,7 @@ lab.show_model_states(lab.model_states(NPROCS, RUNS, optimizer=adamw))
 #   hides them, and the latencies add up.
 #
 # `minizero.analysis.cost.bucket_exposed` computes it for the buckets DDP really makes. The cell
-# fits α and β on these ranks (lesson 00's fit, on a small sweep), then trains DDP with each
+# fits α and β on these ranks (lesson 00's fit, 4 KiB to 64 MiB), then trains DDP with each
 # `bucket_cap_mb` below, alternating a step under `no_sync()` (forward and backward timed apart,
 # no communication: T) and a normal step (forward + backward + the wait for the last bucket).
 

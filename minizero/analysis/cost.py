@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from minizero.analysis.link import (  # noqa: F401 (cost's names since lessons 00 and 01)
     OPS,
+    SIZES,
     Link,
     bucket_exposed,
     collective_time,

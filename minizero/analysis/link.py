@@ -35,6 +35,10 @@ from minizero.analysis.ledger import CommLedger
 from minizero.analysis.topology import ring
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # what sweep() measures
+# sweep()'s payloads, bytes: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound). The large ones
+# decide β: with more ranks than cores the scheduler adds milliseconds to any call, and under
+# 16 MiB that noise can hide the growth with size (lesson 08's 4 ranks on 2 cores did, at 4 MiB).
+SIZES = (2**12, 2**16, 2**20, 2**22, 2**24, 2**26)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ def fit(
 
 
 def sweep(
-    sizes: Iterable[int],
+    sizes: Iterable[int] = SIZES,
     ops: Iterable[str] = ("all_reduce", "all_gather"),
     repeats: int = 5,
     group=None,

@@ -259,7 +259,7 @@ def _time_caps(caps: list[float], steps: int, progress) -> dict:
     from minizero.ddp import DDP
 
     dev = rank_device()
-    out = {"sweep": cost.sweep([2**12, 2**16, 2**20, 2**22], repeats=3), "caps": {}}
+    out = {"sweep": cost.sweep(repeats=3), "caps": {}}
     out["info"] = run_info()
     progress.tick()
     median = lambda v: sorted(v[1:])[len(v[1:]) // 2]  # the first step warms up
@@ -295,9 +295,10 @@ def _time_caps(caps: list[float], steps: int, progress) -> dict:
 
 
 def bucket_sweep(nprocs: int, caps: list[float], steps: int = 5) -> BucketSweep:
-    """Section 7: a collectives sweep (4 KiB to 4 MiB) for the α-β fit, then minizero's DDP on
-    TinyGPT at each ``bucket_cap_mb`` of ``caps``, alternating a step under ``no_sync()``
-    (forward and backward timed apart: T) and a normal step; medians after the first step."""
+    """Section 7: a collectives sweep (``cost.SIZES``: 4 KiB to 64 MiB) for the α-β fit, then
+    minizero's DDP on TinyGPT at each ``bucket_cap_mb`` of ``caps``, alternating a step under
+    ``no_sync()`` (forward and backward timed apart: T) and a normal step; medians after the first
+    step."""
     per_rank = launch_with_progress(
         _time_caps, nprocs, caps, steps, total=1 + len(caps), desc="bucket sizes", verbose=False
     )

@@ -158,7 +158,7 @@ def _payload_by_group(ledger: CommLedger) -> dict[str, int]:
     return out
 
 
-SWEEP = (2**12, 2**16, 2**20, 2**22)  # bytes: latency-bound to bandwidth-bound
+SWEEP = cost.SIZES  # bytes: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound)
 
 
 def on_nodes(
