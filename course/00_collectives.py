@@ -220,13 +220,14 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 # `ProcessGroupGloo` answers `reduce_scatter_tensor` with an **all-reduce of a clone of the whole
 # input** and copies out this rank's chunk: an all-reduce's bytes, 2(N−1)/N · S sent per rank. So
 # on gloo `minizero.collectives.reduce_scatter` sends chunk j of its input straight to rank j
-# (`all_to_all_single`) and adds up the N chunks it receives: (N−1)/N · S, a reduce-scatter's
-# bytes, the same sums (`tests/library/test_collectives.py` compares them with torch's). Its receive
-# buffer is the size of the input, as the clone was (lesson 03 measures it). NCCL implements
-# reduce-scatter natively, and minizero calls it there. minizero's all-gather on gloo is its own
-# too: each rank sends its chunk to every other rank and receives theirs straight into their
-# places in the output (`isend`/`irecv`), the (N−1)/N · S that gloo's `all_gather_into_tensor`
-# moves (`python -m minizero bench collectives` times the two). After the sweep, a cell times
+# (`isend`), receives the N−1 chunks the others send it (`irecv`) and adds them to its own:
+# (N−1)/N · S, a reduce-scatter's bytes, the same sums (`tests/library/test_collectives.py`
+# compares them with torch's). Its receive buffer holds those N−1 chunks, (N−1)/N of the input,
+# where the clone was all of it (lesson 03 measures it). NCCL implements reduce-scatter natively,
+# and minizero calls it there. minizero's all-gather on gloo is its own too: each rank sends its
+# chunk to every other rank and receives theirs straight into their places in the output, the
+# (N−1)/N · S that gloo's `all_gather_into_tensor` moves (`python -m minizero bench collectives`
+# times the two). After the sweep, a cell times
 # minizero's reduce-scatter, torch's and torch's all-reduce on the same buffers; the last cell
 # prints the ratios.
 

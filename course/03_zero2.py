@@ -182,11 +182,11 @@ lab.plot_bucket_peaks(PEAKS, kept=2 / NPROCS, stage1=2)  # the formula: 2Ψ/N ke
 lab.show_reduce_scatter_memory(lab.reduce_scatter_memory(NPROCS, mib=4))  # fp32, rank 0
 
 # %% [markdown]
-# On **gloo** the extra is a whole buffer the size of the input, kept until the collective
-# completes: minizero's reduce-scatter receives every rank's chunk r into it, then adds them up
-# (lesson 00; PyTorch's own, an all-reduce of a clone, holds as much). Stage 2 holds **three** full
-# bucket buffers at its worst. **NCCL** reduce-scatters in place. Either way the extra is per
-# bucket in flight, so small buckets keep it small.
+# On **gloo** the extra is a buffer of (N−1)/N of the input, kept until the collective completes:
+# minizero's reduce-scatter receives the other ranks' chunks r into it, then adds them to its own
+# (lesson 00; PyTorch's own, an all-reduce of a clone, holds the whole input). Stage 2 holds two
+# full bucket buffers and (N−1)/N of a third at its worst. **NCCL** reduce-scatters in place.
+# Either way the extra is per bucket in flight, so small buckets keep it small.
 #
 # ## 4. One step, mark by mark
 #

@@ -5,10 +5,11 @@ Thin wrappers over ``torch.distributed`` (``all_reduce``, ``reduce_scatter``, ``
 so a ``CommLedger`` (minizero/analysis/ledger.py, which counts, times and orders the calls in the
 ZeRO paper's volumes) opened around a step sees every byte it moves. While a ledger is open each
 call goes through its ``recorder``; otherwise nothing but torch.distributed runs. On gloo,
-``reduce_scatter`` sends each chunk to its owner and sums there: PyTorch's ProcessGroupGloo
+``reduce_scatter`` sends each chunk to its owner, who sums: PyTorch's ProcessGroupGloo
 all-reduces a clone of the input instead, twice the bytes (lesson 00 measures both); and
 ``all_gather`` sends this rank's chunk to every other rank and receives theirs in place, the same
-bytes as gloo's own ``all_gather_into_tensor`` in 0.4-0.9 of its time (docs/results.md).
+bytes as gloo's own ``all_gather_into_tensor`` in 0.4-0.9 of its time. Both are sends and
+receives (:func:`_exchange`); docs/results.md has the measurements.
 """
 
 from __future__ import annotations
@@ -98,29 +99,33 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op=False
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                    async_op: bool = False, tag: str = ""):  # fmt: skip
     """``output`` (shard,) gets chunk r of the sum of every rank's ``input`` (world * shard,).
-    S = input.numel(). On gloo an all-to-all and a local sum: half torch's bytes (lesson 00)."""
+    S = input.numel(). On gloo each chunk goes to its owner, who sums: half torch's bytes."""
     n = dist.get_world_size(group)  # NCCL, and on gloo an op or sizes the fold cannot take: torch's
-    if dist.get_backend(group) != "gloo" or op not in _FOLD or input.numel() != n * output.numel():
+    plain = input.is_contiguous() and n > 1 and input.numel() == n * output.numel()
+    if dist.get_backend(group) != "gloo" or op not in _FOLD or not plain:
         fn = lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a)
         return _run("reduce_scatter", fn, (input, output), group, async_op, tag)  # (its error)
-    got = torch.empty_like(input)  # (N * shard,) chunk j: rank j's chunk r
-    fn = lambda a: dist.all_to_all_single(got, input, group=group, async_op=a)
-    then = partial(_fold, output, got.unflatten(0, (n, -1)), op, dist.get_rank(group))
-    return _run("reduce_scatter", fn, (input, output, got), group, async_op, tag, then=then)
+    r, rows = dist.get_rank(group), list(input.view(n, -1))  # (N, shard): row j goes to rank j
+    got = input.new_empty(n - 1, output.numel())  # (N-1, shard): row k-1 from rank r - k
+    fn = lambda a: _exchange([(rows[(r + k) % n], got[k - 1]) for k in range(1, n)], group, r)
+    then = partial(_fold, output, rows[r], got, op)
+    return _run("reduce_scatter", fn, (input, output, got, *rows), group, async_op, tag, then=then)
 
 
-# _fold(out, rows, op, r): out = rows (N, shard) folded by op in the order gloo's ring all-reduce
-# adds them where its chunks are the shards (rank r+1's first, rank r's last; a test compares).
+# _fold(out, own, got, op): out = the chunks folded by op in the order gloo's ring all-reduce adds
+# them where its chunks are the shards: rank r+1's (got[N-2]) first, ..., rank r's own last (a test
+# compares). Folded in got, written to out by the last op only: out may be own (in place).
 _FOLD = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
          ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}  # fmt: skip
 
 
-def _fold(out: torch.Tensor, rows: torch.Tensor, op, r: int) -> None:
-    out.copy_(rows[(r + 1) % len(rows)])
-    for k in range(2, len(rows) + 1):
-        _FOLD[op](out, rows[(r + k) % len(rows)], out=out)
+def _fold(out: torch.Tensor, own: torch.Tensor, got: torch.Tensor, op) -> None:
+    acc = got[-1]  # (shard,) rank r+1's chunk r
+    for k in range(len(got) - 2, -1, -1):  # ranks r+2 .. r+N-1
+        _FOLD[op](acc, got[k], out=acc)
+    _FOLD[op](acc, own, out=out)
     if op == ReduceOp.AVG:
-        out.div_(len(rows))
+        out.div_(len(got) + 1)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):
@@ -132,15 +137,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=F
     if dist.get_backend(group) != "gloo" or not plain:
         fn = lambda a: _all_gather(output, input, group=group, async_op=a)  # NCCL's, or torch's
         return _run("all_gather", fn, (output, input), group, async_op, tag)  # (and its error)
-    rows, mine = list(output.view(n, -1)), input.view(-1)  # (N, shard): row j is rank j's chunk
-    fn = lambda a: _exchange(rows, mine, group)  # (the views too: gloo's thread lets go of them)
-    return _run("all_gather", fn, (output, input, mine, *rows), group, async_op, tag)
+    r, rows = dist.get_rank(group), list(output.view(n, -1))  # (N, shard): row j is rank j's
+    if rows[r].data_ptr() != input.data_ptr():  # (ZeRO's own chunk is a view of it already)
+        rows[r].copy_(input.view(-1))
+    fn = lambda a: _exchange([(rows[r], rows[(r - k) % n]) for k in range(1, n)], group, r)
+    return _run("all_gather", fn, (output, input, *rows), group, async_op, tag)
 
 
 class _Works:
-    """An all-gather's sends and receives, waited as one work. gloo completes a send or a receive
-    only in its ``wait()``, so ``is_completed()`` waits: a loop that polls it cannot spin forever
-    (every rank posts its sends when it issues the all-gather; the wait ends once they arrive)."""
+    """A reduce-scatter's or all-gather's sends and receives, waited as one. gloo completes them
+    only in ``wait()``, so ``is_completed()`` waits: a loop that polls it cannot spin forever."""
 
     def __init__(self, works: list) -> None:
         self.works = works
@@ -155,22 +161,15 @@ class _Works:
         return self.wait()
 
 
-_GATHER_TAG = 1  # the all-gathers' sends and receives: in issue order on every pair of ranks
-
-
-def _exchange(rows: list[torch.Tensor], mine: torch.Tensor, group) -> _Works:
-    """gloo's all-gather: this rank's chunk to each other rank, theirs straight into their rows,
-    (N-1)/N of S each way. Gloo's own ``all_gather_into_tensor`` moves the same bytes and took
-    1.2-2.8x as long from 1 KiB to 64 MiB on 2 ranks (docs/results.md)."""
-    r, n = dist.get_rank(group), len(rows)
-    if rows[r].data_ptr() != mine.data_ptr():  # (ZeRO's own chunk is a view of it already)
-        rows[r].copy_(mine)
+def _exchange(pairs: list, group, r: int, tag: int = 1) -> _Works:
+    """Round k = 1 .. N-1: ``pairs[k-1]`` = (what goes to rank r + k, where rank r - k's lands);
+    (N-1)/N of S each way. On 2 ranks gloo's all-gather took 1.2-2.8x this, its all-to-all (our
+    reduce-scatter's before) 1.4-1.7x from 14.8 MB (docs/results.md)."""
+    n = len(pairs) + 1
     ops = []
-    for k in range(1, n):  # round k: to rank r + k, from rank r - k (a pair per round)
-        to, since = (r + k) % n, (r - k) % n
-        ops.append(dist.P2POp(dist.isend, mine, group=group, group_peer=to, tag=_GATHER_TAG))
-        ops.append(dist.P2POp(dist.irecv, rows[since], group=group, group_peer=since,
-                              tag=_GATHER_TAG))  # fmt: skip
+    for k, (send, recv) in enumerate(pairs, start=1):  # round k: a pair of ranks per round
+        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=(r + k) % n, tag=tag))
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - k) % n, tag=tag))
     return _Works(dist.batch_isend_irecv(ops))
 
 

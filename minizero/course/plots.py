@@ -36,8 +36,8 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
 GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
-GLOO_RS_BUFFER = "on gloo minizero's reduce_scatter receives every chunk into a copy-sized buffer"
-GLOO_MEMORY_NOTE = f"{GLOO_RS_BUFFER}: one buffer more than NCCL (lesson 03)"
+GLOO_RS_BUFFER = "on gloo minizero's reduce_scatter receives the other ranks' chunks: (N-1)/N of it"
+GLOO_MEMORY_NOTE = f"{GLOO_RS_BUFFER} more than NCCL (lesson 03)"
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
 
 

@@ -48,16 +48,16 @@ def test_bucket_peaks_one_bucket_holds_the_whole_gradient(capsys):
     assert "25 MiB,  1 bucket: at most 2.00Ψ in buckets + 1.00Ψ kept (formula 1Ψ)" in out
 
 
-def test_reduce_scatter_memory_on_gloo_holds_an_input_sized_buffer(capsys):
+def test_reduce_scatter_memory_on_gloo_holds_the_other_ranks_chunks(capsys):
     m = lab.reduce_scatter_memory(N, mib=1)
     assert m["before"] == 2**20  # the bucket, fp32
-    assert m["peak"] == 2 * 2**20  # gloo: the buffer that receives every rank's chunk r on top
-    assert m["after"] in (2**20, 2 * 2**20)  # it dies once gloo's worker lets go of it
+    extra = (N - 1) * 2**20 // N  # gloo: the buffer that receives the other ranks' chunks r
+    assert m["peak"] == 2**20 + extra
+    assert m["after"] in (2**20, 2**20 + extra)  # it dies once gloo's worker lets go of it
     lab.show_reduce_scatter_memory(m)
     out = capsys.readouterr().out
-    assert (
-        "peak 2 MiB" in out and "the backend held 1.0x the buffer" in out and GLOO_RS_BUFFER in out
-    )
+    held = f"the backend held {(N - 1) / N:.2f}x the buffer"
+    assert f"peak {(2**20 + extra) / 2**20:g} MiB" in out and held in out and GLOO_RS_BUFFER in out
 
 
 def test_grads_after_backward_are_the_chunks(capsys):

@@ -133,7 +133,7 @@ def test_subgroup():
         assert res["n"] == 2
 
 
-# -- gloo's reduce-scatter: an all-to-all and a local fold, against torch's --------------------
+# -- gloo's reduce-scatter: sends to the owners and a local fold, against torch's --------------
 _TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -182,14 +182,14 @@ def reduce_scatter_vs_torch(group_ranks=None):
 @pytest.mark.parametrize("world,group_ranks", [(2, None), (3, None), (3, [0, 2])])
 def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
     """gloo's ``reduce_scatter_tensor`` all-reduces a clone of the input; minizero's sends each
-    chunk to its owner (``all_to_all_single``) and folds the N chunks it gets. Against torch's, on
-    the world and on a subgroup, fp32 and bf16, SUM, AVG and MAX, out of place and in place (the
-    output a chunk of the input): equal on 2 ranks (one addition: the order cannot matter), equal
-    on integers on 3; on 3 ranks' random floats the order of the two additions may differ from
-    gloo's ring (whose chunks are its own), so within a rounding of the result. The ledger records
-    each as one reduce-scatter of the full input; an input that is not N x the output goes to
-    torch's, which refuses it; an async one that ``is_completed()`` says is done holds the sum,
-    without ``wait()``."""
+    chunk to its owner (``isend``/``irecv``) and folds the N - 1 it gets into its own, in place
+    too. Against torch's, on the world and on a subgroup, fp32 and bf16, SUM, AVG and MAX, out of
+    place and in place (the output a chunk of the input): equal on 2 ranks (one addition: the
+    order cannot matter), equal on integers on 3; on 3 ranks' random floats the order of the two
+    additions may differ from gloo's ring (whose chunks are its own), so within a rounding of the
+    result. The ledger records each as one reduce-scatter of the full input; an input that is
+    not N x the output goes to torch's, which refuses it; an async one that ``is_completed()``
+    says is done holds the sum, without ``wait()``."""
     results = run(reduce_scatter_vs_torch, world, group_ranks)
     for rank, res in enumerate(results):
         if group_ranks is not None and rank not in group_ranks:
