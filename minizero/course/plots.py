@@ -35,8 +35,8 @@ STYLE = {
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 MODELS = {"gpt": "TinyGPT", "mlp": "MLP"}  # workload key -> name in figures
-GLOO_NOTE = "gloo: reduce_scatter runs as an all-reduce of the whole input"
-GLOO_RS_BUFFER = "on gloo minizero's reduce_scatter receives the other ranks' chunks: (N-1)/N of it"
+GLOO_NOTE = "gloo: loopback on the cores that compute; reduce-scatter, all-gather: lesson 00's"
+GLOO_RS_BUFFER = "on gloo minizero's reduce_scatter receives others' chunks: (N-1)/N of its input"
 GLOO_MEMORY_NOTE = f"{GLOO_RS_BUFFER} more than NCCL (lesson 03)"
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GB": 1e9}
 
@@ -207,7 +207,7 @@ def bandwidth_axes(ax, profiles: list[dict], info: dict) -> None:
 
 def time_axes(ax, by_model: dict[str, list[dict]], info: dict | None = None) -> None:
     """Median step time per stage (error bars: fastest and slowest timed step), per model; on
-    gloo (``info``) the title says that a reduce-scatter costs an all-reduce there."""
+    gloo (``info``) the title says what gloo is here (loopback on the cores that compute)."""
     width = 0.8 / len(by_model)
     for j, (name, ps) in enumerate(by_model.items()):
         med = [statistics.median(p["step_s"]) * 1e3 for p in ps]

@@ -149,14 +149,14 @@ def reduce_scatter_memory(nprocs: int, mib: int = 4) -> dict:
 
 
 def show_reduce_scatter_memory(m: dict) -> None:
-    mib = lambda b: f"{b / 2**20:g} MiB"
+    mib = lambda b: f"{b / 2**20:.3g} MiB"
     print(
         f"in-place reduce-scatter of {mib(m['before'])} on {describe(m['info'])}: held "
         f"{mib(m['before'])} before, peak {mib(m['peak'])}, {mib(m['after'])} after wait(): the "
         f"backend held {(m['peak'] - m['before']) / m['before']:.2f}x the buffer on top of it"
     )
     if m["info"]["backend"] == "gloo":
-        print(f"({GLOO_RS_BUFFER}, a buffer NCCL does without)")
+        print(f"({GLOO_RS_BUFFER}; NCCL's holds nothing more)")
 
 
 def show_grads_after_backward(runs: dict[int, dict], formula: dict[int, float], psi=PSI) -> None:
