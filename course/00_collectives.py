@@ -227,9 +227,8 @@ lab.show_ledger_cost(lab.ledger_cost(NPROCS, calls=200))
 # and minizero calls it there. minizero's all-gather on gloo is its own too: each rank sends its
 # chunk to every other rank and receives theirs straight into their places in the output, the
 # (N−1)/N · S that gloo's `all_gather_into_tensor` moves (`python -m minizero bench collectives`
-# times the two). After the sweep, a cell times
-# minizero's reduce-scatter, torch's and torch's all-reduce on the same buffers; the last cell
-# prints the ratios.
+# times the two). After the sweep, a cell times minizero's reduce-scatter, torch's and torch's
+# all-reduce on the same buffers; the last cell prints the ratios.
 
 
 # %%

@@ -51,6 +51,17 @@ def on_group(group_ranks: list[int] | None):
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
+def members(results: list, world: int, group_ranks: list[int] | None):
+    """(rank, result, N) of each rank in the group; a rank outside it must have returned None."""
+    n = len(group_ranks) if group_ranks is not None else world
+    for rank, res in enumerate(results):
+        if group_ranks is not None and rank not in group_ranks:
+            assert res is None
+            continue
+        assert res["n"] == n
+        yield rank, res, n
+
+
 def all_four(dtype, group_ranks=None, src=0):
     """On every rank: each wrapper and torch.distributed on the same data, under a ledger.
     ``group_ranks``: run on dist.new_group(group_ranks) (ranks outside it return None)."""
@@ -191,12 +202,8 @@ def test_gloo_reduce_scatter_equals_torchs(world, group_ranks):
     not N x the output goes to torch's, which refuses it; an async one that ``is_completed()``
     says is done holds the sum, without ``wait()``."""
     results = run(reduce_scatter_vs_torch, world, group_ranks)
-    for rank, res in enumerate(results):
-        if group_ranks is not None and rank not in group_ranks:
-            assert res is None
-            continue
-        n = res["n"]
-        assert n == (len(group_ranks) if group_ranks else world) and len(res["cases"]) == 37
+    for rank, res, n in members(results, world, group_ranks):
+        assert len(res["cases"]) == 37
         assert res["cases"][-1][1] <= (0 if n == 2 else 2 * 2.0**-23 * 16), res["cases"][-1]
         for name, out, inplace, scale in res["cases"][:-1]:
             if n == 2 or name[3] == "integers" or "MAX" in name[1]:
@@ -271,12 +278,7 @@ def test_gloo_all_gather_equals_torchs(world, group_ranks):
     records one all-gather of the full output each; a size that does not fit goes to torch's,
     which refuses it."""
     results = run(all_gather_vs_torch, world, group_ranks)
-    for rank, res in enumerate(results):
-        if group_ranks is not None and rank not in group_ranks:
-            assert res is None
-            continue
-        n = res["n"]
-        assert n == (len(group_ranks) if group_ranks else world)
+    for rank, res, n in members(results, world, group_ranks):
         assert res["same"] == [True] * 11, (rank, res["same"])
         shards = [s for _dtype in range(3) for s in (1, 7, 40_000) for _call in range(2)]
         assert res["rows"] == [("all_gather", n * s, n, n * s) for s in shards]

@@ -38,7 +38,7 @@ def one_of_each(elements: int) -> CommLedger:
     return ledger
 
 
-# course/00_collectives.py:237 (cell 00_collectives-014)
+# course/00_collectives.py:236 (cell 00_collectives-014)
 def time_collective(op: str, nbytes: int) -> dict:
     """On every rank: ``op`` on S = ``nbytes`` of float32, its median call and nccl-tests' rates."""
     world, dev = dist.get_world_size(), rank_device()
