@@ -18,11 +18,16 @@ the timed steps of each part of the step, in ms on the slowest rank:
 
 and the median step with its ratio to stage 0's, and one step's collectives per kind (a
 ``CommLedger``; stage 3's module-order check, a small all-gather per unit, is outside it).
-Two more columns, run in the same rounds (``--no-peers``: without them): **alone**, each rank
+Four more columns, run in the same rounds (``--no-peers``: without them): **alone**, each rank
 training its rows with no communication at all (the step's compute on these ranks: what DDP
-would take if its collectives were free), and **torch DDP**, PyTorch's own DDP on the same ranks
-(the peer stage 0 is held to). Between them lies what data parallelism costs on this machine,
-whoever implements it; between torch DDP and the stages, what minizero and ZeRO add.
+would take if its collectives were free), and PyTorch's own implementations on the same ranks,
+the peers each stage is held to: **torch DDP** (stage 0's), **DDP + ZRO** (DDP with
+``ZeroRedundancyOptimizer``, stage 1's) and **FSDP2** (``fully_shard`` of the whole model, one
+unit as ``train`` groups this model at stage 3; FSDP2 keeps its root gathered from forward to the
+end of backward, 2Ψ a step: stage 3's ``--no-reshard-root``), the peer of stages 2 and 3; the row
+"/ peer" divides each stage's median step by its peer's. Between alone and the peers lies what
+data parallelism costs on this machine, whoever implements it; between the peers and the stages,
+what minizero adds.
 Lesson 09 trains this model; docs/results.md holds the figures, before and after the changes
 they led to.
 """
@@ -57,7 +62,32 @@ def _timed(acc: dict, key, fn):
     return timed
 
 
-PEERS = ("alone", "torch DDP")  # the columns beside the stages (--no-peers: none)
+PEERS = ("alone", "torch DDP", "DDP + ZRO", "FSDP2")  # beside the stages (--no-peers: none)
+PEER_OF = {0: "torch DDP", 1: "DDP + ZRO", 2: "FSDP2", 3: "FSDP2"}  # PyTorch's own, per stage
+
+
+def _peer(name: str, model: torch.nn.Module, cfg) -> tuple:
+    """A peer column's (model, optimizer): no wrapper ("alone"), or PyTorch's own; train's AdamW
+    (``cfg``: a TrainConfig) in each."""
+    from minizero.tools.train import make_optimizer
+
+    if name == "alone":
+        return model, make_optimizer(model, cfg)
+    if name == "FSDP2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        return model, make_optimizer(model, cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # its defaults, as stage 0's
+    if name == "DDP + ZRO":  # the same AdamW groups, each rank stepping its partition
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+                  for g in make_optimizer(model, cfg).param_groups]  # fmt: skip
+        return ddp, ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=cfg.learning_rate,
+                                            betas=(cfg.beta1, cfg.beta2))  # fmt: skip
+    return ddp, make_optimizer(model, cfg)
 
 
 def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True, progress=None) -> dict:
@@ -75,9 +105,8 @@ def _rank(stages: list, rounds: int, steps: int, reshard_root: bool = True, prog
     for s in stages:
         torch.manual_seed(cfg.seed)
         model = TinyGPT(cfg.gpt(data.vocab_size))
-        if s in PEERS:  # no communication; PyTorch's DDP (its defaults, as stage 0's)
-            ddp = torch.nn.parallel.DistributedDataParallel
-            runs[s] = (model if s == "alone" else ddp(model)), make_optimizer(model, cfg)
+        if s in PEERS:
+            runs[s] = _peer(s, model, cfg)
             continue
         reshard = reshard_root if s == 3 else True  # a stage 3 option (train refuses it elsewhere)
         options = replace(cfg, stage=s, reshard_root=reshard).stage_options()
@@ -163,7 +192,8 @@ def bench_parts(argv: list[str]) -> int:
     p.add_argument("--steps", type=positive_int, default=10, help="steps per stage a round (10)")
     p.add_argument("--stages", default="0,1,2,3", help="which stages (0,1,2,3)")
     p.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="without the columns 'alone' (no collectives) and 'torch DDP'")  # fmt: skip
+                   help="without the columns 'alone' (no collectives), 'torch DDP', 'DDP + "
+                        "ZRO' (ZeroRedundancyOptimizer) and 'FSDP2'")  # fmt: skip
     p.add_argument("--no-reshard-root", dest="reshard_root", action="store_false",
                    help="stage 3 as train --no-reshard-root: its root unit kept gathered from "
                         "forward to the end of backward (2Ψ a step)")  # fmt: skip
@@ -210,6 +240,10 @@ def format_table(table: dict, rank0: dict) -> str:
     rows.append(["median step"] + [f"{table[s]['median_ms']:.1f}" for s in stages])
     if base:
         rows.append(["/ stage 0"] + [f"{table[s]['median_ms'] / base:.2f}" for s in stages])
+    peer = {s: table[PEER_OF[s]]["median_ms"] for s in stages if PEER_OF.get(s) in table}
+    if peer:  # each stage's median step over its PyTorch peer's
+        rows.append(["/ peer"] + [f"{table[s]['median_ms'] / peer[s]:.2f}" if s in peer else "-"
+                                  for s in stages])  # fmt: skip
     counted = [s for s in stages if rank0[s]["collectives"] is not None]
     for op in sorted({op for s in counted for op in rank0[s]["collectives"]}):
         rows.append([f"{op} per step"] + [str(rank0[s]["collectives"].get(op, 0))

@@ -180,10 +180,11 @@ def test_each_model_writes_its_own_json(what, model, path):
 
 def test_bench_parts_counts_each_stages_collectives(tmp_path, capsys):
     """The capstone's step at every stage, beside its peers in the same rounds (each rank alone,
-    with no communication; torch's DDP): every part printed, and one step's collectives per
-    kind, exactly: DDP's two buckets all-reduced; stages 1-2 reduce-scatter and all-gather them,
-    plus clip_grad_norm_'s all-reduce of the norms; stage 3, the model in one unit as train runs
-    it (min_unit_params), gathers it twice (forward, backward) and reduce-scatters it once. The
+    with no communication; torch's DDP, DDP with ZeroRedundancyOptimizer, FSDP2): every part
+    printed, each stage's median step over its peer's, and one step's collectives per kind,
+    exactly: DDP's two buckets all-reduced; stages 1-2 reduce-scatter and all-gather them, plus
+    clip_grad_norm_'s all-reduce of the norms; stage 3, the model in one unit as train runs it
+    (min_unit_params), gathers it twice (forward, backward) and reduce-scatters it once. The
     ledger sees minizero's collectives only, so the peers' are "-", not a wrong 0."""
     out = tmp_path / "p.json"
     argv = ["bench", "parts", "--nprocs", "2", "--rounds", "1", "--steps", "1", "--json",
@@ -191,19 +192,28 @@ def test_bench_parts_counts_each_stages_collectives(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "the capstone's model (0.8M parameters), fp32" in text
-    assert re.search(r"^ms per step.* +alone +torch DDP +stage 0 +stage 1 +stage 2 +stage 3$",
-                     text, re.M), text  # fmt: skip
+    peers = r" +alone +torch DDP +DDP \+ ZRO +FSDP2"
+    assert re.search(rf"^ms per step.*{peers} +stage 0 +stage 1 +stage 2 +stage 3$", text,
+                     re.M), text  # fmt: skip
     for part in ("forward", "backward", "clip", "optimizer.step", "zero_grad", "median step"):
-        assert re.search(rf"^{part}( +[0-9.]+){{6}}$", text, re.M), part
-    assert re.search(r"^  of which waits +- +-( +[0-9.]+){4}$", text, re.M), text
-    assert re.search(r"^all_gather per step +- +- +0 +2 +2 +2$", text, re.M)
-    assert re.search(r"^all_reduce per step +- +- +2 +1 +1 +1$", text, re.M)
-    assert re.search(r"^reduce_scatter per step +- +- +0 +2 +2 +1$", text, re.M)
+        assert re.search(rf"^{part}( +[0-9.]+){{8}}$", text, re.M), part
+    assert re.search(r"^  of which waits( +-){4}( +[0-9.]+){4}$", text, re.M), text
+    assert re.search(r"^all_gather per step( +-){4} +0 +2 +2 +2$", text, re.M)
+    assert re.search(r"^all_reduce per step( +-){4} +2 +1 +1 +1$", text, re.M)
+    assert re.search(r"^reduce_scatter per step( +-){4} +0 +2 +2 +1$", text, re.M)
     data = json.loads(out.read_text())
     assert data["stages"]["3"]["collectives"] == {"all_gather": 2, "reduce_scatter": 1,
                                                   "all_reduce": 1}  # fmt: skip
-    assert data["stages"]["alone"]["collectives"] is None
-    assert data["stages"]["torch DDP"]["median_ms"] > 0
+    for peer in ("alone", "torch DDP", "DDP + ZRO", "FSDP2"):
+        assert data["stages"][peer]["collectives"] is None
+        assert data["stages"][peer]["median_ms"] > 0
+    # each stage over PyTorch's own: DDP, DDP + ZeroRedundancyOptimizer, FSDP2, FSDP2
+    ms = {k: v["median_ms"] for k, v in data["stages"].items()}
+    ratios = [ms[s] / ms[p] for s, p in (("0", "torch DDP"), ("1", "DDP + ZRO"), ("2", "FSDP2"),
+                                         ("3", "FSDP2"))]  # fmt: skip
+    row = re.search(r"^/ peer( +-){4}((?: +[0-9.]+){4})$", text, re.M)
+    assert row, text
+    assert [float(x) for x in row.group(2).split()] == [round(r, 2) for r in ratios], text
 
 
 def test_bench_parts_without_peers_or_json_prints_the_stages_asked_only(tmp_path, capsys,
